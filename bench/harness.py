@@ -1,0 +1,227 @@
+"""What every scenario stands on: child processes, a private Redis, the emulator, statistics.
+
+Every child runs in its own session (its own process group) and is stopped with the whole
+group, so prefork children and threads' helpers never outlive the bench.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import redis
+import requests
+
+from merchant_tasks.local import free_port, redis_server_command
+
+BENCH_DIR = Path(__file__).resolve().parent
+STOP_TIMEOUT = 10.0  # seconds a child group gets after SIGTERM before SIGKILL
+START_TIMEOUT = 20.0  # seconds a server child gets to answer
+
+
+class ScenarioError(RuntimeError):
+    """A scenario could not run (as opposed to: it ran and missed a goal)."""
+
+
+@dataclass
+class Child:
+    """A child process leading its own process group, with its output in a log file."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the whole group, wait, then SIGKILL whatever is left of it."""
+        pgid = self.process.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=STOP_TIMEOUT)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # prefork children, if any survived
+        self.process.wait(timeout=STOP_TIMEOUT)
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.process.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # pragma: no cover - not ours any more
+            return False
+        return True
+
+
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    log_path: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    stdout_pipe: bool = False,
+) -> Child:
+    """Start ``argv`` in a new session; stderr (and stdout unless piped) go to ``log_path``."""
+    log = log_path.open("wb")
+    try:
+        process = subprocess.Popen(
+            list(argv),
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if stdout_pipe else log,
+            stderr=log,
+            start_new_session=True,
+        )
+    finally:
+        log.close()  # the child holds its own descriptor
+    return Child(name, process, log_path)
+
+
+def wait_until(ready: Callable[[], bool], what: str, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise ScenarioError(f"{what} did not become ready within {timeout:g} s")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def private_redis(workdir: Path) -> Iterator[tuple[str, Child]]:
+    """A redis-server of our own on a free loopback port: no persistence, nobody else's traffic."""
+    port = free_port()
+    try:
+        argv = redis_server_command(port, workdir, "--loglevel", "warning")
+    except FileNotFoundError as exc:
+        raise ScenarioError(str(exc)) from None
+    child = spawn(
+        "redis-server",
+        argv,
+        workdir / "redis.log",
+    )
+    try:
+        probe = redis.Redis(port=port, socket_connect_timeout=0.2)
+
+        def answers() -> bool:
+            if child.process.poll() is not None:
+                raise ScenarioError(f"redis-server exited: {child.log_tail()}")
+            try:
+                return bool(probe.ping())
+            except redis.RedisError:
+                return False
+
+        wait_until(answers, "the private redis-server")
+        probe.close()
+        yield f"redis://127.0.0.1:{port}/0", child
+    finally:
+        child.stop()
+
+
+@contextlib.contextmanager
+def sandbox_process(
+    workdir: Path, env: Mapping[str, str], server: str = "werkzeug"
+) -> Iterator[tuple[str, Child]]:
+    """The emulator in its own process (bench/sandbox_server.py); yields its base URL."""
+    child = spawn(
+        f"sandbox-{server}",
+        [sys.executable, str(BENCH_DIR / "sandbox_server.py"), server],
+        workdir / f"sandbox-{server}.log",
+        env=env,
+        stdout_pipe=True,
+    )
+    try:
+        assert child.process.stdout is not None
+        line = child.process.stdout.readline().decode().strip()  # the server prints its URL
+        if not line.startswith("http://"):
+            child.process.wait(timeout=STOP_TIMEOUT)
+            raise ScenarioError(f"the emulator did not start: {child.log_tail()}")
+        yield line, child
+    finally:
+        child.stop()
+        if child.process.stdout is not None:
+            child.process.stdout.close()
+
+
+class SandboxControl:
+    """The emulator's /_sandbox control endpoints (no auth; loopback only)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.session = requests.Session()
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        response = self.session.request(
+            method, f"{self.base_url}/_sandbox/{path}", json=body, timeout=10
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def counters(self) -> dict[str, Any]:
+        return cast(dict[str, Any], self._call("GET", "counters"))
+
+    def configure(self, **changes: Any) -> dict[str, Any]:
+        return cast(dict[str, Any], self._call("POST", "config", changes))
+
+    def revoke_all(self) -> None:
+        self._call("POST", "revoke-all")
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def counter_delta(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, int]:
+    """Exchange and call outcome counts between two counter snapshots, flat."""
+    delta: dict[str, int] = {}
+    for group in ("exchanges", "calls"):
+        for outcome, value in after[group].items():
+            delta[f"{group}.{outcome}"] = int(value) - int(before[group].get(outcome, 0))
+    return delta
+
+
+def commands_processed(client: redis.Redis) -> int:
+    """Commands Redis has run, from INFO commandstats, leaving out INFO itself."""
+    stats = cast(dict[str, dict[str, Any]], client.info("commandstats"))
+    return sum(int(entry["calls"]) for name, entry in stats.items() if name != "cmdstat_info")
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile (no interpolation: every figure is a measured sample)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(fraction * len(ordered)))
+    return ordered[rank - 1]
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else math.nan
+
+
+def last_json_line(text: str) -> dict[str, Any]:
+    """The last line of a child's stdout that parses as a JSON object."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                value = json.loads(line)
+                if isinstance(value, dict):
+                    return value
+    raise ScenarioError(f"no JSON result line in: {text[-300:]!r}")

@@ -1,0 +1,1079 @@
+"""Benchmarks of merchant-tasks against the obvious alternatives, measured in one run.
+
+    python bench/run.py            # full run, a few minutes
+    python bench/run.py --quick    # smoke test, under a minute; fails only if it cannot run
+
+Everything runs on loopback against a private ``redis-server`` (so INFO commandstats counts
+only our traffic) and the sandbox emulator in its own process. Scenarios (see README.md):
+
+1. fleet economy: P processes x T threads calling for D seconds with token lifetime L and
+   advisory window R; ours (plus a beat process) against authlib's per-process cache and a
+   lock-free shared Redis cache, with the emulator's revoke-on-issue off and on;
+2. 401 storm: 64 concurrent callers right after revoke-all, against the same 64 calls
+   without a storm;
+3. hot path: MerchantClient.request against a raw requests.Session with a fixed bearer
+   header, interleaved rounds; Redis commands per call from INFO commandstats;
+4. Celery: merchant_tasks.call_api against a bare task doing the same GET, same worker.
+
+The output is markdown tables, then one JSON object as the last line. The exit status is 1
+only when a scenario could not run; a missed goal is reported, never an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import datetime
+import io
+import json
+import logging
+import math
+import os
+import platform
+import pstats
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import redis
+import requests
+from harness import (
+    BENCH_DIR,
+    Child,
+    SandboxControl,
+    ScenarioError,
+    commands_processed,
+    counter_delta,
+    last_json_line,
+    median,
+    percentile,
+    private_redis,
+    sandbox_process,
+    spawn,
+    wait_until,
+)
+
+from merchant_tasks.client import MerchantClient
+from merchant_tasks.settings import Secret, Settings
+
+API_KEY = "bench-app-id"
+PING = "/open-api/v1/ping"
+TIMEOUT = (3.05, 10.0)  # MerchantClient's default (connect, read) timeouts, used by every peer
+LONG_LIFETIME = 7200.0  # the emulator's lifetime outside the fleet scenario
+STORM_CALLERS = 64
+HOT_PATH_GOAL = 0.97
+REDIS_OPS_GOAL = 1.0
+CELERY_GOAL = 0.95
+STATIC_TOKEN_KEY = "bench:static-token"  # the bare Celery task's token, written by the bench
+
+log = logging.getLogger("bench")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one run."""
+
+    name: str
+    processes: int  # P
+    threads: int  # T
+    duration: float  # D, seconds
+    lifetime: float  # L, seconds
+    advisory: float  # R, seconds
+    storm_rounds: int
+    storm_lag_rounds: int
+    hot_rounds: int
+    hot_calls: int
+    celery_pairs: int
+    celery_tasks: int
+    celery_concurrency: int = 2
+
+    @property
+    def mandatory(self) -> float:
+        return round(self.advisory / 3, 3)
+
+    @property
+    def renew_interval(self) -> float:
+        return round(self.lifetime / 10, 3)
+
+    @property
+    def minimum_exchanges(self) -> int:
+        return math.ceil(self.duration / (self.lifetime - self.advisory))
+
+
+QUICK = Plan(
+    name="quick",
+    processes=2,
+    threads=4,
+    duration=4.0,
+    lifetime=3.0,
+    advisory=1.0,
+    storm_rounds=3,
+    storm_lag_rounds=1,
+    hot_rounds=5,
+    hot_calls=300,
+    celery_pairs=2,
+    celery_tasks=100,
+)
+FULL = Plan(
+    name="full",
+    processes=4,
+    threads=4,
+    duration=20.0,
+    lifetime=4.0,
+    advisory=1.5,
+    storm_rounds=10,
+    storm_lag_rounds=3,
+    hot_rounds=7,
+    hot_calls=2000,
+    celery_pairs=5,
+    celery_tasks=400,
+)
+
+CONTENDERS = (
+    ("ours", "ours (MerchantClient + beat)"),
+    ("authlib", "per-process cache (authlib OAuth2Session)"),
+    ("nolock", "shared Redis cache, no lock"),
+)
+JSON_NAMES = {"ours": "ours", "authlib": "peer_per_process", "nolock": "peer_shared_nolock"}
+
+
+@dataclass
+class Bench:
+    """What the scenarios share: the servers, the plan, and what they found."""
+
+    plan: Plan
+    workdir: Path
+    redis_url: str
+    sandbox_url: str
+    secret_file: Path
+    control: SandboxControl
+    store: redis.Redis
+    sandbox_env: dict[str, str]
+    results: dict[str, Any] = field(default_factory=dict)
+    sections: list[str] = field(default_factory=list)
+    goals: list[tuple[str, str, str, bool | None]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The children's environment: the MERCHANT_* contract, nothing inherited of it."""
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MERCHANT_", "CELERY_", "BENCH_"))
+        }
+        env.update(
+            MERCHANT_ENVIRONMENT="sandbox",
+            MERCHANT_API_KEY=API_KEY,
+            MERCHANT_API_SECRET_FILE=str(self.secret_file),
+            MERCHANT_BASE_URL=self.sandbox_url,
+            MERCHANT_REDIS_URL=self.redis_url,
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(extra)
+        return env
+
+    def client(self, prefix: str, base_url: str | None = None) -> MerchantClient:
+        """A MerchantClient in this process, default windows, its own key prefix."""
+        settings = Settings(
+            api_key=API_KEY,
+            secret=Secret(path=self.secret_file),
+            base_url=base_url or self.sandbox_url,
+            redis_url=self.redis_url,
+            key_prefix=prefix,
+        )
+        return MerchantClient.from_settings(settings)
+
+    def spawn(self, name: str, argv: list[str], **kwargs: Any) -> Child:
+        child = spawn(name, argv, self.workdir / f"{name}.log", **kwargs)
+        self.children.append(child)
+        return child
+
+
+def progress(message: str) -> None:
+    sys.stderr.write(f"bench: {message}\n")
+    sys.stderr.flush()
+
+
+def fmt(value: float | None, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def met(ok: bool | None) -> str:
+    return {True: "yes", False: "**no**", None: "n/a"}[ok]
+
+
+def compact(error: str, limit: int = 400) -> str:
+    """One line for a report: the first line of an error and, if more, its last line."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    if len(lines) > 1:
+        lines = [lines[0].removesuffix("Traceback (most recent call last):").strip(), lines[-1]]
+    text = " ... ".join(lines)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- 1. fleet economy ---------------------------------------------------------------------
+
+
+@dataclass
+class FleetRun:
+    contender: str
+    revoke_on_issue: bool
+    exchanges: int
+    exchange_refusals: int
+    unauthorized: int
+    failed: int
+    ok: int
+    server_ok: int
+    errors: dict[str, int]
+    beat_errors: dict[str, int]
+
+
+def fleet_run(bench: Bench, contender: str, revoke_on_issue: bool) -> FleetRun:
+    plan = bench.plan
+    bench.control.configure(lifetime=plan.lifetime, revoke_on_issue=revoke_on_issue)
+    bench.control.revoke_all()  # nothing issued for an earlier run stays usable
+    tag = uuid.uuid4().hex[:8]
+    ready_key, go_key = f"bench:{tag}:ready", f"bench:{tag}:go"
+    env = bench.env(
+        MERCHANT_KEY_PREFIX=f"bench-{tag}",
+        MERCHANT_TOKEN_LIFETIME=repr(plan.lifetime),
+        MERCHANT_RENEW_BEFORE=repr(plan.advisory),
+        MERCHANT_RENEW_MANDATORY=repr(plan.mandatory),
+        MERCHANT_RENEW_INTERVAL=repr(plan.renew_interval),
+        BENCH_REDIS_URL=bench.redis_url,
+        BENCH_READY_KEY=ready_key,
+        BENCH_GO_KEY=go_key,
+        BENCH_ADVISORY=repr(plan.advisory),
+        BENCH_SHARED_KEY=f"bench:{tag}:shared-token",
+    )
+    roles = [contender] * plan.processes + (["beat"] if contender == "ours" else [])
+    worker = str(BENCH_DIR / "fleet_worker.py")
+    children = [
+        bench.spawn(
+            f"fleet-{contender}-{'revoke' if revoke_on_issue else 'keep'}-{i}-{role}",
+            [sys.executable, worker, role, str(plan.threads), repr(plan.duration)],
+            env=env,
+            stdout_pipe=True,
+        )
+        for i, role in enumerate(roles)
+    ]
+    try:
+
+        def all_ready() -> bool:
+            for child in children:
+                if child.process.poll() is not None:
+                    raise ScenarioError(f"{child.name} exited early: {child.log_tail()}")
+            return int(bench.store.get(ready_key) or 0) == len(children)
+
+        wait_until(all_ready, f"{len(children)} fleet processes", timeout=60)
+        before = bench.control.counters()
+        bench.store.set(go_key, repr(time.time() + 0.3))
+        outputs: list[dict[str, Any]] = []
+        for child in children:
+            try:
+                out, _ = child.process.communicate(timeout=plan.duration + 60)
+            except Exception as exc:
+                raise ScenarioError(f"{child.name} did not finish: {child.log_tail()}") from exc
+            if child.process.returncode != 0:
+                raise ScenarioError(f"{child.name} failed: {child.log_tail()}")
+            outputs.append(last_json_line(out.decode(errors="replace")))
+        after = bench.control.counters()
+    finally:
+        for child in children:
+            child.stop()
+            if child.process.stdout is not None:
+                child.process.stdout.close()
+    delta = counter_delta(before, after)
+    callers = [o for o in outputs if o["role"] != "beat"]
+    errors: Counter[str] = Counter()
+    beat_errors: Counter[str] = Counter()
+    for output in outputs:
+        (beat_errors if output["role"] == "beat" else errors).update(output["errors"])
+    return FleetRun(
+        contender=contender,
+        revoke_on_issue=revoke_on_issue,
+        exchanges=delta["exchanges.ok"],
+        exchange_refusals=sum(v for k, v in delta.items() if k.startswith("exchanges."))
+        - delta["exchanges.ok"],
+        unauthorized=delta["calls.unauthorized"],
+        failed=sum(int(o["failed"]) for o in callers),
+        ok=sum(int(o["ok"]) for o in callers),
+        server_ok=delta["calls.ok"],
+        errors=dict(errors),
+        beat_errors=dict(beat_errors),
+    )
+
+
+def fleet(bench: Bench) -> None:
+    plan = bench.plan
+    minimum = plan.minimum_exchanges
+    bench.results["exchanges_minimum"] = minimum
+    runs: list[FleetRun] = []
+    for revoke in (False, True):
+        for contender, _ in CONTENDERS:
+            started = time.monotonic()
+            try:
+                run = fleet_run(bench, contender, revoke)
+            except Exception as exc:  # one contender that cannot run does not stop the rest
+                log.exception("fleet run %s (revoke_on_issue=%s) could not run", contender, revoke)
+                bench.errors.append(
+                    compact(
+                        f"fleet {contender} revoke_on_issue={revoke}: {type(exc).__name__}: {exc}"
+                    )
+                )
+                continue
+            runs.append(run)
+            progress(
+                f"fleet {contender} revoke_on_issue={revoke}: {run.exchanges} exchanges, "
+                f"{run.unauthorized} 401s, {run.failed} failed, {run.ok} ok "
+                f"({time.monotonic() - started:.1f} s)"
+            )
+            suffix = "_revoke_on_issue" if revoke else ""
+            name = JSON_NAMES[contender]
+            bench.results[f"exchanges_{name}{suffix}"] = run.exchanges
+            bench.results[f"unauthorized_{name}{suffix}"] = run.unauthorized
+            bench.results[f"failed_calls_{name}{suffix}"] = run.failed
+            bench.results[f"calls_ok_{name}{suffix}"] = run.ok
+            if run.exchange_refusals:
+                bench.results[f"exchanges_refused_{name}{suffix}"] = run.exchange_refusals
+            if run.errors:
+                bench.results[f"errors_{name}{suffix}"] = run.errors
+            if run.beat_errors:
+                bench.results[f"beat_errors{suffix}"] = run.beat_errors
+    labels = dict(CONTENDERS)
+    rows = [
+        [
+            labels[r.contender],
+            "on" if r.revoke_on_issue else "off",
+            str(r.exchanges),
+            f"{r.exchanges / minimum:.2f}",
+            str(r.unauthorized),
+            str(r.failed),
+            f"{r.ok:,}",
+            f"{r.ok / plan.duration:,.0f}",
+        ]
+        for r in runs
+    ]
+    bench.sections.append(
+        f"### 1. Fleet economy: {plan.processes} processes x {plan.threads} threads, "
+        f"{plan.duration:g} s, lifetime L={plan.lifetime:g} s, advisory R={plan.advisory:g} s "
+        f"(mandatory {plan.mandatory:g} s, beat every {plan.renew_interval:g} s)\n\n"
+        f"minimum exchanges = ceil(D / (L - R)) = {minimum}\n\n"
+        + table(
+            [
+                "contender",
+                "revoke-on-issue",
+                "exchanges",
+                "x minimum",
+                "401s",
+                "failed calls",
+                "calls ok",
+                "calls/s",
+            ],
+            rows,
+        )
+    )
+    for r in runs:
+        if r.contender == "ours":
+            mode = "on" if r.revoke_on_issue else "off"
+            bench.goals.append(
+                (
+                    f"fleet exchanges, ours, revoke-on-issue {mode}",
+                    f"<= {minimum}",
+                    str(r.exchanges),
+                    r.exchanges <= minimum,
+                )
+            )
+            bench.goals.append(
+                (
+                    f"fleet failed calls, ours, revoke-on-issue {mode}",
+                    "0",
+                    str(r.failed),
+                    r.failed == 0,
+                )
+            )
+
+
+# -- 2. 401 storm -------------------------------------------------------------------------
+
+
+def concurrent_calls(client: MerchantClient, callers: int) -> tuple[list[float], Counter[str]]:
+    """``callers`` threads call at once; latency of each from the common start, in seconds."""
+    started: list[float] = []
+    barrier = threading.Barrier(callers, action=lambda: started.append(time.perf_counter()))
+    latencies = [math.nan] * callers
+    errors: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def call(i: int) -> None:
+        barrier.wait(timeout=30)
+        try:
+            client.request("GET", PING)
+        except Exception as exc:
+            with lock:
+                errors[type(exc).__name__] += 1
+        latencies[i] = time.perf_counter() - started[0]
+
+    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(callers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if any(thread.is_alive() for thread in threads):
+        raise ScenarioError("storm callers did not finish within 60 s")
+    return latencies, errors
+
+
+@dataclass
+class StormRound:
+    calm: list[float]
+    stormy: list[float]
+    exchanges: int
+    unauthorized: int
+    errors: Counter[str]
+
+
+def storm_round(bench: Bench, renewed_elsewhere: bool) -> StormRound:
+    """One client, a first token, 64 calm calls, revoke-all, then 64 calls in the storm.
+
+    With ``renewed_elsewhere``, another client (as another process would) renews the token
+    just before the revoke-all, so this process's copy of the token lags the store's.
+    """
+    prefix = f"bench-storm-{uuid.uuid4().hex[:8]}"
+    client = bench.client(prefix)
+    other: MerchantClient | None = None
+    try:
+        client.request("GET", PING)  # the first token; a new account each round
+        calm, errors = concurrent_calls(client, STORM_CALLERS)
+        if renewed_elsewhere:
+            other = bench.client(prefix)
+            other.manager.renew(force=True)
+        before = bench.control.counters()
+        bench.control.revoke_all()
+        stormy, failed = concurrent_calls(client, STORM_CALLERS)
+        after = bench.control.counters()
+    finally:
+        for each in (client, other):
+            if each is not None:
+                each.session.close()
+                each.manager.store.redis.close()
+    errors.update(failed)
+    delta = counter_delta(before, after)
+    return StormRound(calm, stormy, delta["exchanges.ok"], delta["calls.unauthorized"], errors)
+
+
+def storm(bench: Bench) -> None:
+    plan = bench.plan
+    bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False)
+    rounds = [storm_round(bench, renewed_elsewhere=False) for _ in range(plan.storm_rounds)]
+    lagging = [storm_round(bench, renewed_elsewhere=True) for _ in range(plan.storm_lag_rounds)]
+    calm = [x for r in rounds for x in r.calm]
+    stormy = [x for r in rounds for x in r.stormy]
+    per_round = [r.exchanges for r in rounds]
+    unauthorized = sum(r.unauthorized for r in rounds)
+    errors: Counter[str] = sum((r.errors for r in rounds), Counter())
+    lag_errors: Counter[str] = sum((r.errors for r in lagging), Counter())
+    lag_exchanges = [r.exchanges for r in lagging]
+    ms = 1000.0
+    calm_p50, calm_p99 = percentile(calm, 0.5) * ms, percentile(calm, 0.99) * ms
+    storm_p50, storm_p99 = percentile(stormy, 0.5) * ms, percentile(stormy, 0.99) * ms
+    worst = max(per_round)
+    lag_failed = sum(lag_errors.values())
+    bench.results.update(
+        storm_exchanges=worst,
+        storm_exchanges_per_round=per_round,
+        storm_rounds=plan.storm_rounds,
+        storm_unauthorized=unauthorized,
+        storm_failed_calls=sum(errors.values()),
+        storm_p50_ms=round(storm_p50, 2),
+        storm_p99_ms=round(storm_p99, 2),
+        storm_calm_p50_ms=round(calm_p50, 2),
+        storm_calm_p99_ms=round(calm_p99, 2),
+        storm_p50_added_ms=round(storm_p50 - calm_p50, 2),
+        storm_p99_added_ms=round(storm_p99 - calm_p99, 2),
+        storm_after_renewal_exchanges_per_round=lag_exchanges,
+        storm_after_renewal_unauthorized=sum(r.unauthorized for r in lagging),
+        storm_after_renewal_failed_calls=lag_failed,
+    )
+    if errors:
+        bench.results["storm_errors"] = dict(errors)
+    if lag_errors:
+        bench.results["storm_after_renewal_errors"] = dict(lag_errors)
+    progress(
+        f"storm: exchanges per round {per_round}, p99 added {storm_p99 - calm_p99:.1f} ms; "
+        f"after a renewal elsewhere: exchanges {lag_exchanges}, {lag_failed} failed calls"
+    )
+    calls = STORM_CALLERS * len(lagging)
+    bench.sections.append(
+        f"### 2. 401 storm: {STORM_CALLERS} concurrent callers sharing one MerchantClient, "
+        f"{plan.storm_rounds} rounds (a new account each round)\n\n"
+        + table(
+            ["", "p50 ms", "p99 ms", "exchanges per round", "401s", "failed calls"],
+            [
+                ["same calls, no storm", fmt(calm_p50, 1), fmt(calm_p99, 1), "0", "-", "-"],
+                [
+                    "right after revoke-all",
+                    fmt(storm_p50, 1),
+                    fmt(storm_p99, 1),
+                    f"max {worst} ({', '.join(map(str, per_round))})",
+                    str(unauthorized),
+                    str(sum(errors.values())),
+                ],
+                [
+                    "added by the storm",
+                    fmt(storm_p50 - calm_p50, 1),
+                    fmt(storm_p99 - calm_p99, 1),
+                    "",
+                    "",
+                    "",
+                ],
+                [
+                    "revoke-all just after another process renewed",
+                    "",
+                    "",
+                    ", ".join(map(str, lag_exchanges)),
+                    str(sum(r.unauthorized for r in lagging)),
+                    f"{lag_failed} of {calls}"
+                    + (
+                        f" ({', '.join(f'{k} {v}' for k, v in lag_errors.items())})"
+                        if lag_errors
+                        else ""
+                    ),
+                ],
+            ],
+        )
+    )
+    bench.goals.append(("storm exchanges per revoke-all", "1", str(worst), worst == 1))
+    bench.goals.append(("storm failed calls", "0", str(sum(errors.values())), not errors))
+    bench.goals.append(
+        (
+            "storm just after a renewal elsewhere: failed calls (DESIGN: one renewal per 401)",
+            "0",
+            f"{lag_failed} of {calls}",
+            lag_failed == 0,
+        )
+    )
+
+
+# -- 3. hot path --------------------------------------------------------------------------
+
+
+@dataclass
+class HotPath:
+    server: str
+    ours_rate: float
+    raw_rate: float
+    ratios: list[float]
+    redis_per_call: float
+    ours_cpu_us: float  # this thread's CPU time per call: the client's own cost
+    raw_cpu_us: float
+
+    @property
+    def ratio(self) -> float:
+        return median(self.ratios)
+
+    @property
+    def added_us(self) -> float:
+        return (1 / self.ours_rate - 1 / self.raw_rate) * 1e6
+
+
+def measure_hot_path(
+    bench: Bench, base_url: str, server: str, profile_path: Path | None
+) -> HotPath:
+    """Interleaved rounds of ours and raw in this thread, against the emulator at base_url."""
+    plan = bench.plan
+    client = bench.client(f"bench-hot-{uuid.uuid4().hex[:8]}", base_url)
+    token = client.manager.token().value  # valid for 7200 s: no renewal during the rounds
+    raw = requests.Session()
+    raw.headers.update({"accept": "application/json", "authorization": f"Bearer {token}"})
+    url = base_url + PING
+
+    def ours(n: int) -> None:
+        for _ in range(n):
+            client.request("GET", PING)
+
+    def baseline(n: int) -> None:
+        for _ in range(n):
+            response = raw.get(url, timeout=TIMEOUT, allow_redirects=False)
+            response.raise_for_status()
+            response.json()
+
+    ours(50)  # warm both connections and caches
+    baseline(50)
+    ours_rates: list[float] = []
+    raw_rates: list[float] = []
+    ratios: list[float] = []
+    cpu: dict[str, list[float]] = {"ours": [], "raw": []}
+    redis_commands = 0
+    for i in range(plan.hot_rounds):
+        rates: dict[str, float] = {}
+        for which in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
+            counted = commands_processed(bench.store) if which == "ours" else 0
+            cpu0, t0 = time.thread_time(), time.perf_counter()
+            (ours if which == "ours" else baseline)(plan.hot_calls)
+            elapsed = time.perf_counter() - t0
+            cpu[which].append((time.thread_time() - cpu0) / plan.hot_calls * 1e6)
+            if which == "ours":
+                redis_commands += commands_processed(bench.store) - counted
+            rates[which] = plan.hot_calls / elapsed
+        ours_rates.append(rates["ours"])
+        raw_rates.append(rates["raw"])
+        ratios.append(rates["ours"] / rates["raw"])
+    if profile_path is not None:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        ours(plan.hot_calls)
+        profiler.disable()
+        text = io.StringIO()
+        text.write(f"# {plan.hot_calls} calls of MerchantClient.request, {server}\n")
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(45)
+        with profile_path.open("a") as out:
+            out.write(text.getvalue())
+        progress(f"hot path profile ({server}) appended to {profile_path}")
+    raw.close()
+    return HotPath(
+        server,
+        median(ours_rates),
+        median(raw_rates),
+        ratios,
+        redis_commands / (plan.hot_calls * plan.hot_rounds),
+        median(cpu["ours"]),
+        median(cpu["raw"]),
+    )
+
+
+def hot_path(bench: Bench, profile_path: Path | None) -> None:
+    plan = bench.plan
+    if profile_path is not None:
+        profile_path.write_text("")
+    bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False)
+    runs = [measure_hot_path(bench, bench.sandbox_url, "SandboxServer (werkzeug)", profile_path)]
+    with sandbox_process(bench.workdir, bench.sandbox_env, "tornado") as (url, child):
+        bench.children.append(child)
+        runs.append(measure_hot_path(bench, url, "same app, keep-alive (tornado)", profile_path))
+    main, keepalive = runs
+    bench.results.update(
+        hot_path_ratio=round(main.ratio, 3),
+        hot_path_ratios=[round(r, 3) for r in main.ratios],
+        hot_path_ours_calls_per_s=round(main.ours_rate),
+        hot_path_raw_calls_per_s=round(main.raw_rate),
+        hot_path_added_us_per_call=round(main.added_us, 1),
+        redis_ops_per_call=round(main.redis_per_call, 4),
+        hot_path_client_cpu_us_ours=round(main.ours_cpu_us, 1),
+        hot_path_client_cpu_us_raw=round(main.raw_cpu_us, 1),
+        hot_path_client_cpu_us_ours_keepalive=round(keepalive.ours_cpu_us, 1),
+        hot_path_client_cpu_us_raw_keepalive=round(keepalive.raw_cpu_us, 1),
+        hot_path_ratio_keepalive=round(keepalive.ratio, 3),
+        hot_path_ratios_keepalive=[round(r, 3) for r in keepalive.ratios],
+        hot_path_ours_calls_per_s_keepalive=round(keepalive.ours_rate),
+        hot_path_raw_calls_per_s_keepalive=round(keepalive.raw_rate),
+        hot_path_added_us_per_call_keepalive=round(keepalive.added_us, 1),
+        redis_ops_per_call_keepalive=round(keepalive.redis_per_call, 4),
+    )
+    rows: list[list[str]] = []
+    for run in runs:
+        progress(
+            f"hot path, {run.server}: ratio {run.ratio:.3f}, "
+            f"{run.redis_per_call:.3f} Redis commands per call"
+        )
+        rows += [
+            [
+                run.server,
+                "ours: MerchantClient.request",
+                fmt(run.ours_rate),
+                fmt(1e6 / run.ours_rate, 1),
+                fmt(run.ours_cpu_us, 1),
+                f"{run.redis_per_call:.3f}",
+            ],
+            [
+                "",
+                "raw requests.Session, fixed bearer",
+                fmt(run.raw_rate),
+                fmt(1e6 / run.raw_rate, 1),
+                fmt(run.raw_cpu_us, 1),
+                "0",
+            ],
+            [
+                "",
+                "**ours / raw** (median of rounds)",
+                f"**{run.ratio:.3f}**",
+                f"{run.added_us:+.1f}",
+                f"{run.ours_cpu_us - run.raw_cpu_us:+.1f}",
+                "",
+            ],
+        ]
+    bench.sections.append(
+        f"### 3. Hot path: one thread, {plan.hot_rounds} interleaved rounds x "
+        f"{plan.hot_calls} calls of GET {PING}\n\n"
+        + table(
+            [
+                "emulator served by",
+                "",
+                "calls/s (median round)",
+                "us per call",
+                "client CPU us per call",
+                "Redis cmds/call",
+            ],
+            rows,
+        )
+        + "".join(
+            f"\n\nper-round ratios, {run.server}: {', '.join(f'{r:.3f}' for r in run.ratios)}"
+            for run in runs
+        )
+    )
+    for run, label in ((main, ""), (keepalive, ", keep-alive emulator")):
+        bench.goals.append(
+            (
+                f"hot path calls/s, ours / raw{label}",
+                f">= {HOT_PATH_GOAL}",
+                f"{run.ratio:.3f}",
+                run.ratio >= HOT_PATH_GOAL,
+            )
+        )
+    bench.goals.append(
+        (
+            "Redis commands per call (hot path)",
+            f"<= {REDIS_OPS_GOAL:g}",
+            f"{main.redis_per_call:.3f}",
+            main.redis_per_call <= REDIS_OPS_GOAL,
+        )
+    )
+
+
+# -- 4. Celery ----------------------------------------------------------------------------
+
+CELERYCONFIG = '''"""The bench's Celery configuration: the package defaults, plus the bare task."""
+
+imports = ("merchant_tasks.tasks", "bare_tasks")
+'''
+
+
+def celery_scenario(bench: Bench) -> None:
+    from celery import Celery
+    from celery.result import ResultSet
+
+    plan = bench.plan
+    bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False)
+    prefix = f"bench-celery-{uuid.uuid4().hex[:8]}"
+    # the bare task's static token: a valid one, put in Redis before the worker starts
+    bench.store.set(STATIC_TOKEN_KEY, bench.client(prefix).manager.token().value)
+    celery_dir = bench.workdir / "celery"
+    celery_dir.mkdir()
+    (celery_dir / "celeryconfig.py").write_text(CELERYCONFIG)
+    pythonpath = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
+    worker = bench.spawn(
+        "celery-worker",
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "merchant_tasks",
+            "worker",
+            "--pool=prefork",
+            f"--concurrency={plan.celery_concurrency}",
+            "--loglevel=WARNING",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-n",
+            f"bench-{uuid.uuid4().hex[:6]}@%h",
+        ],
+        env=bench.env(
+            MERCHANT_KEY_PREFIX=prefix,
+            PYTHONPATH=pythonpath,
+            BENCH_STATIC_TOKEN_KEY=STATIC_TOKEN_KEY,
+        ),
+        cwd=celery_dir,
+    )
+    producer = Celery(
+        "bench-producer", broker=bench.redis_url, backend=bench.redis_url, set_as_current=False
+    )
+    producer.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        broker_connection_retry_on_startup=True,
+    )
+    names = {"ours": "merchant_tasks.call_api", "bare": "bench.bare_call"}
+
+    def batch(which: str, n: int, timeout: float) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        results = [producer.send_task(names[which], args=["GET", PING]) for _ in range(n)]
+        try:
+            values = ResultSet(results).get(timeout=timeout, propagate=False)
+        except Exception as exc:
+            raise ScenarioError(
+                f"{which} tasks did not finish in {timeout:g} s ({type(exc).__name__}); "
+                f"worker log: {worker.log_tail()}"
+            ) from exc
+        elapsed = time.perf_counter() - t0
+        failures = sum(1 for v in values if not (isinstance(v, dict) and v.get("ok") is True))
+        return n / elapsed, failures
+
+    try:
+        for which in names:  # readiness, and every child warm: connections, token, imports
+            _, failures = batch(which, 8 * plan.celery_concurrency, timeout=90)
+            if failures:
+                raise ScenarioError(f"{which} warm-up tasks failed: {worker.log_tail()}")
+        rates: dict[str, list[float]] = {"ours": [], "bare": []}
+        ratios: list[float] = []
+        failed = {"ours": 0, "bare": 0}
+        for i in range(plan.celery_pairs):
+            pair: dict[str, float] = {}
+            for which in ("ours", "bare") if i % 2 == 0 else ("bare", "ours"):
+                pair[which], failures = batch(which, plan.celery_tasks, timeout=300)
+                failed[which] += failures
+                rates[which].append(pair[which])
+            ratios.append(pair["ours"] / pair["bare"])
+    finally:
+        producer.close()
+        worker.stop()
+    ratio = median(ratios)
+    ours_rate, bare_rate = median(rates["ours"]), median(rates["bare"])
+    bench.results.update(
+        celery_ratio=round(ratio, 3),
+        celery_ratios=[round(r, 3) for r in ratios],
+        celery_ours_tasks_per_s=round(ours_rate, 1),
+        celery_bare_tasks_per_s=round(bare_rate, 1),
+        celery_failed_tasks=failed,
+    )
+    progress(f"celery: ratio {ratio:.3f} ({ours_rate:.0f} vs {bare_rate:.0f} tasks/s)")
+    bench.sections.append(
+        f"### 4. Celery: one worker, --pool=prefork --concurrency={plan.celery_concurrency}, "
+        f"{plan.celery_pairs} interleaved pairs of {plan.celery_tasks} tasks\n\n"
+        + table(
+            ["", "tasks/s (median batch)", "failed tasks"],
+            [
+                ["ours: merchant_tasks.call_api", fmt(ours_rate, 1), str(failed["ours"])],
+                ["bare task, static token", fmt(bare_rate, 1), str(failed["bare"])],
+                ["ours / bare (median of pairs)", f"{ratio:.3f}", ""],
+            ],
+        )
+        + f"\n\nper-pair ratios: {', '.join(f'{r:.3f}' for r in ratios)}"
+    )
+    bench.goals.append(
+        (
+            "Celery tasks/s, call_api / bare",
+            f">= {CELERY_GOAL}",
+            f"{ratio:.3f}",
+            ratio >= CELERY_GOAL,
+        )
+    )
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": library_version(),
+    }
+
+
+def library_version() -> str:
+    """The commit measured, marked "+changes" if merchant_tasks/ differs from it."""
+    repo = BENCH_DIR.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        changes = subprocess.run(
+            ["git", "status", "--porcelain", "--", "merchant_tasks"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+changes" if changes else "")
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the run the way Ctrl-C does: through every finally block."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def run(plan: Plan, profile_path: Path | None) -> tuple[Bench, list[str]]:
+    leftovers: list[str] = []
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mt-bench-")))
+        secret_file = workdir / "api-secret"
+        secret_file.write_text(secrets.token_urlsafe(24))
+        secret_file.chmod(0o600)
+        redis_url, redis_child = stack.enter_context(private_redis(workdir))
+        base_env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("MERCHANT_")},
+            "MERCHANT_API_KEY": API_KEY,
+            "MERCHANT_API_SECRET_FILE": str(secret_file),
+        }
+        sandbox_url, sandbox_child = stack.enter_context(sandbox_process(workdir, base_env))
+        control = SandboxControl(sandbox_url)
+        stack.callback(control.close)
+        store = redis.Redis.from_url(redis_url)
+        stack.callback(store.close)
+        bench = Bench(plan, workdir, redis_url, sandbox_url, secret_file, control, store, base_env)
+        bench.children += [redis_child, sandbox_child]
+        scenarios: list[tuple[str, Callable[[], None]]] = [
+            ("fleet", lambda: fleet(bench)),
+            ("storm", lambda: storm(bench)),
+            ("hot path", lambda: hot_path(bench, profile_path)),
+            ("celery", lambda: celery_scenario(bench)),
+        ]
+        for name, scenario in scenarios:
+            started = time.monotonic()
+            try:
+                scenario()
+            except Exception as exc:
+                log.exception("scenario %s could not run", name)
+                bench.errors.append(compact(f"{name}: {type(exc).__name__}: {exc}"))
+            progress(f"{name} done in {time.monotonic() - started:.1f} s")
+    for child in bench.children:
+        if child.group_alive():
+            leftovers.append(child.name)
+    return bench, leftovers
+
+
+def report(bench: Bench, leftovers: list[str], elapsed: float) -> int:
+    plan = bench.plan
+    host = machine()
+    load = bench.results.get("load_average_1min", ["?", "?"])
+    out = [
+        f"## merchant-tasks bench ({plan.name} run, {elapsed:.0f} s)",
+        "",
+        f"{host['date']}; commit {host['commit']}; {host['nproc']} CPUs ({host['cpu']}); "
+        f"Python {host['python']}; 1-minute load average {load[0]} before, {load[1]} after",
+        "",
+    ]
+    for section in bench.sections:
+        out += [section, ""]
+    out += [
+        "### Goals",
+        "",
+        table(
+            ["goal", "target", "measured", "met"],
+            [[name, target, value, met(ok)] for name, target, value, ok in bench.goals],
+        ),
+        "",
+    ]
+    for error in bench.errors:
+        out.append(f"**could not run**: {error}")
+    if leftovers:
+        out.append(f"**processes left behind**: {', '.join(leftovers)}")
+    keys = (
+        "exchanges_ours",
+        "exchanges_minimum",
+        "exchanges_peer_per_process",
+        "exchanges_peer_shared_nolock",
+        "storm_exchanges",
+        "storm_p99_added_ms",
+        "hot_path_ratio",
+        "redis_ops_per_call",
+        "celery_ratio",
+    )
+    summary: dict[str, Any] = {key: bench.results.get(key) for key in keys}
+    summary.update(bench.results)
+    summary.update(
+        mode=plan.name,
+        parameters={
+            "P": plan.processes,
+            "T": plan.threads,
+            "D": plan.duration,
+            "L": plan.lifetime,
+            "R": plan.advisory,
+            "mandatory": plan.mandatory,
+            "beat_interval": plan.renew_interval,
+            "storm_callers": STORM_CALLERS,
+        },
+        goals_missed=[name for name, _, _, ok in bench.goals if ok is False],
+        errors=bench.errors,
+        leftover_processes=leftovers,
+        elapsed_s=round(elapsed, 1),
+        machine=host,
+    )
+    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
+    return 1 if bench.errors or leftovers else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="smoke test, under a minute")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="also profile one extra round of the hot path with cProfile into FILE",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # 64 storm callers share a pool of 32 connections by design; the overflow is not news
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    plan = QUICK if args.quick else FULL
+    started = time.monotonic()
+    load_before = os.getloadavg()[0]
+    commit_at_start = library_version()
+    try:
+        with stopped_by_signals():
+            bench, leftovers = run(plan, args.profile)
+    except KeyboardInterrupt as exc:
+        progress(f"interrupted ({exc or 'Ctrl-C'}); every process it started is stopped")
+        return 130
+    bench.results["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    bench.results["commit_at_start"] = commit_at_start
+    return report(bench, leftovers, time.monotonic() - started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""merchant-tasks: one fresh payment-API token per account, shared by a Celery fleet.
+
+Reading order follows the token's life: ``token`` (the value), ``exchange`` (getting one),
+``store`` (keeping it in Redis), ``renewal`` (when and by whom it is renewed), ``client``
+(using it), then the Celery wiring (``celery_app``, ``tasks``).
+"""
+
+from __future__ import annotations
+
+from .client import MerchantClient
+from .exceptions import (
+    ApiError,
+    ApiUnavailable,
+    ConfigurationError,
+    CredentialsRejected,
+    ExchangeRateLimited,
+    MalformedApiResponse,
+    MalformedTokenResponse,
+    MerchantError,
+    RenewalTimeout,
+    StoreUnavailable,
+    TokenEndpointUnavailable,
+    TokenExchangeError,
+    TokenRejected,
+)
+from .settings import Settings
+
+__all__ = [
+    "ApiError",
+    "ApiUnavailable",
+    "ConfigurationError",
+    "CredentialsRejected",
+    "ExchangeRateLimited",
+    "MalformedApiResponse",
+    "MalformedTokenResponse",
+    "MerchantClient",
+    "MerchantError",
+    "RenewalTimeout",
+    "Settings",
+    "StoreUnavailable",
+    "TokenEndpointUnavailable",
+    "TokenExchangeError",
+    "TokenRejected",
+]
+
+
+def __getattr__(name: str) -> object:
+    """``merchant_tasks.app`` is the Celery app, imported only when asked for.
+
+    ``celery -A merchant_tasks`` looks it up here; library users who never touch Celery do
+    not pay for importing it.
+    """
+    if name == "app":
+        from .celery_app import app
+
+        return app
+    raise AttributeError(f"module 'merchant_tasks' has no attribute {name!r}")

@@ -1,0 +1,177 @@
+"""Accounts: one fleet serving one or several (environment, API key) pairs.
+
+The MERCHANT_* variables define the account ``default`` when MERCHANT_API_KEY is set.
+MERCHANT_ACCOUNTS_FILE names a TOML or JSON file with more (or all) of them::
+
+    [accounts.eu-shop]                           # JSON: {"accounts": {"eu-shop": {...}}}
+    environment = "production"
+    base_url = "https://api.example.com"
+    api_key = "AK123"
+    api_secret_file = "/run/secrets/eu-shop"     # secrets come from files, never this file
+    # optional: token_lifetime, renew_before, renew_mandatory, allow_insecure_http
+
+What an account does not set (Redis, key prefix, timeouts, windows) comes from the
+MERCHANT_* variables. Tokens, locks, breakers and counters are keyed by environment and
+API key, so accounts never share them. A sandbox account and a production account may not
+share a base URL: a key of one environment must never reach the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import requests
+
+from .client import MerchantClient, new_session, redis_from_url
+from .exceptions import ConfigurationError
+from .settings import Settings
+
+DEFAULT_ACCOUNT = "default"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+# account file key -> the variable it stands for
+_ACCOUNT_KEYS = {
+    "environment": "MERCHANT_ENVIRONMENT",
+    "base_url": "MERCHANT_BASE_URL",
+    "api_key": "MERCHANT_API_KEY",
+    "api_secret_file": "MERCHANT_API_SECRET_FILE",
+    "token_lifetime": "MERCHANT_TOKEN_LIFETIME",
+    "renew_before": "MERCHANT_RENEW_BEFORE",
+    "renew_mandatory": "MERCHANT_RENEW_MANDATORY",
+    "allow_insecure_http": "MERCHANT_ALLOW_INSECURE_HTTP",
+}
+# what names an account: never inherited from the single-account variables (the windows
+# and lifetime are, unless the account sets its own)
+_PER_ACCOUNT = {
+    f"MERCHANT_{name}{suffix}"
+    for name in ("ENVIRONMENT", "BASE_URL", "API_KEY", "API_SECRET", "ALLOW_INSECURE_HTTP")
+    for suffix in ("", "_FILE")
+}
+
+
+def load_accounts(environ: Mapping[str, str] | None = None) -> dict[str, Settings]:
+    """Every configured account by name; ConfigurationError names what is wrong."""
+    env = os.environ if environ is None else environ
+    accounts: dict[str, Settings] = {}
+    if env.get("MERCHANT_API_KEY") or env.get("MERCHANT_API_KEY_FILE"):
+        accounts[DEFAULT_ACCOUNT] = Settings.from_env(env)
+    path = env.get("MERCHANT_ACCOUNTS_FILE")
+    if path:
+        for name, settings in _read_accounts_file(Path(path), env).items():
+            if name in accounts:
+                raise ConfigurationError(
+                    f"MERCHANT_ACCOUNTS_FILE: account {name!r} is also defined by MERCHANT_API_KEY"
+                )
+            accounts[name] = settings
+    if not accounts:
+        raise ConfigurationError(
+            "no account configured: set MERCHANT_API_KEY (one account) or "
+            "MERCHANT_ACCOUNTS_FILE (several)"
+        )
+    _check_environments_apart(accounts)
+    return accounts
+
+
+def _read_accounts_file(path: Path, env: Mapping[str, str]) -> dict[str, Settings]:
+    where = f"MERCHANT_ACCOUNTS_FILE ({path})"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigurationError(f"{where}: cannot read it ({exc.strerror})") from None
+    try:
+        document: Any = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigurationError(f"{where}: not valid {path.suffix[1:] or 'TOML'}: {exc}") from None
+    entries = document.get("accounts") if isinstance(document, dict) else None
+    if not isinstance(entries, dict) or not entries:
+        raise ConfigurationError(f"{where}: needs an 'accounts' table with at least one account")
+    base = {k: v for k, v in env.items() if k not in _PER_ACCOUNT}
+    accounts: dict[str, Settings] = {}
+    for name, entry in entries.items():
+        if not _NAME.match(name):
+            raise ConfigurationError(f"{where}: account name {name!r} must be a short identifier")
+        if not isinstance(entry, dict):
+            raise ConfigurationError(f"{where}: account {name!r} must be a table")
+        unknown = sorted(set(entry) - set(_ACCOUNT_KEYS))
+        if unknown:
+            raise ConfigurationError(
+                f"{where}: account {name!r} has unknown keys {unknown} "
+                f"(allowed: {sorted(_ACCOUNT_KEYS)}; secrets only via api_secret_file)"
+            )
+        variables = {
+            _ACCOUNT_KEYS[k]: str(v).lower() if isinstance(v, bool) else str(v)
+            for k, v in entry.items()
+        }
+        try:
+            accounts[name] = Settings.from_env({**base, **variables})
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{where}: account {name!r}: {exc}") from None
+    return accounts
+
+
+def _check_environments_apart(accounts: Mapping[str, Settings]) -> None:
+    """A sandbox account and a production account must not point at the same server."""
+    seen: dict[str, tuple[str, str]] = {}
+    for name, settings in accounts.items():
+        parts = urlsplit(settings.base_url)
+        origin = f"{parts.scheme}://{parts.netloc}".lower()
+        other = seen.setdefault(origin, (name, settings.environment))
+        if other[1] != settings.environment:
+            raise ConfigurationError(
+                f"accounts {other[0]!r} ({other[1]}) and {name!r} ({settings.environment}) share "
+                f"the base URL {origin}: a key of one environment must never reach the other"
+            )
+
+
+class AccountClients:
+    """This process's clients, one per account: one Redis pool, one HTTP session each."""
+
+    def __init__(self, accounts: Mapping[str, Settings]) -> None:
+        self.accounts = dict(accounts)
+        self._clients: dict[str, MerchantClient] = {}
+        self._redis: redis.Redis | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> AccountClients:
+        return cls(load_accounts(environ))
+
+    def get(self, account: str | None = None) -> MerchantClient:
+        """The client of ``account`` (the only or ``default`` account when None)."""
+        name = account or self.default_name()
+        client = self._clients.get(name)
+        if client is not None:
+            return client
+        settings = self.accounts.get(name)
+        if settings is None:
+            raise ConfigurationError(
+                f"unknown account {name!r}; configured: {', '.join(sorted(self.accounts))}"
+            )
+        with self._lock:
+            client = self._clients.get(name)
+            if client is None:
+                if self._redis is None:
+                    self._redis = redis_from_url(settings.redis_url)
+                session: requests.Session = new_session()  # cookies never cross accounts
+                client = MerchantClient.from_settings(
+                    settings, redis_client=self._redis, session=session
+                )
+                self._clients[name] = client
+        return client
+
+    def default_name(self) -> str:
+        if len(self.accounts) == 1:
+            return next(iter(self.accounts))
+        if DEFAULT_ACCOUNT in self.accounts:
+            return DEFAULT_ACCOUNT
+        raise ConfigurationError(
+            f"several accounts are configured ({', '.join(sorted(self.accounts))}): name one"
+        )

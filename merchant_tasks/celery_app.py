@@ -1,0 +1,94 @@
+"""The Celery app: ``celery -A merchant_tasks worker|beat|flower``.
+
+Configuration is layered, each layer overriding the one before:
+
+1. the package defaults below (safe for production: late acknowledgement, prefetch 1,
+   renewal on its own queue, JSON only);
+2. ``celeryconfig.py`` from the working directory, if importable (the repo root has the
+   documented one; edit it or put your own on the path);
+3. ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND`` from the environment.
+
+Broker and result backend default to MERCHANT_REDIS_URL, the token store's Redis.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Celery
+from kombu.entity import Queue
+
+from .settings import DEFAULT_REDIS_URL, RENEW_INTERVAL
+
+CALLS_QUEUE = "celery"  # Celery's default queue: app code needs no routing to enqueue calls
+RENEWAL_QUEUE = "merchant-renewal"  # its own queue, so a backlog of calls never delays it
+VISIBILITY_TIMEOUT = 3600  # seconds an unacknowledged message waits before redelivery
+RESULT_EXPIRES = 3600  # results are for the caller waiting on them, not an archive
+RESULT_BACKEND_RETRIES = 20  # Celery backs off between them: about a minute of Redis restart
+
+
+def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The settings merchant-tasks relies on; celeryconfig.py may change any of them."""
+    redis_url = environ.get("MERCHANT_REDIS_URL") or DEFAULT_REDIS_URL
+    interval = float(environ.get("MERCHANT_RENEW_INTERVAL") or RENEW_INTERVAL)
+    return {
+        "broker_url": redis_url,
+        "result_backend": redis_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT},
+        "result_backend_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT},
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_expires": RESULT_EXPIRES,
+        # a result written while Redis restarts is retried, not lost: otherwise a call the
+        # API executed would look failed to its caller, who might repeat it
+        "result_backend_always_retry": True,
+        "result_backend_max_retries": RESULT_BACKEND_RETRIES,
+        # no call is lost when a worker dies: acknowledge after the task ran, fetch one at a
+        # time, and put the message back when the worker process is killed mid-task
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_queues": (Queue(CALLS_QUEUE), Queue(RENEWAL_QUEUE)),
+        "task_default_queue": CALLS_QUEUE,
+        "task_routes": {"merchant_tasks.renew_token": {"queue": RENEWAL_QUEUE}},
+        "beat_schedule": {
+            "renew-merchant-token": {
+                "task": "merchant_tasks.renew_token",
+                "schedule": interval,
+                # a renewal nobody ran before the next tick is replaced by that tick's
+                "options": {"expires": interval, "queue": RENEWAL_QUEUE},
+            }
+        },
+        "worker_send_task_events": True,  # Flower's live view
+        "task_send_sent_event": True,
+        "imports": ("merchant_tasks.tasks",),
+    }
+
+
+def load_config(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Package defaults, then celeryconfig.py (if importable), then the environment."""
+    env = os.environ if environ is None else environ
+    config = package_defaults(env)
+    try:
+        module = importlib.import_module("celeryconfig")
+    except ModuleNotFoundError as exc:
+        if exc.name != "celeryconfig":
+            raise  # celeryconfig.py exists but imports something missing: say so
+    else:
+        config.update(
+            {k: v for k, v in vars(module).items() if not k.startswith("_") and k.islower()}
+        )
+    if env.get("CELERY_BROKER_URL"):
+        config["broker_url"] = env["CELERY_BROKER_URL"]
+    if env.get("CELERY_RESULT_BACKEND"):
+        config["result_backend"] = env["CELERY_RESULT_BACKEND"]
+    return config
+
+
+app = Celery("merchant_tasks")
+app.conf.update(load_config())

@@ -1,0 +1,239 @@
+"""The ``merchant-tasks`` command line.
+
+Exit codes a script can rely on: 0 success, 1 the API or the token endpoint failed,
+2 usage or configuration error (click's own, and ConfigurationError), 3 Redis unavailable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .accounts import AccountClients
+from .exceptions import ConfigurationError, MerchantError, StoreUnavailable
+from .sandbox import DEFAULT_PORT, SandboxApp, SandboxConfig, SandboxServer
+from .status import AccountStatus, account_status, format_status
+
+EXIT_FAILED = 1
+EXIT_CONFIGURATION = 2
+EXIT_STORE_UNAVAILABLE = 3
+
+
+@click.group()
+def main() -> None:
+    """Keep one fresh payment-API token per account for a Celery fleet."""
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Loopback address to bind.")
+@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int)
+@click.option("--api-key", envvar="MERCHANT_API_KEY", required=True, help="[MERCHANT_API_KEY]")
+@click.option(
+    "--secret-file",
+    envvar="MERCHANT_API_SECRET_FILE",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="File holding the API secret [MERCHANT_API_SECRET_FILE].",
+)
+@click.option("--lifetime", default=7200.0, show_default=True, help="Token lifetime, seconds.")
+@click.option("--revoke-on-issue", is_flag=True, help="Issuing a token revokes earlier ones.")
+@click.option("--rate-limit", type=int, help="Token exchanges allowed per --rate-window.")
+@click.option("--rate-window", default=60.0, show_default=True, help="Seconds.")
+@click.option("--token-latency", default=0.0, help="Seconds added to each token exchange.")
+@click.option("--api-latency", default=0.0, help="Seconds added to each business call.")
+@click.option("--token-error-rate", default=0.0, help="Share of exchanges answered 5xx (0-1).")
+@click.option("--api-error-rate", default=0.0, help="Share of calls answered 5xx (0-1).")
+@click.option("--shape", type=click.Choice(["top", "data"]), default="top", show_default=True)
+@click.option("--no-expires-in", is_flag=True, help="Leave expires_in out of token responses.")
+@click.option("--environment", default="sandbox", show_default=True, help="Label only.")
+@click.option("--log-requests", is_flag=True, help="Log each request line (never bodies).")
+@click.option(
+    "--allow-network",
+    is_flag=True,
+    help="Allow a non-loopback --host (a private container network only: the control "
+    "endpoints have no authentication).",
+)
+def sandbox(
+    host: str,
+    port: int,
+    api_key: str,
+    secret_file: Path | None,
+    lifetime: float,
+    revoke_on_issue: bool,
+    rate_limit: int | None,
+    rate_window: float,
+    token_latency: float,
+    api_latency: float,
+    token_error_rate: float,
+    api_error_rate: float,
+    shape: str,
+    no_expires_in: bool,
+    environment: str,
+    log_requests: bool,
+    allow_network: bool,
+) -> None:
+    """Serve the local emulator of the merchant API.
+
+    The secret comes from --secret-file or MERCHANT_API_SECRET (never a command-line
+    argument, which other users of the machine could read).
+    """
+    secret = _sandbox_secret(secret_file)
+    try:
+        config = SandboxConfig(
+            api_key=api_key,
+            secret=secret,
+            lifetime=lifetime,
+            revoke_on_issue=revoke_on_issue,
+            rate_limit=rate_limit,
+            rate_window=rate_window,
+            token_latency=token_latency,
+            api_latency=api_latency,
+            token_error_rate=token_error_rate,
+            api_error_rate=api_error_rate,
+            token_shape=shape,
+            include_expires_in=not no_expires_in,
+            environment=environment,
+        )
+        server = SandboxServer(
+            SandboxApp(config), host, port, log_requests=log_requests, allow_network=allow_network
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"merchant API sandbox for {api_key} on http://{host}:{port} (Ctrl-C stops)")
+    server.serve_forever()
+
+
+@main.command()
+@click.option("--duration", default=40.0, show_default=True, help="Seconds of calls.")
+@click.option("--rate", default=15.0, show_default=True, help="Calls enqueued per second.")
+@click.option("--lifetime", default=20.0, show_default=True, help="Emulator token lifetime.")
+@click.option("--workers", default=2, show_default=True, help="Worker processes.")
+def demo(duration: float, rate: float, lifetime: float, workers: int) -> None:
+    """Run the whole system locally: emulator, Redis, a worker and beat, with a live view."""
+    from .demo import run_demo
+
+    summary = run_demo(duration=duration, rate=rate, lifetime=lifetime, workers=workers)
+    sys.exit(0 if summary.healthy else EXIT_FAILED)
+
+
+ACCOUNT_OPTION = click.option(
+    "--account", help="Account name (needed when several are configured)."
+)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON document, for scripts.")
+def status(as_json: bool) -> None:
+    """Show every account's token, renewals, breaker and counters (never a token).
+
+    Exits 0 when every account has a usable token and no breaker is open, 1 otherwise.
+    """
+    fleet = _clients()
+    with _exit_codes():
+        statuses = _statuses(fleet)
+    if as_json:
+        document = {"accounts": [s.as_dict() for s in statuses.values()]}
+        click.echo(json.dumps(document, indent=2, sort_keys=True))
+    else:
+        click.echo("\n\n".join(format_status(s) for s in statuses.values()))
+    sys.exit(0 if all(s.healthy for s in statuses.values()) else EXIT_FAILED)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=9808, show_default=True, type=int)
+def metrics(host: str, port: int) -> None:
+    """Serve Prometheus metrics for the whole fleet (read from Redis at each scrape)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from .metrics import FleetCollector
+
+    fleet = _clients()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(lambda: _statuses(fleet)))
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    click.echo(f"metrics on http://{host}:{port}/metrics (Ctrl-C stops)")
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+@main.command()
+@click.option("--force", is_flag=True, help="Exchange now even if the token is fresh.")
+@ACCOUNT_OPTION
+def renew(force: bool, account: str | None) -> None:
+    """Renew the token if due (or now with --force) and show the stored one."""
+    with _exit_codes():
+        token = _clients().get(account).manager.renew(force=force)
+    click.echo(
+        f"generation {token.generation}, fingerprint {token.fingerprint}, "
+        f"renewed by {token.renewed_by} ({token.reason})"
+    )
+
+
+@main.command()
+@click.argument("method")
+@click.argument("path")
+@click.option("--json", "body", help="JSON request body.")
+@ACCOUNT_OPTION
+def call(method: str, path: str, body: str | None, account: str | None) -> None:
+    """Call METHOD PATH through the shared token and print the JSON response."""
+    try:
+        payload: Any = json.loads(body) if body is not None else None
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--json") from None
+    with _exit_codes():
+        client = _clients().get(account)
+        try:
+            result = client.request(method, path, json=payload)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+    click.echo(json.dumps(result, indent=2, sort_keys=True))
+
+
+def _statuses(fleet: AccountClients) -> dict[str, AccountStatus]:
+    return {
+        name: account_status(name, settings, fleet.get(name).manager.store)
+        for name, settings in fleet.accounts.items()
+    }
+
+
+def _clients() -> AccountClients:
+    with _exit_codes():
+        return AccountClients.from_env()
+
+
+@contextmanager
+def _exit_codes() -> Iterator[None]:
+    """Turn merchant-tasks errors into a one-line message and the documented exit code."""
+    try:
+        yield
+    except MerchantError as exc:
+        click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+        if isinstance(exc, ConfigurationError):
+            sys.exit(EXIT_CONFIGURATION)
+        if isinstance(exc, StoreUnavailable):
+            sys.exit(EXIT_STORE_UNAVAILABLE)
+        sys.exit(EXIT_FAILED)
+
+
+def _sandbox_secret(secret_file: Path | None) -> str:
+    if secret_file is not None:
+        value = secret_file.read_text(encoding="utf-8").strip()
+    else:
+        value = os.environ.get("MERCHANT_API_SECRET", "").strip()
+    if not value:
+        raise click.UsageError("set MERCHANT_API_SECRET or --secret-file/MERCHANT_API_SECRET_FILE")
+    return value
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""The API client: business calls with the fleet's token, retried the way HTTP allows.
+
+Two tenacity policies, built once:
+
+- a 401 renews, compare-and-swap on the refused token, and retries. When the store
+  already held a newer token that is refused too (renewed elsewhere just before a
+  revocation), one more renewal follows; a 401 on a token freshly renewed after a 401 is
+  ``TokenRejected``, never a loop. One call causes at most one exchange;
+- connection failures, 429, 502, 503 and 504 back off exponentially with jitter, honouring
+  Retry-After, bounded in attempts and in total time. A method that is not idempotent is
+  retried only when the server surely did not process the request: the connection was
+  never made, or the answer was 429 or 503 (refused before processing).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import redis
+import requests
+from requests.adapters import HTTPAdapter
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_before_delay,
+    wait_exception,
+    wait_none,
+    wait_random_exponential,
+)
+from urllib3.exceptions import NewConnectionError
+
+from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
+from .exchange import TOKEN_PATH, TokenExchange, parse_retry_after
+from .renewal import TokenManager
+from .settings import Settings
+from .store import TokenStore
+from .token import Token, fingerprint
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/open-api/v1/"
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})  # RFC 9110 9.2.2
+SAFE_TO_RESEND_STATUSES = frozenset({429, 503})  # the server refused before processing
+TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
+CALL_ATTEMPTS = 4  # one call plus three retries, then the caller (or Celery) decides
+UNAUTHORIZED_ATTEMPTS = 3  # a 401 may meet a token another process renewed just before a
+# revocation; the manager refuses to renew a token it renewed after a 401 moments ago, so
+# one call causes at most one exchange and never loops
+CALL_RETRY_BUDGET = 20.0  # seconds of back-off at most inside one call
+CALL_WAIT_INITIAL = 0.25  # first back-off; doubles per attempt, with jitter
+CALL_WAIT_MAX = 5.0
+EXCERPT_LENGTH = 200  # characters of an error body kept in ApiError
+EXCERPT_SCAN = 64 * 1024  # characters searched for the token before the excerpt is cut
+POOL_SIZE = 32  # connections kept per host, for threaded callers
+
+
+class _Unauthorized(Exception):
+    """Internal: a call got 401 with ``token``."""
+
+    def __init__(self, token: Token, excerpt: str) -> None:
+        super().__init__("HTTP 401")
+        self.token = token
+        self.excerpt = excerpt
+
+
+class _Transient(Exception):
+    """Internal: a failure worth retrying (within what the method allows)."""
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        status: int | None = None,
+        excerpt: str = "",
+        retry_after: float | None = None,
+        resendable: bool,
+    ) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.excerpt = excerpt
+        self.retry_after = retry_after
+        self.resendable = resendable  # idempotent method, or surely not processed
+
+
+class MerchantClient:
+    """Calls the merchant API under ``/open-api/v1`` with the account's shared token."""
+
+    def __init__(
+        self,
+        base_url: str,
+        manager: TokenManager,
+        *,
+        session: requests.Session | None = None,
+        timeout: tuple[float, float] = (3.05, 10.0),
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.manager = manager
+        self.session = session or new_session()
+        self.timeout = timeout
+        self._after_401 = Retrying(
+            retry=retry_if_exception_type(_Unauthorized),
+            stop=stop_after_attempt(UNAUTHORIZED_ATTEMPTS),
+            wait=wait_none(),
+            before_sleep=self._renew_refused_token,
+            retry_error_callback=_fresh_token_refused,
+            sleep=sleep,
+        )
+        self._retry_transient = Retrying(
+            retry=retry_if_exception(lambda exc: isinstance(exc, _Transient) and exc.resendable),
+            wait=wait_random_exponential(multiplier=CALL_WAIT_INITIAL, max=CALL_WAIT_MAX)
+            + wait_exception(_retry_after),
+            stop=stop_after_attempt(CALL_ATTEMPTS) | stop_before_delay(CALL_RETRY_BUDGET),
+            retry_error_callback=_gave_up,
+            sleep=sleep,
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MerchantClient:
+        """A client configured by the MERCHANT_* variables (see DESIGN.md)."""
+        return cls.from_settings(Settings.from_env(os.environ if environ is None else environ))
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        redis_client: redis.Redis | None = None,
+        session: requests.Session | None = None,
+    ) -> MerchantClient:
+        session = session or new_session()
+        store = TokenStore(
+            redis_client or redis_from_url(settings.redis_url),
+            TokenStore.namespace_for(settings.key_prefix, settings.environment, settings.api_key),
+        )
+        manager = TokenManager(
+            store,
+            TokenExchange.from_settings(settings, session),
+            lambda: fingerprint(settings.secret.reveal()),
+            renew_before=settings.renew_before,
+            renew_mandatory=settings.renew_mandatory,
+            exchange_timeout=settings.connect_timeout + settings.read_timeout,
+        )
+        return cls(
+            settings.base_url,
+            manager,
+            session=session,
+            timeout=(settings.connect_timeout, settings.read_timeout),
+        )
+
+    def __repr__(self) -> str:
+        return f"MerchantClient(base_url={self.base_url!r})"
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        params: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Any:
+        """Call ``method path`` and return the decoded JSON body (None when empty).
+
+        Raises:
+            ValueError: the path is outside ``/open-api/v1`` or headers set Authorization.
+            TokenRejected: a freshly renewed token was refused too.
+            ApiUnavailable: 429/5xx/connection failures outlasted the retries.
+            ApiError: any other error status.
+            TokenExchangeError, StoreUnavailable: no token could be had.
+        """
+        method = method.upper()
+        _check_path(path)
+        if headers and any(name.lower() == "authorization" for name in headers):
+            raise ValueError("the Authorization header is set by the client from the shared token")
+        try:
+            # the usual case, kept free of the retry machinery's cost
+            return self._send(method, path, json, params, headers)
+        except (_Unauthorized, _Transient) as exc:
+            first_failure = [exc]
+
+        def attempt() -> Any:
+            if first_failure:
+                raise first_failure.pop()  # the call already made is the policies' attempt 1
+            return self._send(method, path, json, params, headers)
+
+        try:
+            return self._retry_transient(self._after_401, attempt)
+        except _Transient as exc:  # not retryable for this method: report it as it came
+            raise ApiUnavailable(
+                f"{method} {path} failed ({exc}); not retried: the server may have processed it",
+                status=exc.status,
+                excerpt=exc.excerpt,
+                retry_after=exc.retry_after,
+            ) from None
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        json: Any,
+        params: Mapping[str, Any] | None,
+        headers: Mapping[str, str] | None,
+    ) -> Any:
+        token = self.manager.token()
+        all_headers = {"accept": "application/json", **(headers or {})}
+        all_headers["authorization"] = f"Bearer {token.value}"
+        try:
+            response = self.session.request(
+                method,
+                self.base_url + path,
+                json=json,
+                params=params,
+                headers=all_headers,
+                timeout=self.timeout,
+                allow_redirects=False,  # a redirect would carry the token elsewhere
+            )
+        except requests.ConnectionError as exc:
+            never_sent = isinstance(exc, requests.ConnectTimeout) or _connection_refused(exc)
+            raise _Transient(
+                f"connection failed: {type(exc).__name__}",
+                resendable=never_sent or method in IDEMPOTENT_METHODS,
+            ) from None
+        except requests.Timeout:
+            raise _Transient(
+                "timed out waiting for the answer", resendable=method in IDEMPOTENT_METHODS
+            ) from None
+        status = response.status_code
+        log.debug("%s %s answered %d", method, path, status)
+        if 200 <= status < 300:
+            return _decode(response, method, path)
+        excerpt = _excerpt(response, token)
+        if status == 401:
+            raise _Unauthorized(token, excerpt)
+        if status in TRANSIENT_STATUSES:
+            raise _Transient(
+                f"HTTP {status}",
+                status=status,
+                excerpt=excerpt,
+                retry_after=parse_retry_after(response.headers.get("Retry-After")),
+                resendable=status in SAFE_TO_RESEND_STATUSES or method in IDEMPOTENT_METHODS,
+            )
+        raise ApiError(f"{method} {path} failed with HTTP {status}", status=status, excerpt=excerpt)
+
+    def _renew_refused_token(self, state: RetryCallState) -> None:
+        assert state.outcome is not None
+        refused = state.outcome.exception()
+        assert isinstance(refused, _Unauthorized)
+        log.info("call got 401 with token %s; renewing", refused.token.fingerprint)
+        self.manager.renew(stale_token=refused.token)
+
+
+def new_session() -> requests.Session:
+    """A session with a connection pool sized for threaded callers."""
+    session = requests.Session()
+    adapter = HTTPAdapter(pool_connections=4, pool_maxsize=POOL_SIZE)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def redis_from_url(url: str) -> redis.Redis:
+    """The token store's Redis client, with timeouts so a dead Redis fails fast."""
+    return redis.Redis.from_url(
+        url, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=30
+    )
+
+
+def _check_path(path: str) -> None:
+    """Refuse anything that could send the token outside /open-api/v1 or to the token path.
+
+    Dot segments and empty segments are refused rather than resolved: HTTP libraries
+    normalise them, so ``/open-api/v1/..`` would leave the API's root.
+    """
+    route = path.split("?", 1)[0]
+    segments = route[len(API_PREFIX) :].split("/")
+    if (
+        not route.startswith(API_PREFIX)
+        or "#" in path
+        or "\\" in route
+        or any(segment in (".", "..") for segment in segments)
+        or "" in segments[:-1]
+    ):
+        raise ValueError(f"path must be under {API_PREFIX} (got {path[:80]!r})")
+    if route.rstrip("/").lower() == TOKEN_PATH:
+        raise ValueError("the token endpoint is called by the exchange, not by request()")
+
+
+def _decode(response: requests.Response, method: str, path: str) -> Any:
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
+        raise MalformedApiResponse(
+            f"{method} {path} answered HTTP {response.status_code} with a body that is not JSON",
+            status=response.status_code,
+        ) from None
+
+
+def _excerpt(response: requests.Response, token: Token) -> str:
+    """The start of an error body, the token blanked out before anything is cut."""
+    text = response.text[:EXCERPT_SCAN].replace(token.value, "<token>")
+    return " ".join(text.split())[:EXCERPT_LENGTH]
+
+
+def _retry_after(exc: BaseException) -> float:
+    return getattr(exc, "retry_after", None) or 0.0
+
+
+def _connection_refused(exc: requests.ConnectionError) -> bool:
+    """Whether the connection was never established (so nothing was sent)."""
+    reason = getattr(exc.args[0], "reason", None) if exc.args else None
+    return isinstance(reason, NewConnectionError)
+
+
+def _gave_up(state: RetryCallState) -> Any:
+    assert state.outcome is not None
+    last = state.outcome.exception()
+    assert isinstance(last, _Transient)
+    raise ApiUnavailable(
+        f"gave up after {state.attempt_number} attempts in {state.seconds_since_start:.1f} s "
+        f"({last})",
+        status=last.status,
+        excerpt=last.excerpt,
+        retry_after=last.retry_after,
+    )
+
+
+def _fresh_token_refused(state: RetryCallState) -> Any:
+    raise TokenRejected(
+        "the API refused a token renewed moments ago (HTTP 401 after renewals). Likely causes: the "
+        "API key belongs to the other environment (check MERCHANT_ENVIRONMENT and "
+        "MERCHANT_BASE_URL), the secret was reset in the dashboard, or API access was revoked"
+    )

@@ -1,0 +1,268 @@
+"""``merchant-tasks demo``: the whole system on one machine, with a live view.
+
+It starts the emulator (short token lifetime), finds a Redis (MERCHANT_REDIS_URL if it
+answers, else a private ``redis-server``, else fakeredis's TCP server), starts a real Celery
+worker and beat as child processes, enqueues calls, revokes every token midway, and shows
+token generation, time left, exchanges, calls and 401 recoveries. It stops every process
+it started, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import redis
+
+from .local import RedisServer, free_port, redis_answers, stop_group, wait_until
+from .sandbox import SandboxApp, SandboxConfig, SandboxServer
+from .store import TokenStore
+
+DEMO_API_KEY = "demo-app-id"
+VIEW_INTERVAL = 0.5  # seconds between two refreshes of the live view
+DRAIN_TIMEOUT = 30.0  # seconds to wait for calls still queued when the duration ends
+
+
+@dataclass
+class DemoSummary:
+    """What one demo run did, as printed at the end."""
+
+    enqueued: int = 0
+    ok: int = 0
+    failed: int = 0
+    lost: int = 0
+    exchanges: int = 0
+    expected_exchanges: int = 0
+    unauthorized: int = 0
+    forced_renewals: int = 0
+    redis: str = ""
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return self.failed == 0 and self.lost == 0 and self.ok == self.enqueued
+
+
+def run_demo(
+    duration: float, rate: float, lifetime: float, workers: int, out: TextIO = sys.stdout
+) -> DemoSummary:
+    """Run the demo for ``duration`` seconds of calls and return its summary."""
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mt-demo-")))
+        redis_url, redis_kind = stack.enter_context(_redis_for_demo(workdir))
+        secret = secrets.token_urlsafe(24)
+        sandbox = SandboxApp(SandboxConfig(api_key=DEMO_API_KEY, secret=secret, lifetime=lifetime))
+        server = stack.enter_context(SandboxServer(sandbox))
+        secret_file = workdir / "api-secret"
+        secret_file.write_text(secret)
+        secret_file.chmod(0o600)
+        renew_before = round(lifetime * 0.3, 3)
+        env = {
+            **os.environ,
+            "MERCHANT_ENVIRONMENT": "sandbox",
+            "MERCHANT_API_KEY": DEMO_API_KEY,
+            "MERCHANT_API_SECRET_FILE": str(secret_file),
+            "MERCHANT_BASE_URL": server.url,
+            "MERCHANT_REDIS_URL": redis_url,
+            "MERCHANT_KEY_PREFIX": f"mt-demo-{uuid.uuid4().hex[:8]}",
+            "MERCHANT_TOKEN_LIFETIME": str(lifetime),
+            "MERCHANT_RENEW_BEFORE": str(renew_before),
+            "MERCHANT_RENEW_MANDATORY": str(round(lifetime * 0.1, 3)),
+            "MERCHANT_RENEW_INTERVAL": str(max(1.0, round(lifetime * 0.05, 3))),
+        }
+        env.pop("MERCHANT_API_SECRET", None)
+        env.pop("CELERY_BROKER_URL", None)
+        env.pop("CELERY_RESULT_BACKEND", None)
+        os.environ.update({k: v for k, v in env.items() if k.startswith("MERCHANT_")})
+        os.environ.pop("MERCHANT_API_SECRET", None)
+        celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
+        stack.enter_context(
+            _child(
+                [
+                    *celery,
+                    "worker",
+                    "--loglevel=WARNING",
+                    f"--concurrency={workers}",
+                    "--without-gossip",
+                    "--without-mingle",
+                    "-n",
+                    f"demo-{uuid.uuid4().hex[:6]}@%h",
+                ],
+                env,
+                workdir / "worker.log",
+            )
+        )
+        stack.enter_context(
+            _child(
+                [*celery, "beat", "--loglevel=WARNING", "-s", str(workdir / "beat-schedule")],
+                env,
+                workdir / "beat.log",
+            )
+        )
+        store = TokenStore(
+            redis.Redis.from_url(redis_url),
+            TokenStore.namespace_for(env["MERCHANT_KEY_PREFIX"], "sandbox", DEMO_API_KEY),
+        )
+        summary = DemoSummary(redis=redis_kind)
+        summary.expected_exchanges = math.ceil(duration / (lifetime - renew_before)) + 1
+        out.write(
+            f"demo: emulator {server.url}, Redis {redis_kind}, {workers} worker processes, "
+            f"token lifetime {lifetime:g} s, {duration:g} s of calls at {rate:g}/s\n"
+        )
+        _drive(summary, sandbox, store, duration, rate, out)
+        out.write(_summary_text(summary))
+        return summary
+    raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
+
+
+def _drive(
+    summary: DemoSummary,
+    sandbox: SandboxApp,
+    store: TokenStore,
+    duration: float,
+    rate: float,
+    out: TextIO,
+) -> None:
+    """Enqueue calls, revoke every token midway, show the live view, collect results."""
+    from .tasks import call_api
+
+    pending: list[Any] = []
+    started = time.monotonic()
+    revoked = False
+    next_view = 0.0
+    live = out.isatty()
+
+    def collect() -> None:
+        for result in [r for r in pending if r.ready()]:
+            pending.remove(result)
+            if result.successful():
+                summary.ok += 1
+            else:
+                summary.failed += 1
+                summary.errors.append(repr(result.result)[:200])
+
+    def view(now: float) -> None:
+        counters = sandbox.counters()
+        fleet = store.counters()
+        token = store.load()
+        clock = store.time()
+        summary.exchanges = counters["exchanges"]["ok"]
+        summary.unauthorized = counters["calls"]["unauthorized"]
+        summary.forced_renewals = fleet.get("exchanges:forced:ok", 0)
+        token_text = (
+            f"gen {token.generation:>3} left {token.time_left(clock):5.1f}s"
+            if token is not None
+            else "no token yet    "
+        )
+        line = (
+            f"t={now:5.1f}s  token {token_text}  exchanges {summary.exchanges:>3}  "
+            f"calls ok {summary.ok:>5} failed {summary.failed:>3} queued {len(pending):>4}  "
+            f"401s {summary.unauthorized:>3} (forced renewals {summary.forced_renewals})"
+        )
+        out.write(("\r\x1b[K" + line) if live else line + "\n")
+        out.flush()
+
+    while (elapsed := time.monotonic() - started) < duration:
+        target = int(elapsed * rate)
+        while summary.enqueued < target:
+            path = "/open-api/v1/echo" if summary.enqueued % 2 else "/open-api/v1/ping"
+            if path.endswith("echo"):
+                pending.append(call_api.delay("POST", path, json={"n": summary.enqueued}))
+            else:
+                pending.append(call_api.delay("GET", path))
+            summary.enqueued += 1
+        if not revoked and elapsed >= duration / 2:
+            sandbox.revoke_all()
+            revoked = True
+            out.write(
+                ("\n" if live else "") + f"t={elapsed:5.1f}s  revoke-all: every token dies now\n"
+            )
+        collect()
+        if elapsed >= next_view:
+            view(elapsed)
+            next_view = elapsed + (VIEW_INTERVAL if live else 2.0)
+        time.sleep(0.05)
+    deadline = time.monotonic() + DRAIN_TIMEOUT
+    while pending and time.monotonic() < deadline:
+        collect()
+        time.sleep(0.1)
+    summary.lost = len(pending)
+    view(time.monotonic() - started)
+    if live:
+        out.write("\n")
+
+
+def _summary_text(summary: DemoSummary) -> str:
+    lines = [
+        "",
+        "summary",
+        f"  calls enqueued        {summary.enqueued}",
+        f"  calls ok              {summary.ok}",
+        f"  calls failed          {summary.failed}",
+        f"  calls not finished    {summary.lost}",
+        f"  token exchanges       {summary.exchanges} (expected at most "
+        f"{summary.expected_exchanges}: one per renewal period, plus the revoke-all)",
+        f"  401s answered         {summary.unauthorized}",
+        f"  forced renewals       {summary.forced_renewals}",
+        f"  Redis                 {summary.redis}",
+        f"  result                {'OK' if summary.healthy else 'PROBLEMS'}",
+    ]
+    lines += [f"  error: {e}" for e in summary.errors[:5]]
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _redis_for_demo(workdir: Path) -> Iterator[tuple[str, str]]:
+    """MERCHANT_REDIS_URL if it answers, else a private redis-server, else fakeredis."""
+    url = os.environ.get("MERCHANT_REDIS_URL", "redis://localhost:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    except redis.RedisError:
+        pass
+    else:
+        yield url, f"{url.split('@')[-1]} (MERCHANT_REDIS_URL)"
+        return
+    if shutil.which("redis-server") is not None:
+        with RedisServer(workdir) as server:
+            yield server.url, f"private redis-server on port {server.port}"
+        return
+    port = free_port()
+    from fakeredis import TcpFakeServer
+
+    fake = TcpFakeServer(("127.0.0.1", port), server_type="redis")
+    thread = threading.Thread(target=fake.serve_forever, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: redis_answers(port), "fakeredis's TCP server")
+        yield f"redis://127.0.0.1:{port}/0", f"embedded fakeredis on port {port} (slower)"
+    finally:
+        fake.shutdown()
+        fake.server_close()
+
+
+@contextlib.contextmanager
+def _child(
+    argv: list[str], env: dict[str, str], log_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process in its own session, stopped with all its children on exit."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(  # noqa: S603
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            yield process
+        finally:
+            stop_group(process)

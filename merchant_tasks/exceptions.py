@@ -1,0 +1,128 @@
+"""Every error merchant-tasks raises, one tree.
+
+```
+MerchantError                      base; ``retryable`` says whether trying later can help
+├── ConfigurationError             a setting is missing or invalid (names the variable)
+├── StoreUnavailable               Redis cannot be reached                        retryable
+├── TokenExchangeError             the token endpoint did not give us a token
+│   ├── CredentialsRejected        the API key or secret was refused (4xx)
+│   ├── ExchangeRateLimited        429 from the token endpoint (``retry_after``)  retryable
+│   ├── TokenEndpointUnavailable   5xx, timeout or connection failure             retryable
+│   └── MalformedTokenResponse     2xx without a usable token                     retryable
+├── RenewalTimeout                 another process held the renewal too long      retryable
+├── TokenRejected                  a freshly issued token still gets 401
+└── ApiError                       a business call failed (``status``, ``excerpt``)
+    ├── ApiUnavailable             429/5xx/connection failure the client gave up on  retryable
+    └── MalformedApiResponse       a 2xx whose body is not JSON
+```
+
+No message here ever contains a secret or a token: callers build them from status codes,
+error codes and names only.
+"""
+
+from __future__ import annotations
+
+
+class MerchantError(Exception):
+    """Base of every merchant-tasks error."""
+
+    retryable: bool = False
+
+
+class ConfigurationError(MerchantError):
+    """A setting is missing or invalid; the message names the variable."""
+
+
+class StoreUnavailable(MerchantError):
+    """The Redis token store cannot be reached; calls resume when it is back."""
+
+    retryable = True
+
+
+class TokenExchangeError(MerchantError):
+    """The token endpoint did not give us a usable token."""
+
+
+class CredentialsRejected(TokenExchangeError):
+    """The token endpoint refused the API key or secret.
+
+    Check MERCHANT_API_KEY and MERCHANT_API_SECRET; the secret may have been reset in the
+    dashboard, or the key may belong to the other environment.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ExchangeRateLimited(TokenExchangeError):
+    """The token endpoint answered 429; no exchange is made before ``retry_after`` seconds."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TokenEndpointUnavailable(TokenExchangeError):
+    """The token endpoint answered 5xx, timed out or could not be reached."""
+
+    retryable = True
+
+    def __init__(
+        self, message: str, *, status: int | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+class MalformedTokenResponse(TokenExchangeError):
+    """The token endpoint answered 2xx without a usable ``access_token``."""
+
+    retryable = True
+
+
+class RenewalTimeout(MerchantError):
+    """Another process held the renewal lock longer than we could wait for its token."""
+
+    retryable = True
+
+
+class TokenRejected(MerchantError):
+    """A token issued moments ago still gets 401, so renewing again would not help.
+
+    Likely causes: the API key belongs to the other environment (sandbox vs production),
+    the secret was reset in the dashboard, or API access was revoked for this merchant.
+    """
+
+
+class ApiError(MerchantError):
+    """A business call answered with an error status."""
+
+    def __init__(self, message: str, *, status: int | None = None, excerpt: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.excerpt = excerpt
+
+
+class ApiUnavailable(ApiError):
+    """The API kept answering 429/5xx or could not be reached, and the client gave up."""
+
+    retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        excerpt: str = "",
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message, status=status, excerpt=excerpt)
+        self.retry_after = retry_after
+
+
+class MalformedApiResponse(ApiError):
+    """A business call answered 2xx with a body that is not JSON."""

@@ -1,0 +1,232 @@
+"""The token exchange: the one place that talks to the token endpoint.
+
+It sends the client-credentials request and sorts every answer into the error tree of
+``exceptions``. Neither the secret nor the request body ever reaches an error or a log:
+errors carry status codes and the short error code the server gave, nothing else.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+from .exceptions import (
+    ConfigurationError,
+    CredentialsRejected,
+    ExchangeRateLimited,
+    MalformedTokenResponse,
+    TokenEndpointUnavailable,
+)
+from .settings import Secret, Settings
+
+log = logging.getLogger(__name__)
+
+TOKEN_PATH = "/open-api/v1/auth/access_token"
+GRANT_TYPE = "client_credential"
+MAX_RETRY_AFTER = 3600.0  # a Retry-After beyond an hour is a server bug; do not obey it blindly
+# RFC 6750's b64token: what can be sent in an Authorization header as it is
+_BEARER_TOKEN = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+MAX_TOKEN_LIFETIME = 30 * 86400.0  # a longer lifetime is a unit mix-up (ms?), not a promise
+_ERROR_CODE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")  # only short identifiers are quoted back
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    """What a successful exchange returns: the token and its lifetime in seconds."""
+
+    value: str = field(repr=False)
+    expires_in: float
+
+
+class TokenExchange:
+    """Exchanges the API key and secret for a token at ``base_url``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        secret: Secret,
+        *,
+        session: requests.Session | None = None,
+        timeout: tuple[float, float] = (3.05, 10.0),
+        default_lifetime: float = 7200.0,
+    ) -> None:
+        self.url = base_url.rstrip("/") + TOKEN_PATH
+        self.api_key = api_key
+        self.secret = secret
+        self.session = session or requests.Session()
+        self.timeout = timeout
+        self.default_lifetime = default_lifetime
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, session: requests.Session | None = None
+    ) -> TokenExchange:
+        return cls(
+            settings.base_url,
+            settings.api_key,
+            settings.secret,
+            session=session,
+            timeout=(settings.connect_timeout, settings.read_timeout),
+            default_lifetime=settings.token_lifetime,
+        )
+
+    def __repr__(self) -> str:
+        return f"TokenExchange(url={self.url!r}, api_key={self.api_key!r})"
+
+    def __call__(self) -> IssuedToken:
+        """Make one exchange; raise a ``TokenExchangeError`` subclass on any failure."""
+        secret = self.secret.reveal()
+        body = {"grant_type": GRANT_TYPE, "appid": self.api_key, "secret": secret}
+        started = time.monotonic()
+        try:
+            response = self.session.post(
+                self.url,
+                json=body,
+                headers={"accept": "application/json"},
+                timeout=self.timeout,
+                allow_redirects=False,  # a redirect would resend the secret elsewhere
+            )
+        except requests.Timeout:
+            raise TokenEndpointUnavailable(
+                f"token endpoint {self.url} timed out (timeouts {self.timeout})"
+            ) from None
+        except requests.RequestException as exc:
+            raise TokenEndpointUnavailable(
+                f"token endpoint {self.url} unreachable ({type(exc).__name__})"
+            ) from None
+        elapsed = time.monotonic() - started
+        log.debug(
+            "token exchange for %s answered %s in %.3f s",
+            self.api_key,
+            response.status_code,
+            elapsed,
+        )
+        return classify(response, self.default_lifetime, secret=secret)
+
+
+def classify(response: requests.Response, default_lifetime: float, secret: str = "") -> IssuedToken:
+    """Turn a token endpoint's answer into an ``IssuedToken`` or the matching error.
+
+    ``secret`` is only used to make sure nothing quoted from the body contains it.
+    """
+    status = response.status_code
+    if status == 429:
+        retry_after = parse_retry_after(response.headers.get("Retry-After"))
+        raise ExchangeRateLimited(
+            f"token endpoint rate limited the exchange (HTTP 429{_error_code(response, secret)}); "
+            f"retry after {retry_after if retry_after is not None else 'an unknown time'} s",
+            retry_after=retry_after,
+        )
+    if status >= 500 or status == 408:
+        raise TokenEndpointUnavailable(
+            f"token endpoint failed (HTTP {status}{_error_code(response, secret)})",
+            status=status,
+            retry_after=parse_retry_after(response.headers.get("Retry-After")),
+        )
+    if 300 <= status < 400:
+        raise ConfigurationError(
+            f"token endpoint answered a redirect (HTTP {status}); check MERCHANT_BASE_URL"
+        )
+    if status >= 400:
+        raise CredentialsRejected(
+            "token endpoint refused the credentials "
+            f"(HTTP {status}{_error_code(response, secret)}): "
+            "check MERCHANT_API_KEY and MERCHANT_API_SECRET; the secret may have been reset "
+            "in the dashboard, or the key may belong to the other environment",
+            status=status,
+        )
+    return parse_token(response, default_lifetime, secret)
+
+
+def parse_token(
+    response: requests.Response, default_lifetime: float, secret: str = ""
+) -> IssuedToken:
+    """Find ``access_token`` (top level or under ``data``) and ``expires_in`` in a 2xx body."""
+    try:
+        payload: Any = response.json()
+    except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
+        raise MalformedTokenResponse(
+            f"token endpoint answered HTTP {response.status_code} with a body that is not JSON"
+        ) from None
+    if not isinstance(payload, dict):
+        raise MalformedTokenResponse(
+            f"token endpoint answered a JSON {type(payload).__name__}, not an object"
+        )
+    container = payload
+    if "access_token" not in payload and isinstance(payload.get("data"), dict):
+        container = payload["data"]
+    value = container.get("access_token")
+    if isinstance(value, str):
+        value = value.strip()
+    if not isinstance(value, str) or not _BEARER_TOKEN.fullmatch(value):
+        names = sorted(str(k)[:32] for k in container if _quotable(str(k), secret))
+        raise MalformedTokenResponse(
+            "token endpoint answered without a usable access_token "
+            f"(fields: {', '.join(names[:10]) or 'none'}){_error_code(response, secret)}"
+        )
+    expires_in = container.get("expires_in")
+    if expires_in is None:
+        lifetime = default_lifetime
+    else:
+        try:
+            lifetime = float(expires_in)
+        except (TypeError, ValueError, OverflowError):
+            raise MalformedTokenResponse("token endpoint's expires_in is not a number") from None
+        if isinstance(expires_in, bool) or not math.isfinite(lifetime) or lifetime <= 0:
+            raise MalformedTokenResponse("token endpoint's expires_in is not a positive number")
+    if lifetime > MAX_TOKEN_LIFETIME:
+        raise MalformedTokenResponse(
+            f"token endpoint's expires_in ({lifetime:.0f} s) is beyond {MAX_TOKEN_LIFETIME:.0f} s"
+        )
+    return IssuedToken(value=value, expires_in=lifetime)
+
+
+def parse_retry_after(header: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or HTTP date), capped; None if absent."""
+    if not header:
+        return None
+    header = header.strip()
+    try:
+        seconds = float(header)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(header)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = when.timestamp() - time.time()
+    if not math.isfinite(seconds):
+        return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
+def _quotable(text: str, secret: str) -> bool:
+    """Whether a piece of a response may appear in an error: a short identifier, no secret."""
+    return bool(_ERROR_CODE.match(text)) and not (secret and secret in text)
+
+
+def _error_code(response: requests.Response, secret: str) -> str:
+    """The server's short error code, if its body has one that is a plain identifier.
+
+    Free text from the body is never quoted: it could echo what we sent.
+    """
+    try:
+        payload = response.json()
+    except (ValueError, RecursionError):
+        return ""
+    if not isinstance(payload, dict):
+        return ""
+    for key in ("error", "code", "errcode", "error_code"):
+        value = payload.get(key)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            text = str(value)
+            if _quotable(text, secret):
+                return f", {key}={text}"
+    return ""

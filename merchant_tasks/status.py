@@ -1,0 +1,112 @@
+"""What an operator asks about an account, read from the fleet's Redis (never a token)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .settings import Settings
+from .store import TokenStore
+from .token import TokenState
+
+HOUR = 3600.0
+DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class AccountStatus:
+    """One account's token, renewals, breaker and counters at one moment (Redis time)."""
+
+    account: str
+    environment: str
+    api_key: str
+    now: float
+    state: str  # fresh / advisory / mandatory / expired / missing
+    generation: int | None = None
+    fingerprint: str | None = None  # a short hash: tells tokens apart, reveals nothing
+    issued_at: float | None = None
+    age: float | None = None
+    time_left: float | None = None
+    last_renewal_reason: str | None = None
+    renewed_by: str | None = None
+    exchanges_last_hour: int = 0
+    exchanges_last_day: int = 0
+    breaker: dict[str, Any] | None = None  # kind, failures, closes_in, detail
+    lock_holder: str | None = None
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        """A token is usable outside the mandatory window and no breaker is open."""
+        return self.state in ("fresh", "advisory") and self.breaker is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def account_status(name: str, settings: Settings, store: TokenStore) -> AccountStatus:
+    """Read one account's status from its store."""
+    now = store.time()
+    token = store.load()
+    record = store.load_breaker()
+    breaker = None
+    if record is not None and record.until > now:
+        breaker = {
+            "kind": record.kind,
+            "failures": record.failures,
+            "closes_in": round(record.until - now, 3),
+            "detail": record.detail,
+        }
+    common: dict[str, Any] = {
+        "account": name,
+        "environment": settings.environment,
+        "api_key": settings.api_key,
+        "now": now,
+        "exchanges_last_hour": store.exchanges_since(now - HOUR),
+        "exchanges_last_day": store.exchanges_since(now - DAY),
+        "breaker": breaker,
+        "lock_holder": store.lock_holder(),
+        "counters": store.counters(),
+    }
+    if token is None:
+        return AccountStatus(state="missing", **common)
+    state = token.state(now, settings.renew_before, settings.renew_mandatory)
+    return AccountStatus(
+        state=state.value,
+        generation=token.generation,
+        fingerprint=token.fingerprint,
+        issued_at=token.issued_at,
+        age=round(now - token.issued_at, 3),
+        time_left=round(max(0.0, token.time_left(now)), 3) if state != TokenState.EXPIRED else 0.0,
+        last_renewal_reason=token.reason,
+        renewed_by=token.renewed_by,
+        **common,
+    )
+
+
+def format_status(status: AccountStatus) -> str:
+    """Human-readable lines for `merchant-tasks status`."""
+    lines = [f"{status.account} ({status.environment}, key {status.api_key}): {status.state}"]
+    if status.generation is not None:
+        lines.append(
+            f"  token       generation {status.generation}, fingerprint {status.fingerprint}, "
+            f"age {status.age:.0f} s, {status.time_left:.0f} s left"
+        )
+        lines.append(f"  renewed     {status.last_renewal_reason} by {status.renewed_by}")
+    lines.append(
+        f"  exchanges   {status.exchanges_last_hour} in the last hour, "
+        f"{status.exchanges_last_day} in the last day"
+    )
+    if status.breaker is not None:
+        b = status.breaker
+        lines.append(
+            f"  breaker     OPEN ({b['kind']}, {b['failures']} failure(s)), closes in "
+            f"{b['closes_in']:.0f} s: {b['detail']}"
+        )
+    else:
+        lines.append("  breaker     closed")
+    lines.append(f"  lock        {status.lock_holder or 'free'}")
+    if status.counters:
+        counted = ", ".join(f"{k}={v}" for k, v in sorted(status.counters.items()))
+        lines.append(f"  counters    {counted}")
+    return "\n".join(lines)

@@ -1,0 +1,231 @@
+"""The token store: Redis keys for one account (environment and API key).
+
+Keys, under ``<prefix>:<environment>:<api key>:``
+
+- ``token``      the current token as JSON (value, issue and expiry times, generation, who
+                 renewed and why); its TTL is the token's time left, so it expires with it
+- ``generation`` a counter that only grows; a write names the generation it replaces and
+                 is refused if another write came first, so an older token never
+                 overwrites a newer one
+- ``lock``       the renewal lock; its value names the holder
+- ``breaker``    why exchanges are paused and until when (kept a while past the pause,
+                 to count failures in a row)
+- ``counters``   fleet-wide counters (exchanges by reason and outcome, 401s, lock waits)
+- ``exchanges``  the last day's exchange attempts (a sorted set by time), for rates
+
+Times come from Redis's own clock (TIME), the one clock all hosts share: ``RedisClock``
+reads it once a minute and advances it with the local monotonic clock in between, so the
+hot path costs one GET and no TIME.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, cast
+
+import redis
+from redis.lock import Lock
+
+from .exceptions import StoreUnavailable
+from .token import Token
+
+CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
+EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last day)
+BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
+# failures in a row are counted and the back-off grows; a success deletes it
+
+# KEYS: token, generation. ARGV: expected generation, token JSON, expires_at (Redis seconds).
+# Returns {1, new generation} when written, {0, current generation} when another write
+# came first, {-1, current generation} when the token has already expired.
+_SAVE_IF_GENERATION = """
+local current = tonumber(redis.call('GET', KEYS[2]) or '0')
+if current ~= tonumber(ARGV[1]) then return {0, current} end
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local ttl_ms = math.floor(tonumber(ARGV[3]) * 1000) - now_ms
+if ttl_ms <= 0 then return {-1, current} end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
+redis.call('SET', KEYS[2], current + 1)
+return {1, current + 1}
+"""
+
+
+@dataclass(frozen=True)
+class BreakerRecord:
+    """Why token exchanges are paused fleet-wide, and until when (Redis time)."""
+
+    kind: str  # "rejected", "rate_limited" or "unavailable"
+    until: float
+    failures: int = 1
+    secret_fingerprint: str = ""  # for "rejected": the secret that was refused
+    detail: str = ""  # the error's message, free of secrets by construction
+
+
+class RedisClock:
+    """Redis's clock, estimated locally between reads of TIME."""
+
+    def __init__(
+        self,
+        read_time: Callable[[], float],
+        monotonic: Callable[[], float] = time.monotonic,
+        resync: float = CLOCK_RESYNC,
+    ) -> None:
+        self._read_time = read_time
+        self._monotonic = monotonic
+        self._resync = resync
+        self._base: tuple[float, float] | None = None  # (redis time, monotonic) at the last read
+        self._next_read = 0.0
+
+    def __call__(self) -> float:
+        """Redis's time now. Raises StoreUnavailable only if Redis was never reached."""
+        mono = self._monotonic()
+        if self._base is None or mono >= self._next_read:
+            self._next_read = mono + self._resync
+            try:
+                before = self._monotonic()
+                remote = self._read_time()
+                after = self._monotonic()
+            except StoreUnavailable:
+                if self._base is None:
+                    raise
+            else:
+                self._base = (remote, (before + after) / 2)  # read about mid round trip
+        remote_then, mono_then = self._base
+        return remote_then + (mono - mono_then)
+
+
+class TokenStore:
+    """Reads and writes one account's token, lock, breaker and counters in Redis."""
+
+    def __init__(self, client: redis.Redis, namespace: str) -> None:
+        self.redis = client
+        self.namespace = namespace
+        self.token_key = f"{namespace}:token"
+        self.generation_key = f"{namespace}:generation"
+        self.lock_key = f"{namespace}:lock"
+        self.breaker_key = f"{namespace}:breaker"
+        self.counters_key = f"{namespace}:counters"
+        self.exchange_log_key = f"{namespace}:exchanges"
+        self._save = client.register_script(_SAVE_IF_GENERATION)
+        self._parsed: tuple[bytes, Token] | None = None
+        self._parsed_lock = threading.Lock()
+
+    @staticmethod
+    def namespace_for(prefix: str, environment: str, api_key: str) -> str:
+        return f"{prefix}:{environment}:{api_key}"
+
+    def __repr__(self) -> str:
+        return f"TokenStore(namespace={self.namespace!r})"
+
+    def time(self) -> float:
+        """Redis's clock, in seconds."""
+        with _unavailable_as_error():
+            seconds, micros = self.redis.time()
+        return seconds + micros / 1e6
+
+    def load(self) -> Token | None:
+        """The stored token, or None. One GET; an unchanged value is not parsed again."""
+        with _unavailable_as_error():
+            raw = cast(bytes | None, self.redis.get(self.token_key))
+        if raw is None:
+            return None
+        parsed = self._parsed
+        if parsed is not None and parsed[0] == raw:
+            return parsed[1]
+        token = Token.from_json(raw)
+        with self._parsed_lock:
+            self._parsed = (raw, token)
+        return token
+
+    def generation(self) -> int:
+        """The generation of the last token written (0 if none ever was)."""
+        with _unavailable_as_error():
+            raw = self.redis.get(self.generation_key)
+        return int(cast(bytes, raw)) if raw is not None else 0
+
+    def save(self, token: Token) -> tuple[bool, int]:
+        """Write ``token`` if it is the successor of the stored generation.
+
+        ``token.generation`` must be the stored generation plus one. Returns whether it was
+        written and the generation now stored.
+        """
+        with _unavailable_as_error():
+            result = cast(
+                list[int],
+                self._save(
+                    keys=[self.token_key, self.generation_key],
+                    args=[token.generation - 1, token.to_json(), repr(token.expires_at)],
+                ),
+            )
+        written, generation = int(result[0]), int(result[1])
+        return written == 1, generation
+
+    def lock(self, ttl: float) -> Lock:
+        """The renewal lock (redis-py's: owner token, TTL, release only by its owner)."""
+        return Lock(self.redis, self.lock_key, timeout=ttl, blocking=False, thread_local=False)
+
+    def lock_holder(self) -> str | None:
+        """Who holds the renewal lock, if anyone."""
+        with _unavailable_as_error():
+            raw = self.redis.get(self.lock_key)
+        return cast(bytes, raw).decode() if raw is not None else None
+
+    def load_breaker(self) -> BreakerRecord | None:
+        with _unavailable_as_error():
+            raw = self.redis.get(self.breaker_key)
+        if raw is None:
+            return None
+        data: dict[str, Any] = json.loads(cast(bytes, raw))
+        return BreakerRecord(**data)
+
+    def open_breaker(self, record: BreakerRecord, now: float) -> None:
+        """Store the breaker; it outlives ``record.until`` by BREAKER_MEMORY."""
+        ttl_ms = max(1, int((record.until - now + BREAKER_MEMORY) * 1000))
+        with _unavailable_as_error():
+            self.redis.set(self.breaker_key, json.dumps(asdict(record)), px=ttl_ms)
+
+    def close_breaker(self) -> None:
+        with _unavailable_as_error():
+            self.redis.delete(self.breaker_key)
+
+    def count(self, *events: str) -> None:
+        """Add one to each named fleet-wide counter."""
+        with _unavailable_as_error():
+            pipe = self.redis.pipeline(transaction=False)
+            for event in events:
+                pipe.hincrby(self.counters_key, event, 1)
+            pipe.execute()
+
+    def record_exchange(self, reason: str, outcome: str, now: float) -> None:
+        """Count one exchange attempt by reason and outcome, and log its time for rates."""
+        with _unavailable_as_error():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hincrby(self.counters_key, f"exchanges:{reason}:{outcome}", 1)
+            pipe.zadd(self.exchange_log_key, {f"{now:.6f}:{reason}:{outcome}": now})
+            pipe.zremrangebyscore(self.exchange_log_key, "-inf", now - EXCHANGE_LOG_SPAN)
+            pipe.execute()
+
+    def exchanges_since(self, since: float) -> int:
+        """Exchange attempts (any outcome) since ``since``, within the last day."""
+        with _unavailable_as_error():
+            return int(self.redis.zcount(self.exchange_log_key, since, "+inf"))
+
+    def counters(self) -> dict[str, int]:
+        with _unavailable_as_error():
+            raw = cast(dict[bytes, bytes], self.redis.hgetall(self.counters_key))
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+
+@contextmanager
+def _unavailable_as_error() -> Iterator[None]:
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise StoreUnavailable(
+            f"token store (Redis) unavailable: {type(exc).__name__}; check MERCHANT_REDIS_URL"
+        ) from exc

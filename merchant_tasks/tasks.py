@@ -1,0 +1,103 @@
+"""Celery tasks: thin wrappers over the client and the token manager.
+
+``call_api`` decides only how Celery should retry what the client raised; ``renew_token``
+asks the manager to renew if the advisory window has begun. Neither sees a token or the
+secret in its arguments or result: the token stays in Redis and in the worker's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from celery.signals import worker_process_init
+from celery.utils.time import get_exponential_backoff_interval
+
+from .accounts import AccountClients
+from .celery_app import app
+from .client import MerchantClient
+from .exceptions import CredentialsRejected, MerchantError, TokenRejected
+
+log = logging.getLogger(__name__)
+
+TRANSIENT_MAX_RETRIES = 8  # with the back-off below: about 10 minutes of an unavailable API
+TRANSIENT_BACKOFF_FACTOR = 2  # seconds; doubles per retry, full jitter
+COUNTDOWN_MAX = 300  # far below the broker's visibility timeout (3600 s), so no redelivery
+REJECTED_RETRY_PACE = 60  # seconds between retries while the credentials are refused
+REJECTED_RETRY_WINDOW = 900  # default of MERCHANT_REJECTED_RETRY_WINDOW: time to rotate
+
+_clients: AccountClients | None = None
+_clients_lock = threading.Lock()
+
+
+def clients() -> AccountClients:
+    """This process's clients, one per account, made after fork on first use."""
+    global _clients
+    if _clients is None:
+        with _clients_lock:
+            if _clients is None:
+                _clients = AccountClients.from_env()
+    return _clients
+
+
+def client(account: str | None = None) -> MerchantClient:
+    """The client of ``account`` (the only or ``default`` account when None)."""
+    return clients().get(account)
+
+
+@worker_process_init.connect
+def _forget_parent_clients(**_: Any) -> None:
+    """A forked child must not share the parent's sockets: make its own on first use."""
+    global _clients
+    _clients = None
+
+
+@app.task(bind=True, name="merchant_tasks.call_api")
+def call_api(
+    self: Any,
+    method: str,
+    path: str,
+    json: Any = None,
+    params: dict[str, Any] | None = None,
+    account: str | None = None,
+) -> Any:
+    """Call the merchant API as ``account`` and return the decoded JSON body."""
+    try:
+        return client(account).request(method, path, json=json, params=params)
+    except (CredentialsRejected, TokenRejected) as exc:
+        # the secret may be rotated meanwhile: retry slowly for a while, then fail clearly
+        window = float(os.environ.get("MERCHANT_REJECTED_RETRY_WINDOW", REJECTED_RETRY_WINDOW))
+        raise self.retry(
+            exc=exc,
+            countdown=REJECTED_RETRY_PACE,
+            max_retries=int(window // REJECTED_RETRY_PACE),
+        ) from None
+    except MerchantError as exc:
+        if not exc.retryable:
+            raise
+        countdown = get_exponential_backoff_interval(
+            TRANSIENT_BACKOFF_FACTOR, self.request.retries, COUNTDOWN_MAX, full_jitter=True
+        )
+        retry_after = getattr(exc, "retry_after", None) or 0
+        raise self.retry(
+            exc=exc,
+            countdown=min(COUNTDOWN_MAX, max(1, countdown, retry_after)),
+            max_retries=TRANSIENT_MAX_RETRIES,
+        ) from None
+
+
+@app.task(name="merchant_tasks.renew_token", ignore_result=True)
+def renew_token() -> None:
+    """Beat's check of every account: renew where the advisory window has begun.
+
+    One GET per account when nothing is due.
+    """
+    fleet = clients()
+    for name in fleet.accounts:
+        try:
+            fleet.get(name).manager.renew()
+        except MerchantError as exc:
+            # beat ticks again soon, and callers renew in the mandatory window; say why here
+            log.warning("scheduled token renewal of account %s failed: %s", name, exc)

@@ -1,0 +1,98 @@
+"""The access token: a small immutable value and the state it is in at a given time.
+
+Times are seconds on the token store's clock (Redis TIME), the one clock every host shares.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+
+class TokenState(enum.Enum):
+    """Where a token stands in its life, by time left (see DESIGN.md's windows)."""
+
+    FRESH = "fresh"  # nobody renews
+    ADVISORY = "advisory"  # beat renews; callers keep using it
+    MANDATORY = "mandatory"  # any caller renews, single-flight
+    EXPIRED = "expired"  # unusable
+
+
+class RenewalReason(enum.Enum):
+    """Why a token was renewed, recorded with it for operators."""
+
+    SCHEDULED = "scheduled"  # beat, inside the advisory window
+    MANDATORY = "mandatory"  # a caller found it in the mandatory window, or none stored
+    FORCED = "forced"  # a call got 401 with it
+    MANUAL = "manual"  # an operator ran `merchant-tasks renew`
+
+
+@dataclass(frozen=True)
+class Token:
+    """An issued access token. ``repr`` shows a fingerprint, never the value."""
+
+    value: str = field(repr=False)
+    issued_at: float
+    expires_at: float
+    generation: int
+    renewed_by: str = ""
+    reason: str = ""
+
+    @property
+    def fingerprint(self) -> str:
+        """A short, non-reversible name for the token, safe for logs."""
+        return fingerprint(self.value)
+
+    def time_left(self, now: float) -> float:
+        return self.expires_at - now
+
+    def state(self, now: float, renew_before: float, renew_mandatory: float) -> TokenState:
+        """FRESH, ADVISORY, MANDATORY or EXPIRED at ``now`` for the given windows."""
+        left = self.expires_at - now
+        if left <= 0:
+            return TokenState.EXPIRED
+        if left < renew_mandatory:
+            return TokenState.MANDATORY
+        if left < renew_before:
+            return TokenState.ADVISORY
+        return TokenState.FRESH
+
+    def __repr__(self) -> str:
+        return (
+            f"Token(fingerprint={self.fingerprint!r}, generation={self.generation}, "
+            f"issued_at={self.issued_at:.3f}, expires_at={self.expires_at:.3f}, "
+            f"renewed_by={self.renewed_by!r}, reason={self.reason!r})"
+        )
+
+    def to_json(self) -> str:
+        """The stored form (the store is the one place a token is written)."""
+        return json.dumps(
+            {
+                "value": self.value,
+                "issued_at": self.issued_at,
+                "expires_at": self.expires_at,
+                "generation": self.generation,
+                "renewed_by": self.renewed_by,
+                "reason": self.reason,
+            },
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Token:
+        data = json.loads(raw)
+        return cls(
+            value=str(data["value"]),
+            issued_at=float(data["issued_at"]),
+            expires_at=float(data["expires_at"]),
+            generation=int(data["generation"]),
+            renewed_by=str(data.get("renewed_by", "")),
+            reason=str(data.get("reason", "")),
+        )
+
+
+def fingerprint(secret_or_token: str) -> str:
+    """First 12 hex digits of a SHA-256: tells two values apart without revealing either."""
+    return hashlib.sha256(secret_or_token.encode()).hexdigest()[:12]

@@ -1,0 +1,116 @@
+"""Shared fixtures: a real Redis (the machine's, or a private one started here), a fresh key
+prefix per test, and the sandbox emulator serving on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from merchant_tasks.client import MerchantClient
+from merchant_tasks.local import RedisServer
+from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.settings import Secret, Settings
+
+TEST_API_KEY = "test-app-id"
+TEST_SECRET = "test-secret-4f1c9a7e2b"  # searched for in every leak test
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The machine's Redis on 127.0.0.1:6379, else a private redis-server started here."""
+    configured = os.environ.get("MERCHANT_TEST_REDIS_URL")
+    if configured:
+        yield configured
+        return
+    if _reachable("127.0.0.1", 6379):
+        yield "redis://127.0.0.1:6379/0"
+        return
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A key prefix no other test (or earlier run) uses."""
+    return f"mt-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def redis_client(redis_url: str, key_prefix: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    keys = list(client.scan_iter(match=f"{key_prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@dataclass
+class Sandbox:
+    """A running emulator and what a test needs to reach it."""
+
+    app: SandboxApp
+    server: SandboxServer
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def exchanges(self) -> dict[str, int]:
+        counts: dict[str, int] = self.app.counters()["exchanges"]
+        return counts
+
+    def calls(self) -> dict[str, int]:
+        counts: dict[str, int] = self.app.counters()["calls"]
+        return counts
+
+
+@pytest.fixture
+def sandbox_config() -> SandboxConfig:
+    return SandboxConfig(api_key=TEST_API_KEY, secret=TEST_SECRET)
+
+
+@pytest.fixture
+def sandbox(sandbox_config: SandboxConfig) -> Iterator[Sandbox]:
+    app = SandboxApp(sandbox_config)
+    with SandboxServer(app) as server:
+        yield Sandbox(app, server)
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "api-secret"
+    path.write_text(TEST_SECRET + "\n")
+    return path
+
+
+@pytest.fixture
+def settings(sandbox: Sandbox, redis_url: str, key_prefix: str, secret_file: Path) -> Settings:
+    """Settings for the emulator, the secret read from a file as in production."""
+    return Settings(
+        api_key=TEST_API_KEY,
+        secret=Secret(path=secret_file),
+        base_url=sandbox.url,
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+    )
+
+
+@pytest.fixture
+def client(settings: Settings, redis_client: redis.Redis) -> MerchantClient:
+    return MerchantClient.from_settings(settings, redis_client=redis_client)

@@ -1,0 +1,215 @@
+"""Several accounts: configuration, isolation, and keys that never cross environments."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from merchant_tasks.accounts import DEFAULT_ACCOUNT, AccountClients, load_accounts
+from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+
+PRODUCTION_KEY = "prod-app-id"
+PRODUCTION_SECRET = "prod-secret-5b9e0c"
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_the_single_account_variables_define_the_default_account(secret_file: Path) -> None:
+    accounts = load_accounts(
+        {"MERCHANT_API_KEY": "k1", "MERCHANT_API_SECRET_FILE": str(secret_file)}
+    )
+    assert list(accounts) == [DEFAULT_ACCOUNT]
+    assert accounts[DEFAULT_ACCOUNT].api_key == "k1"
+
+
+def test_an_accounts_file_adds_accounts_sharing_the_fleet_settings(
+    tmp_path: Path, secret_file: Path
+) -> None:
+    accounts_file = _write(
+        tmp_path / "accounts.toml",
+        f"""
+[accounts.eu-shop]
+environment = "production"
+base_url = "https://api.example.test"
+api_key = "eu-key"
+api_secret_file = "{secret_file}"
+renew_before = 600
+
+[accounts.test-shop]
+api_key = "test-key"
+api_secret_file = "{secret_file}"
+""",
+    )
+    accounts = load_accounts(
+        {
+            "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
+            "MERCHANT_REDIS_URL": "redis://127.0.0.1:6390/3",
+            "MERCHANT_RENEW_BEFORE": "300",
+            "MERCHANT_API_SECRET": "must-not-be-inherited",
+        }
+    )
+    assert set(accounts) == {"eu-shop", "test-shop"}
+    assert accounts["eu-shop"].environment == "production"
+    assert accounts["eu-shop"].renew_before == 600
+    assert accounts["test-shop"].renew_before == 300
+    assert accounts["test-shop"].environment == "sandbox"
+    assert {a.redis_url for a in accounts.values()} == {"redis://127.0.0.1:6390/3"}
+    assert accounts["test-shop"].secret.reveal() == TEST_SECRET
+
+
+def test_a_json_accounts_file_works_too(tmp_path: Path, secret_file: Path) -> None:
+    document = {"accounts": {"one": {"api_key": "k", "api_secret_file": str(secret_file)}}}
+    path = _write(tmp_path / "accounts.json", json.dumps(document))
+    assert list(load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})) == ["one"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ('api_key = "k"\napi_secret = "inline"', "unknown keys \\['api_secret'\\]"),
+        ('api_key = "k"', "MERCHANT_API_SECRET or MERCHANT_API_SECRET_FILE is required"),
+        (
+            'api_key = "k"\napi_secret_file = "SECRET"\nenvironment = "production"\n'
+            'base_url = "http://api.example.test"',
+            "must be https://",
+        ),
+    ],
+)
+def test_a_bad_account_is_an_error_naming_the_file_and_the_account(
+    tmp_path: Path, secret_file: Path, entry: str, message: str
+) -> None:
+    path = _write(
+        tmp_path / "accounts.toml",
+        "[accounts.shop]\n" + entry.replace("SECRET", str(secret_file)),
+    )
+    with pytest.raises(ConfigurationError, match=message) as caught:
+        load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
+    assert "account 'shop'" in str(caught.value)
+    assert "inline" not in str(caught.value)
+
+
+def test_no_account_at_all_is_an_error() -> None:
+    with pytest.raises(ConfigurationError, match="no account configured"):
+        load_accounts({})
+
+
+def test_a_sandbox_and_a_production_account_may_not_share_a_server(
+    tmp_path: Path, secret_file: Path
+) -> None:
+    path = _write(
+        tmp_path / "accounts.toml",
+        f"""
+[accounts.live]
+environment = "production"
+base_url = "https://api.example.test"
+api_key = "live"
+api_secret_file = "{secret_file}"
+[accounts.test]
+base_url = "https://api.example.test/"
+api_key = "test"
+api_secret_file = "{secret_file}"
+""",
+    )
+    with pytest.raises(ConfigurationError, match="must never reach the other"):
+        load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
+
+
+def test_an_unknown_account_is_an_error_listing_the_configured_ones(secret_file: Path) -> None:
+    clients = AccountClients.from_env(
+        {"MERCHANT_API_KEY": "k1", "MERCHANT_API_SECRET_FILE": str(secret_file)}
+    )
+    with pytest.raises(ConfigurationError, match=r"unknown account 'eu'.*default"):
+        clients.get("eu")
+
+
+# -- two emulators, two environments ---------------------------------------------------
+
+
+class _RecordingApp:
+    """Wraps an emulator to record every appid that reached its token endpoint."""
+
+    def __init__(self, app: SandboxApp) -> None:
+        self.app = app
+        self.appids: list[str] = []
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        if environ["PATH_INFO"].endswith("/auth/access_token"):
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+            body = environ["wsgi.input"].read(length)
+            self.appids.append(json.loads(body).get("appid", ""))
+            environ["wsgi.input"] = io.BytesIO(body)
+        return self.app(environ, start_response)
+
+
+@pytest.fixture
+def production() -> Iterator[tuple[_RecordingApp, str]]:
+    app = SandboxApp(
+        SandboxConfig(api_key=PRODUCTION_KEY, secret=PRODUCTION_SECRET, environment="production")
+    )
+    recording = _RecordingApp(app)
+    with SandboxServer(recording) as server:  # type: ignore[arg-type]  # any WSGI app serves
+        yield recording, server.url
+
+
+@pytest.mark.integration
+def test_each_account_gets_its_own_token_and_its_key_reaches_only_its_environment(
+    sandbox: Sandbox,
+    production: tuple[_RecordingApp, str],
+    tmp_path: Path,
+    secret_file: Path,
+    redis_url: str,
+    key_prefix: str,
+    redis_client: redis.Redis,
+) -> None:
+    production_app, production_url = production
+    production_secret = _write(tmp_path / "prod-secret", PRODUCTION_SECRET)
+    accounts_file = _write(
+        tmp_path / "accounts.toml",
+        f"""
+[accounts.live]
+environment = "production"
+base_url = "{production_url.replace("127.0.0.1", "localhost")}"
+allow_insecure_http = true
+api_key = "{PRODUCTION_KEY}"
+api_secret_file = "{production_secret}"
+""",
+    )
+    clients = AccountClients.from_env(
+        {
+            "MERCHANT_API_KEY": TEST_API_KEY,
+            "MERCHANT_API_SECRET_FILE": str(secret_file),
+            "MERCHANT_BASE_URL": sandbox.url,
+            "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
+            "MERCHANT_REDIS_URL": redis_url,
+            "MERCHANT_KEY_PREFIX": key_prefix,
+        }
+    )
+    for _ in range(3):
+        assert clients.get("default").request("GET", "/open-api/v1/merchant/profile") == {
+            "appid": TEST_API_KEY,
+            "environment": "sandbox",
+        }
+        assert clients.get("live").request("GET", "/open-api/v1/merchant/profile") == {
+            "appid": PRODUCTION_KEY,
+            "environment": "production",
+        }
+    clients.get("default").manager.renew(force=True)
+
+    assert production_app.appids == [PRODUCTION_KEY]  # the sandbox key never reached it
+    assert sandbox.exchanges() == {"ok": 2, "rejected": 0, "rate_limited": 0, "failed": 0}
+    stores = {name: clients.get(name).manager.store for name in ("default", "live")}
+    assert stores["default"].namespace != stores["live"].namespace
+    assert stores["default"].generation() == 2
+    assert stores["live"].generation() == 1
+    assert stores["live"].counters() == {"exchanges:mandatory:ok": 1}

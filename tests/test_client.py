@@ -1,0 +1,593 @@
+"""MerchantClient over a fake transport, with a TokenManager on fakeredis: bearer header,
+renew-once on 401, what is retried for which method, and errors that never show the token."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import fakeredis
+import pytest
+import redis
+import requests
+from requests.adapters import BaseAdapter
+from requests.structures import CaseInsensitiveDict
+from urllib3.connection import HTTPSConnection
+from urllib3.connectionpool import HTTPSConnectionPool
+from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError
+
+from merchant_tasks.client import CALL_ATTEMPTS, CALL_WAIT_MAX, EXCERPT_LENGTH, MerchantClient
+from merchant_tasks.exceptions import (
+    ApiError,
+    ApiUnavailable,
+    CredentialsRejected,
+    MalformedApiResponse,
+    TokenRejected,
+)
+from merchant_tasks.exchange import TOKEN_PATH, IssuedToken
+from merchant_tasks.renewal import TokenManager
+from merchant_tasks.store import TokenStore
+from merchant_tasks.token import Token, fingerprint
+
+BASE_URL = "https://api.example.test"
+ORDERS = "/open-api/v1/orders"
+LIFETIME = 7200.0
+
+Reply = requests.Response | Exception | Callable[[requests.PreparedRequest], requests.Response]
+
+
+def response(
+    status: int = 200, body: Any = None, headers: Mapping[str, str] | None = None
+) -> requests.Response:
+    """A response as the transport would build it; ``body`` bytes or str are sent as they are."""
+    built = requests.Response()
+    built.status_code = status
+    if body is None:
+        built._content = b""
+    elif isinstance(body, bytes):
+        built._content = body
+    elif isinstance(body, str):
+        built._content = body.encode()
+    else:
+        built._content = json.dumps(body).encode()
+    built.headers = CaseInsensitiveDict(headers or {})
+    built.encoding = "utf-8"
+    return built
+
+
+@dataclass
+class Sent:
+    method: str
+    url: str
+    headers: CaseInsensitiveDict[str]
+    body: bytes
+    timeout: object
+
+    @property
+    def bearer(self) -> str:
+        return self.headers["authorization"].removeprefix("Bearer ")
+
+
+class FakeTransport(BaseAdapter):
+    """Answers each request with the next reply (the last one repeats) and records it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replies: list[Reply] = [response(200, {"ok": True})]
+        self.sent: list[Sent] = []
+
+    def reply(self, *replies: Reply) -> None:
+        self.replies = list(replies)
+
+    def send(  # type: ignore[override]
+        self, request: requests.PreparedRequest, timeout: object = None, **_: object
+    ) -> requests.Response:
+        body = request.body.encode() if isinstance(request.body, str) else request.body or b""
+        headers = CaseInsensitiveDict(dict(request.headers))
+        self.sent.append(Sent(request.method or "", request.url or "", headers, body, timeout))
+        reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
+        if isinstance(reply, Exception):
+            raise reply
+        built = reply(request) if callable(reply) else reply
+        built.request = request
+        built.url = request.url or ""
+        return built
+
+    def close(self) -> None:
+        pass
+
+
+class FakeExchange:
+    """Issues tok-1, tok-2, ... (or raises a queued error) and counts the exchanges."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.errors: list[Exception] = []
+        self.padding = ""  # makes the tokens longer, as JWTs are
+
+    def __call__(self) -> IssuedToken:
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return IssuedToken(f"tok-{self.calls}-9c4e1f7a2b{self.padding}", expires_in=LIFETIME)
+
+
+@pytest.fixture
+def store() -> TokenStore:
+    client: redis.Redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    return TokenStore(client, TokenStore.namespace_for("mt-test", "sandbox", "app-id-1234"))
+
+
+@pytest.fixture
+def exchange() -> FakeExchange:
+    return FakeExchange()
+
+
+@pytest.fixture
+def sleeps() -> list[float]:
+    return []
+
+
+@pytest.fixture
+def transport() -> FakeTransport:
+    return FakeTransport()
+
+
+@pytest.fixture
+def client(
+    store: TokenStore, exchange: FakeExchange, sleeps: list[float], transport: FakeTransport
+) -> MerchantClient:
+    manager = TokenManager(
+        store,
+        exchange,
+        lambda: fingerprint("secret-one-0a1b2c3d4e"),
+        renew_before=480.0,
+        renew_mandatory=120.0,
+        exchange_timeout=0.1,
+        clock=time.time,
+        sleep=sleeps.append,
+        rng=random.Random(0),
+        local_copy_ttl=0.0,  # read the store on every call; the copy has its own tests
+    )
+    session = requests.Session()
+    session.mount("https://", transport)
+    session.mount("http://", transport)
+    return MerchantClient(
+        BASE_URL, manager, session=session, timeout=(1.0, 2.0), sleep=sleeps.append
+    )
+
+
+def refused() -> requests.ConnectionError:
+    """What requests raises when the TCP connection is refused: nothing was sent."""
+    reason = NewConnectionError(HTTPSConnection("api.example.test"), "Connection refused")
+    return requests.ConnectionError(
+        MaxRetryError(HTTPSConnectionPool("api.example.test"), "/", reason)
+    )
+
+
+def dropped() -> requests.ConnectionError:
+    """What requests raises when the connection breaks after the request went out."""
+    return requests.ConnectionError(ProtocolError("Connection aborted.", ConnectionResetError()))
+
+
+def echo_authorization(status: int) -> Callable[[requests.PreparedRequest], requests.Response]:
+    """A careless server that quotes the request's Authorization header in its error body."""
+
+    def answer(request: requests.PreparedRequest) -> requests.Response:
+        header = request.headers["Authorization"]
+        return response(status, {"error": "bad", "detail": f"you sent {header}", "token": header})
+
+    return answer
+
+
+def token_values(exchange: FakeExchange) -> list[str]:
+    return [f"tok-{n}-9c4e1f7a2b{exchange.padding}" for n in range(1, exchange.calls + 1)]
+
+
+# -- the call ----------------------------------------------------------------------------
+
+
+def test_a_call_sends_the_shared_token_as_a_bearer_header(
+    client: MerchantClient, transport: FakeTransport, store: TokenStore
+) -> None:
+    client.request("GET", f"{ORDERS}/42")
+    [sent] = transport.sent
+    assert (sent.method, sent.url) == ("GET", f"{BASE_URL}{ORDERS}/42")
+    stored = store.load()
+    assert stored is not None
+    assert sent.headers["authorization"] == f"Bearer {stored.value}"
+    assert sent.headers["accept"] == "application/json"
+    assert sent.timeout == (1.0, 2.0)
+
+
+def test_a_call_sends_its_json_body_query_and_extra_headers(
+    client: MerchantClient, transport: FakeTransport
+) -> None:
+    client.request(
+        "post", ORDERS, json={"amount": 100}, params={"trace": "a1"}, headers={"X-Req": "r-1"}
+    )
+    [sent] = transport.sent
+    assert (sent.method, sent.url) == ("POST", f"{BASE_URL}{ORDERS}?trace=a1")
+    assert json.loads(sent.body) == {"amount": 100}
+    assert sent.headers["content-type"] == "application/json"
+    assert sent.headers["x-req"] == "r-1"
+
+
+def test_the_json_answer_is_decoded(client: MerchantClient, transport: FakeTransport) -> None:
+    transport.reply(response(200, {"order": {"id": 42, "items": [1, 2]}}))
+    assert client.request("GET", ORDERS) == {"order": {"id": 42, "items": [1, 2]}}
+
+
+@pytest.mark.parametrize("status", [200, 202, 204])
+def test_an_empty_answer_is_none(
+    client: MerchantClient, transport: FakeTransport, status: int
+) -> None:
+    transport.reply(response(status))
+    assert client.request("DELETE", f"{ORDERS}/42") is None
+
+
+def test_a_2xx_that_is_not_json_is_malformed_api_response(
+    client: MerchantClient, transport: FakeTransport
+) -> None:
+    transport.reply(response(200, "<html>ok</html>"))
+    with pytest.raises(MalformedApiResponse, match="not JSON") as caught:
+        client.request("GET", ORDERS)
+    assert caught.value.status == 200
+    assert len(transport.sent) == 1
+
+
+def test_one_token_serves_many_calls(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+) -> None:
+    for _ in range(5):
+        client.request("GET", ORDERS)
+    assert exchange.calls == 1
+    assert len({sent.bearer for sent in transport.sent}) == 1
+
+
+# -- what request() refuses --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/open-api/v2/orders",
+        "/admin",
+        "open-api/v1/orders",
+        "/open-api/v1",
+        "https://evil.example.test/open-api/v1/orders",
+        "/open-api/v1/x/../../../admin",
+        "/open-api/v1/orders#fragment",
+    ],
+)
+def test_a_path_outside_the_api_is_a_value_error(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, path: str
+) -> None:
+    with pytest.raises(ValueError, match="/open-api/v1/"):
+        client.request("GET", path)
+    assert transport.sent == []
+    assert exchange.calls == 0
+
+
+@pytest.mark.parametrize("path", [TOKEN_PATH, TOKEN_PATH + "/", TOKEN_PATH + "?grant=x"])
+def test_the_token_endpoint_cannot_be_called_through_request(
+    client: MerchantClient, transport: FakeTransport, path: str
+) -> None:
+    with pytest.raises(ValueError, match="token endpoint"):
+        client.request("POST", path)
+    assert transport.sent == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/open-api/v1/auth/./access_token",  # urllib3 sends it to the token endpoint
+        "/open-api/v1/..",  # urllib3 sends it to /open-api/
+    ],
+)
+def test_a_path_with_dot_segments_cannot_leave_the_api(
+    client: MerchantClient, transport: FakeTransport, path: str
+) -> None:
+    with pytest.raises(ValueError, match=r"/open-api/v1/|token endpoint"):
+        client.request("GET", path)
+    assert transport.sent == []
+
+
+@pytest.mark.parametrize("name", ["Authorization", "authorization", "AUTHORIZATION"])
+def test_an_authorization_header_from_the_caller_is_a_value_error(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, name: str
+) -> None:
+    with pytest.raises(ValueError, match="Authorization"):
+        client.request("GET", ORDERS, headers={name: "Bearer mine"})
+    assert transport.sent == []
+    assert exchange.calls == 0
+
+
+def test_no_request_is_sent_when_no_token_can_be_had(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+) -> None:
+    exchange.errors = [CredentialsRejected("refused (HTTP 401)", status=401)]
+    with pytest.raises(CredentialsRejected):
+        client.request("GET", ORDERS)
+    assert transport.sent == []
+
+
+# -- 401 ---------------------------------------------------------------------------------
+
+
+def test_a_401_renews_once_and_retries_with_the_new_token(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
+) -> None:
+    transport.reply(response(401, {"error": "invalid_token"}), response(200, {"ok": 1}))
+    assert client.request("POST", ORDERS, json={"amount": 1}) == {"ok": 1}
+    first, second = token_values(exchange)
+    assert [sent.bearer for sent in transport.sent] == [first, second]
+    assert exchange.calls == 2
+    counters = store.counters()
+    assert (counters["unauthorized"], counters["forced_renewals"]) == (1, 1)
+
+
+def test_a_401_uses_a_token_another_process_renewed_meanwhile(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
+) -> None:
+    def refused_while_someone_renews(request: requests.PreparedRequest) -> requests.Response:
+        current = store.load()
+        assert current is not None
+        newer = Token(
+            "tok-from-another-host", time.time(), time.time() + LIFETIME, 2, "b", "forced"
+        )
+        assert store.save(newer) == (True, current.generation + 1)
+        return response(401)
+
+    transport.reply(refused_while_someone_renews, response(200, {"ok": 1}))
+    assert client.request("GET", ORDERS) == {"ok": 1}
+    assert transport.sent[1].bearer == "tok-from-another-host"
+    assert exchange.calls == 1  # theirs was used: no exchange of our own
+
+
+def test_a_second_401_is_token_rejected_after_exactly_one_renewal(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+) -> None:
+    transport.reply(response(401))
+    with pytest.raises(TokenRejected, match="refused again") as caught:
+        client.request("GET", ORDERS)
+    assert not caught.value.retryable
+    assert len(transport.sent) == 2
+    assert exchange.calls == 2  # the first token, and one forced renewal
+
+
+def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once_more(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
+) -> None:
+    """Another process renewed, then every token was revoked: one exchange, no failure."""
+
+    def refused_while_someone_renews(request: requests.PreparedRequest) -> requests.Response:
+        current = store.load()
+        assert current is not None
+        newer = Token(
+            "tok-from-another-host", time.time(), time.time() + LIFETIME, 2, "b", "scheduled"
+        )
+        assert store.save(newer) == (True, current.generation + 1)
+        return response(401)
+
+    transport.reply(refused_while_someone_renews, response(401), response(200, {"ok": 1}))
+    assert client.request("GET", ORDERS) == {"ok": 1}
+    assert [sent.bearer for sent in transport.sent[1:]] == [
+        "tok-from-another-host",
+        "tok-2-9c4e1f7a2b",
+    ]
+    assert exchange.calls == 2  # the first token, and one forced renewal by this call
+
+
+def test_a_call_never_causes_more_than_one_exchange_however_many_401s(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+) -> None:
+    client.request("GET", ORDERS)
+    transport.reply(response(401))
+    with pytest.raises(TokenRejected):
+        client.request("GET", ORDERS)
+    assert exchange.calls == 2
+
+
+def test_a_401_on_the_next_call_with_a_fresh_renewed_token_is_not_renewed_again(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+) -> None:
+    transport.reply(response(401))
+    with pytest.raises(TokenRejected):
+        client.request("GET", ORDERS)
+    with pytest.raises(TokenRejected, match="issued"):
+        client.request("GET", ORDERS)
+    assert exchange.calls == 2  # the fresh-token guard: no exchange loop across calls
+
+
+# -- transient failures ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_429_and_503_are_retried_for_post_honouring_retry_after(
+    client: MerchantClient, transport: FakeTransport, sleeps: list[float], status: int
+) -> None:
+    transport.reply(response(status, headers={"Retry-After": "3"}), response(201, {"id": 7}))
+    assert client.request("POST", ORDERS, json={"amount": 1}) == {"id": 7}
+    assert len(transport.sent) == 2
+    assert [round(wait) for wait in sleeps if wait] == [3] or max(sleeps) >= 3
+    assert 3 <= max(sleeps) <= 3 + CALL_WAIT_MAX
+
+
+def test_transient_failures_are_retried_for_get(
+    client: MerchantClient, transport: FakeTransport, sleeps: list[float]
+) -> None:
+    transport.reply(
+        response(502), response(504), requests.ReadTimeout("read timed out"), response(200, [1])
+    )
+    assert client.request("GET", ORDERS) == [1]
+    assert len(transport.sent) == 4
+    assert len(sleeps) == 3
+    assert all(0 <= wait <= CALL_WAIT_MAX for wait in sleeps)
+
+
+@pytest.mark.parametrize("method", ["PUT", "DELETE", "HEAD", "OPTIONS"])
+def test_other_idempotent_methods_are_retried_like_get(
+    client: MerchantClient, transport: FakeTransport, method: str
+) -> None:
+    transport.reply(response(502), dropped(), response(204))
+    assert client.request(method, f"{ORDERS}/42") is None
+    assert len(transport.sent) == 3
+
+
+@pytest.mark.parametrize(
+    ("failure", "status"),
+    [(response(502), 502), (response(504), 504), (requests.ReadTimeout("read"), None)],
+    ids=["502", "504", "read-timeout"],
+)
+def test_502_504_and_read_timeouts_are_not_retried_for_post(
+    client: MerchantClient,
+    transport: FakeTransport,
+    failure: Reply,
+    status: int | None,
+) -> None:
+    transport.reply(failure, response(201))
+    with pytest.raises(ApiUnavailable, match="not retried") as caught:
+        client.request("POST", ORDERS, json={"amount": 1})
+    assert caught.value.status == status
+    assert len(transport.sent) == 1
+
+
+def test_a_connection_dropped_after_sending_is_not_retried_for_post(
+    client: MerchantClient, transport: FakeTransport
+) -> None:
+    transport.reply(dropped(), response(201))
+    with pytest.raises(ApiUnavailable, match="not retried"):
+        client.request("PATCH", ORDERS, json={"amount": 1})
+    assert len(transport.sent) == 1
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [refused(), requests.ConnectTimeout("connect timed out")],
+    ids=["refused", "connect-timeout"],
+)
+def test_a_connection_never_made_is_retried_for_post(
+    client: MerchantClient, transport: FakeTransport, failure: Exception
+) -> None:
+    transport.reply(failure, response(201, {"id": 7}))
+    assert client.request("POST", ORDERS, json={"amount": 1}) == {"id": 7}
+    assert len(transport.sent) == 2
+
+
+def test_gives_up_after_call_attempts_with_api_unavailable_and_the_status(
+    client: MerchantClient, transport: FakeTransport, sleeps: list[float]
+) -> None:
+    transport.reply(response(503, {"error": "maintenance"}))
+    with pytest.raises(ApiUnavailable, match=f"gave up after {CALL_ATTEMPTS} attempts") as caught:
+        client.request("POST", ORDERS, json={"amount": 1})
+    assert caught.value.status == 503
+    assert "maintenance" in caught.value.excerpt
+    assert caught.value.retryable
+    assert isinstance(caught.value, ApiError)
+    assert len(transport.sent) == CALL_ATTEMPTS
+    assert len(sleeps) == CALL_ATTEMPTS - 1
+
+
+def test_a_retry_after_beyond_the_call_budget_gives_up_at_once(
+    client: MerchantClient, transport: FakeTransport, sleeps: list[float]
+) -> None:
+    transport.reply(response(429, headers={"Retry-After": "60"}), response(200))
+    with pytest.raises(ApiUnavailable) as caught:
+        client.request("POST", ORDERS, json={"amount": 1})
+    assert (caught.value.status, caught.value.retry_after) == (429, 60.0)
+    assert len(transport.sent) == 1
+    assert sleeps == []
+
+
+# -- other errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [400, 403, 404, 409, 422, 500, 501, 302])
+def test_other_error_statuses_are_api_error_with_status_and_excerpt(
+    client: MerchantClient, transport: FakeTransport, status: int
+) -> None:
+    transport.reply(
+        response(status, {"error": "order_state", "message": "already  paid"}, {"Location": "/x"})
+    )
+    with pytest.raises(ApiError, match=f"HTTP {status}") as caught:
+        client.request("POST", ORDERS, json={"amount": 1})
+    assert type(caught.value) is ApiError
+    assert caught.value.status == status
+    assert "order_state" in caught.value.excerpt
+    assert "already paid" in caught.value.excerpt  # whitespace collapsed
+    assert not caught.value.retryable
+    assert len(transport.sent) == 1  # neither retried nor redirected
+
+
+def test_the_excerpt_is_bounded(client: MerchantClient, transport: FakeTransport) -> None:
+    transport.reply(response(400, "x" * 5000))
+    with pytest.raises(ApiError) as caught:
+        client.request("GET", ORDERS)
+    assert len(caught.value.excerpt) == EXCERPT_LENGTH
+
+
+@pytest.mark.parametrize("status", [400, 500, 503, 401])
+def test_errors_never_contain_the_token_even_when_the_server_echoes_it(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, status: int
+) -> None:
+    transport.reply(echo_authorization(status))
+    with pytest.raises((ApiError, TokenRejected)) as caught:
+        client.request("GET", ORDERS)
+    error = caught.value
+    excerpt = error.excerpt if isinstance(error, ApiError) else ""
+    for token in token_values(exchange):
+        assert token not in str(error)
+        assert token not in repr(error)
+        assert token not in excerpt
+    if isinstance(error, ApiError):
+        assert "<token>" in excerpt
+
+
+def test_no_part_of_the_token_survives_in_an_excerpt_cut_mid_token(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+) -> None:
+    exchange.padding = "x" * 64
+
+    def indented_echo(request: requests.PreparedRequest) -> requests.Response:
+        return response(400, " " * 370 + request.headers["Authorization"])
+
+    transport.reply(indented_echo)
+    with pytest.raises(ApiError) as caught:
+        client.request("GET", ORDERS)
+    [token] = token_values(exchange)
+    assert token[:12] not in caught.value.excerpt
+
+
+def test_the_token_never_appears_in_debug_logs(
+    client: MerchantClient,
+    transport: FakeTransport,
+    exchange: FakeExchange,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    transport.reply(
+        echo_authorization(401),
+        echo_authorization(503),
+        response(200, {"ok": 1}),
+        echo_authorization(500),
+    )
+    client.request("GET", ORDERS)
+    with pytest.raises(ApiError):
+        client.request("GET", ORDERS)
+    assert exchange.calls == 2
+    assert caplog.records
+    for record in caplog.records:
+        text = f"{record.getMessage()} {record.args!r} {record.exc_text or ''}"
+        for token in token_values(exchange):
+            assert token not in text
+
+
+def test_repr_shows_the_base_url_only(client: MerchantClient) -> None:
+    client.request("GET", ORDERS)
+    assert repr(client) == f"MerchantClient(base_url={BASE_URL!r})"

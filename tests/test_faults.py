@@ -1,0 +1,1723 @@
+"""The fault matrix and the security checks: real Redis, real processes, the emulator's faults.
+
+Each test is one row of the fault matrix (issue 5) and its docstring says what must hold.
+Rows 4 and 5 (beat down, two beats) and the re-run half of row 6 are proven by
+test_celery_integration.py; docs/reliability.md maps every row to its test.
+
+Everything the tests see (DEBUG logs, exception texts and tracebacks, the caller
+processes' output, every Redis key but the token itself, the Celery broker and result keys,
+Flower's task API) is collected, and the last test searches it for the secret and for every
+token the emulators issued. Lifetimes are seconds; assertions are on counts and outcomes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import pytest
+import redis
+from celery import Celery
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+from werkzeug.serving import make_server
+from werkzeug.wrappers import Request, Response
+
+from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from merchant_tasks.celery_app import load_config
+from merchant_tasks.client import MerchantClient, new_session, redis_from_url
+from merchant_tasks.exceptions import (
+    ApiError,
+    ConfigurationError,
+    CredentialsRejected,
+    MerchantError,
+    StoreUnavailable,
+    TokenRejected,
+)
+from merchant_tasks.exchange import IssuedToken, TokenExchange
+from merchant_tasks.local import RedisServer, free_port, stop_group, wait_until
+from merchant_tasks.renewal import FRESH_TOKEN_GRACE, TokenManager
+from merchant_tasks.sandbox import API_ROOT, TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.store import RedisClock, TokenStore
+from merchant_tasks.token import Token, fingerprint
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+PING = "/open-api/v1/ping"
+ECHO = "/open-api/v1/echo"
+CALLER = Path(__file__).with_name("fault_caller.py")
+START_TIMEOUT = 60.0  # a process's start on a busy two-core machine
+
+
+# -- small helpers -----------------------------------------------------------------------
+
+
+def _process_env(settings: Settings, secret_file: Path) -> dict[str, str]:
+    """The MERCHANT_* variables of ``settings`` for a child process (secret from the file)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
+    env.update(
+        {
+            "MERCHANT_ENVIRONMENT": settings.environment,
+            "MERCHANT_API_KEY": settings.api_key,
+            "MERCHANT_API_SECRET_FILE": str(secret_file),
+            "MERCHANT_BASE_URL": settings.base_url,
+            "MERCHANT_REDIS_URL": settings.redis_url,
+            "MERCHANT_KEY_PREFIX": settings.key_prefix,
+            "MERCHANT_TOKEN_LIFETIME": f"{settings.token_lifetime:g}",
+            "MERCHANT_RENEW_BEFORE": f"{settings.renew_before:g}",
+            "MERCHANT_RENEW_MANDATORY": f"{settings.renew_mandatory:g}",
+            "MERCHANT_RENEW_INTERVAL": f"{settings.renew_interval:g}",
+            "MERCHANT_CONNECT_TIMEOUT": f"{settings.connect_timeout:g}",
+            "MERCHANT_READ_TIMEOUT": f"{settings.read_timeout:g}",
+            "MERCHANT_ALLOW_INSECURE_HTTP": "1" if settings.allow_insecure_http else "0",
+        }
+    )
+    return env
+
+
+def _store_of(settings: Settings, client: redis.Redis) -> TokenStore:
+    return TokenStore(
+        client,
+        TokenStore.namespace_for(settings.key_prefix, settings.environment, settings.api_key),
+    )
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace a secret file the way secret stores do (a rename), never half-written."""
+    staged = path.with_suffix(".new")
+    staged.write_text(text)
+    staged.replace(path)
+
+
+def _runs(outcomes: Sequence[str]) -> list[tuple[str, int]]:
+    """Run-length code of a sequence of outcomes, for readable assertion messages."""
+    runs: list[tuple[str, int]] = []
+    for outcome in outcomes:
+        if runs and runs[-1][0] == outcome:
+            runs[-1] = (outcome, runs[-1][1] + 1)
+        else:
+            runs.append((outcome, 1))
+    return runs
+
+
+def _only_ok_after_first_ok(outcomes: Sequence[str]) -> bool:
+    return "ok" in outcomes and set(outcomes[outcomes.index("ok") :]) == {"ok"}
+
+
+# -- evidence for the leak search ----------------------------------------------------------
+
+
+def _redis_value(client: redis.Redis, key: bytes) -> bytes:
+    """A key and everything in it, read by type."""
+    kind = client.type(key)
+    values: list[Any] = [key]
+    if kind == b"string":
+        values.append(client.get(key))
+    elif kind == b"list":
+        values += cast(list[bytes], client.lrange(key, 0, -1))
+    elif kind == b"hash":
+        for pair in cast(dict[bytes, bytes], client.hgetall(key)).items():
+            values += pair
+    elif kind == b"set":
+        values += cast(set[bytes], client.smembers(key))
+    elif kind == b"zset":
+        values += cast(list[bytes], client.zrange(key, 0, -1))
+    elif kind == b"stream":
+        for entry_id, fields in cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(key)):
+            values.append(entry_id)
+            for pair in fields.items():
+                values += pair
+    elif kind != b"none":  # "none": expired since the scan
+        raise AssertionError(f"no reader for Redis type {kind!r} (key {key!r})")
+    return b"\n".join(v for v in values if isinstance(v, bytes))
+
+
+def _encoded_forms(needle: str) -> list[bytes]:
+    """The needle, and the part of its base64 that shows at any offset (message bodies)."""
+    raw = needle.encode()
+    forms = [raw]
+    for shift in range(3):
+        encoded = base64.b64encode(b"\0" * shift + raw)
+        core = encoded[4 if shift else 0 : (len(raw) + shift) // 3 * 4]
+        forms += [core, core.replace(b"+", b"-").replace(b"/", b"_")]
+    return forms
+
+
+@dataclass
+class Evidence:
+    """Everything the fault tests saw, and what must never appear in it."""
+
+    texts: dict[str, bytes] = field(default_factory=dict)
+    needles: dict[str, str] = field(default_factory=dict)
+
+    def add(self, where: str, text: str | bytes) -> None:
+        key, n = where, 1
+        while key in self.texts:
+            n += 1
+            key = f"{where} ({n})"
+        self.texts[key] = text.encode("utf-8", "replace") if isinstance(text, str) else text
+
+    def exception(self, where: str, exc: BaseException) -> None:
+        self.add(where, f"{exc!r}\n{exc}\n{''.join(traceback.format_exception(exc))}")
+
+    def needle(self, what: str, value: str) -> None:
+        self.needles[what] = value
+
+    def emulator(self, where: str, app: SandboxApp) -> None:
+        """The emulator's current secret and every token it ever issued."""
+        self.needle(f"{where}: emulator secret", app.config.secret)
+        for n, token in enumerate(app.issued_tokens()):
+            self.needle(f"{where}: token #{n}", token)
+
+    def redis_keys(self, where: str, client: redis.Redis, match: str = "*") -> None:
+        """Every key matching ``match`` except token keys, the one place a token may be."""
+        for key in client.scan_iter(match=match, count=1000):
+            if not key.endswith(b":token"):
+                self.add(f"{where}: Redis key {key!r}", _redis_value(client, key))
+
+    def leaks(self) -> list[str]:
+        return [
+            f"{what} in {where}"
+            for what, needle in self.needles.items()
+            for where, text in self.texts.items()
+            if any(form in text for form in _encoded_forms(needle))
+        ]
+
+
+@pytest.fixture(scope="module")
+def evidence() -> Evidence:
+    return Evidence()
+
+
+class _LogLines(logging.Handler):
+    """Formats every record as it is emitted, tracebacks included."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+
+@pytest.fixture(autouse=True)
+def debug_logs(request: pytest.FixtureRequest, evidence: Evidence) -> Iterator[_LogLines]:
+    """Every test runs with the root logger at DEBUG; what it logged goes to the evidence."""
+    handler = _LogLines()
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        evidence.add(f"{request.node.name}: DEBUG log", "\n".join(handler.lines))
+
+
+@pytest.fixture
+def sandbox(
+    sandbox: Sandbox, evidence: Evidence, request: pytest.FixtureRequest
+) -> Iterator[Sandbox]:
+    """conftest's emulator; its secret and every token it issued become needles."""
+    yield sandbox
+    evidence.emulator(request.node.name, sandbox.app)
+
+
+@pytest.fixture
+def redis_client(
+    redis_client: redis.Redis,
+    key_prefix: str,
+    evidence: Evidence,
+    request: pytest.FixtureRequest,
+) -> Iterator[redis.Redis]:
+    """conftest's Redis client; the test's keys (but the token) go to the evidence."""
+    yield redis_client
+    evidence.redis_keys(request.node.name, redis_client, f"{key_prefix}:*")
+
+
+# -- processes: a private Redis, caller processes ------------------------------------------
+
+
+class Callers:
+    """Processes running tests/fault_caller.py for one account, started and stopped together."""
+
+    def __init__(
+        self,
+        control: redis.Redis,
+        control_url: str,
+        key: str,
+        workdir: Path,
+        evidence: Evidence,
+        name: str,
+    ) -> None:
+        self.control = control
+        self.control_url = control_url
+        self.key = key
+        self.workdir = workdir
+        self.evidence = evidence
+        self.name = name
+        self.processes: list[tuple[subprocess.Popen[str], Path]] = []
+
+    def start(self, env: Mapping[str, str], each: Sequence[Mapping[str, str]]) -> None:
+        """One process per entry of ``each`` (its extra variables); returns once all wait."""
+        for extra in each:
+            log = self.workdir / f"caller-{len(self.processes)}.log"
+            with log.open("wb") as stderr:
+                process = subprocess.Popen(
+                    [sys.executable, str(CALLER)],
+                    env={
+                        **env,
+                        **extra,
+                        "FAULT_KEY": self.key,
+                        "FAULT_CONTROL_URL": self.control_url,
+                    },
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                )
+            self.processes.append((process, log))
+
+        def all_ready() -> bool:
+            for process, log in self.processes:
+                if process.poll() is not None:
+                    raise AssertionError(f"caller exited at start:\n{log.read_text()[-3000:]}")
+            return int(cast(bytes, self.control.get(f"{self.key}:ready") or 0)) >= len(
+                self.processes
+            )
+
+        wait_until(all_ready, "caller processes ready", START_TIMEOUT)
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process, _ in self.processes]
+
+    def go(self) -> None:
+        self.control.set(f"{self.key}:go", 1)
+
+    def phase(self, label: str) -> None:
+        self.control.set(f"{self.key}:phase", label)
+
+    def counts(self) -> Counter[tuple[int, str, str]]:
+        """Outcomes so far, by (pid, phase, outcome)."""
+        raw = cast(dict[bytes, bytes], self.control.hgetall(f"{self.key}:progress"))
+        counts: Counter[tuple[int, str, str]] = Counter()
+        for name, value in raw.items():
+            pid, phase, outcome = name.decode().split(":", 2)
+            counts[int(pid), phase, outcome] = int(value)
+        return counts
+
+    def each_has(self, phase: str, outcome: str | None = None, at_least: int = 1) -> bool:
+        """Whether every process counted ``at_least`` outcomes (of that kind) in ``phase``."""
+        counts = self.counts()
+        return all(
+            sum(
+                n
+                for (p, ph, out), n in counts.items()
+                if p == pid and ph == phase and outcome in (None, out)
+            )
+            >= at_least
+            for pid in self.pids
+        )
+
+    def stop(self) -> list[dict[str, Any]]:
+        """Stop every process; their reports. A process that did not exit 0 crashed."""
+        self.control.set(f"{self.key}:stop", 1)
+        reports = []
+        for process, log in self.processes:
+            try:
+                out, _ = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                raise AssertionError(f"caller {process.pid} did not stop") from None
+            self.evidence.add(f"{self.name}: caller {process.pid} output", out)
+            self.evidence.add(f"{self.name}: caller {process.pid} DEBUG log", log.read_bytes())
+            assert process.returncode == 0, (
+                f"caller {process.pid} crashed:\n{log.read_text()[-3000:]}"
+            )
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        self.processes.clear()
+        return reports
+
+    def kill(self) -> None:
+        """SIGKILL every process still running (no report)."""
+        for process, log in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+            self.evidence.add(f"{self.name}: killed caller {process.pid}", log.read_bytes())
+        self.processes.clear()
+
+
+@pytest.fixture
+def callers(
+    redis_client: redis.Redis,
+    redis_url: str,
+    key_prefix: str,
+    tmp_path: Path,
+    evidence: Evidence,
+    request: pytest.FixtureRequest,
+) -> Iterator[Callers]:
+    fleet = Callers(
+        redis_client, redis_url, f"{key_prefix}:fault", tmp_path, evidence, request.node.name
+    )
+    try:
+        yield fleet
+    finally:
+        fleet.kill()
+
+
+def _outcomes(report: Mapping[str, Any], phase: str) -> list[str]:
+    """A caller report's outcomes in ``phase``, expanded from their run-length code."""
+    return [outcome for outcome, n in report["phases"].get(phase, []) for _ in range(n)]
+
+
+class CallLoop:
+    """Threads calling PING through one client until stopped; every outcome kept."""
+
+    def __init__(
+        self,
+        client: MerchantClient,
+        threads: int,
+        evidence: Evidence,
+        where: str,
+        pause: float = 0.01,
+    ) -> None:
+        self.client = client
+        self.evidence = evidence
+        self.where = where
+        self.pause = pause
+        self.phase = "0"
+        self.outcomes: list[tuple[str, int, str]] = []  # (phase, thread, outcome)
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(threads)
+        ]
+
+    def __enter__(self) -> CallLoop:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+
+    def _run(self, n: int) -> None:
+        seen: set[str] = set()
+        deadline = time.monotonic() + 120  # never outlive a test that forgot to stop
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            phase = self.phase
+            try:
+                self.client.request("GET", PING)
+                outcome = "ok"
+            except MerchantError as exc:
+                outcome = type(exc).__name__
+                if outcome not in seen:
+                    seen.add(outcome)
+                    self.evidence.exception(f"{self.where}: thread {n}", exc)
+            except Exception as exc:  # a crash is an outcome the test reports
+                outcome = f"crash {type(exc).__name__}: {exc}"
+            self.outcomes.append((phase, n, outcome))
+            self._stop.wait(self.pause)
+
+    def of(self, phase: str | None = None, thread: int | None = None) -> list[str]:
+        return [
+            outcome
+            for ph, n, outcome in list(self.outcomes)
+            if phase in (None, ph) and thread in (None, n)
+        ]
+
+    def each_thread_ok_in(self, phase: str) -> bool:
+        return all("ok" in self.of(phase, n) for n in range(len(self._threads)))
+
+
+# -- 1. Redis restarted mid-load -----------------------------------------------------------
+
+
+def test_row1_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_error(
+    sandbox: Sandbox, settings: Settings, tmp_path: Path, evidence: Evidence
+) -> None:
+    """Redis SIGKILLed mid-load and restarted empty on the same port, 6 threads calling.
+
+    While it is down every call succeeds with the process's copy of the token or fails with
+    StoreUnavailable, nothing else (even after a revoke-all makes calls need the store);
+    after the restart every thread's calls succeed again with nothing restarted, and the
+    lost token costs exactly one exchange for the whole process.
+    """
+    server = RedisServer(tmp_path / "redis").start()
+    client = MerchantClient.from_settings(dataclasses.replace(settings, redis_url=server.url))
+    try:
+        client.request("GET", PING)
+        with CallLoop(client, 6, evidence, "row 1") as loop:
+            wait_until(lambda: loop.each_thread_ok_in("0"), "calls before the fault", 10)
+            server.kill()
+            loop.phase = "down"
+            time.sleep(2.5)  # the copy serves calls
+            sandbox.app.revoke_all()  # now a call needs the store to renew
+            loop.phase = "down, token revoked"
+            time.sleep(3.0)
+            server.start()
+            loop.phase = "after"
+            wait_until(lambda: loop.each_thread_ok_in("after"), "every thread recovered", 30)
+            time.sleep(0.5)
+    finally:
+        client.session.close()
+        client.manager.store.redis.close()
+        server.stop()
+
+    for phase in ("0", "down", "down, token revoked", "after"):
+        assert set(loop.of(phase)) <= {"ok", "StoreUnavailable"}, (phase, _runs(loop.of(phase)))
+    assert "ok" in loop.of("down")  # the process's copy of the token served calls
+    for n in range(6):
+        after = loop.of("after", n)
+        assert _only_ok_after_first_ok(after), _runs(after)
+    assert sandbox.exchanges()["ok"] == 2  # the first token, then one for the emptied store
+    print(
+        "\nrow 1 outcomes by phase:",
+        {phase: Counter(loop.of(phase)) for phase in ("down", "down, token revoked", "after")},
+    )
+
+
+class WatchedSandbox(SandboxApp):
+    """The emulator, counting requests by path as they arrive (before any latency)."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        super().__init__(config)
+        self._arrivals: Counter[str] = Counter()
+        self._arrivals_lock = threading.Lock()
+
+    def arrived(self, path: str) -> int:
+        with self._arrivals_lock:
+            return self._arrivals[path]
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Any:
+        with self._arrivals_lock:
+            self._arrivals[environ.get("PATH_INFO", "")] += 1
+        return super().__call__(environ, start_response)
+
+
+@dataclass
+class CeleryOutage:
+    """What a Celery worker, beat and Flower went through when Redis was SIGKILLed."""
+
+    in_flight: Any  # the outcome of the call running when Redis died
+    queued: list[Any]  # outcomes of the calls waiting in the queue then
+    after: list[Any]  # outcomes of calls enqueued after the restart
+    expected_in_flight: Any
+    expected_queued: list[Any]
+    expected_after: list[Any]
+    renewals_run_after_restart: int  # renew_token tasks beat sent and the worker ran
+    worker_survived: bool
+    canary: str  # in every call's arguments and result, never secret
+    flower_saw_canary: bool
+
+
+@pytest.fixture(scope="module")
+def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) -> CeleryOutage:
+    """A worker (concurrency 1), beat and Flower on a private Redis with AOF (fsync always).
+
+    One call runs (the emulator holds it 1.5 s) and four wait in the queue when Redis is
+    SIGKILLed; it stays down 6 s, longer than redis-py's own reconnect retries, then
+    restarts on the same port with its data. Two more calls follow the restart.
+    """
+    tmp = tmp_path_factory.mktemp("celery-outage")
+    server = RedisServer(tmp / "redis", "--appendonly", "yes", "--appendfsync", "always")
+    app = WatchedSandbox(SandboxConfig(api_key=TEST_API_KEY, secret=TEST_SECRET))
+    secret_file = tmp / "api-secret"
+    secret_file.write_text(TEST_SECRET)
+    canary = f"canary-{uuid.uuid4().hex}"  # a task argument: must show in Flower's API
+    children: list[subprocess.Popen[bytes]] = []
+    client: Any = None
+
+    with SandboxServer(app) as emulator:
+        settings = Settings(
+            api_key=TEST_API_KEY,
+            secret=Secret(path=secret_file),
+            base_url=emulator.url,
+            redis_url=server.url,
+            key_prefix=f"mt-outage-{uuid.uuid4().hex[:8]}",
+            renew_interval=0.5,
+        )
+        env = _process_env(settings, secret_file)
+        env["FLOWER_UNAUTHENTICATED_API"] = "true"
+        workdir = tmp / "run"  # no celeryconfig.py here: the package defaults
+        workdir.mkdir()
+        worker_log = tmp / "worker.log"
+        flower_api = f"http://127.0.0.1:{free_port()}/api/tasks"
+
+        def spawn(log: Path, *args: str) -> subprocess.Popen[bytes]:
+            with log.open("wb") as out:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "celery", "-A", "merchant_tasks", *args],
+                    env=env,
+                    cwd=workdir,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            children.append(process)
+            return process
+
+        def echo(n: int) -> dict[str, Any]:
+            return {"echo": {"n": n, "note": canary}}
+
+        def call(n: int) -> Any:
+            return client.send_task(
+                "merchant_tasks.call_api", args=["POST", ECHO], kwargs={"json": echo(n)["echo"]}
+            )
+
+        def outcome(result: Any) -> Any:
+            try:
+                return result.get(timeout=30, propagate=False)
+            except Exception as exc:  # the result never came (celery's TimeoutError)
+                return exc
+
+        def flower_answers() -> bool:
+            try:
+                with urllib.request.urlopen(flower_api, timeout=1) as answer:
+                    return bool(answer.status == 200)
+            except OSError:
+                return False
+
+        def log_since(mark: int) -> str:
+            return worker_log.read_bytes()[mark:].decode(errors="replace")
+
+        def renewals_run_since(mark: int) -> int:
+            return sum(
+                "merchant_tasks.renew_token[" in line and "succeeded" in line
+                for line in log_since(mark).splitlines()
+            )
+
+        try:
+            server.start()
+            worker = spawn(
+                worker_log,
+                "worker",
+                "--pool=prefork",
+                "--concurrency=1",
+                "--without-gossip",
+                "--without-mingle",
+                "--loglevel=DEBUG",
+            )
+            spawn(tmp / "beat.log", "beat", "-s", str(tmp / "beat-schedule"), "--loglevel=DEBUG")
+            port = flower_api.split(":")[2].split("/")[0]
+            spawn(tmp / "flower.log", "flower", f"--port={port}", "--address=127.0.0.1")
+            client = Celery("fault-client")
+            config = load_config(
+                {**env, "CELERY_BROKER_URL": server.url, "CELERY_RESULT_BACKEND": server.url}
+            )
+            config["imports"] = ()
+            client.conf.update(config)
+            assert outcome(call(-1)) == echo(-1), "the worker did not start"
+            wait_until(flower_answers, "Flower's API", START_TIMEOUT)
+
+            app.configure({"api_latency": 1.5})
+            in_flight = call(0)
+            wait_until(lambda: app.arrived(ECHO) == 2, "the call reaching the API", 20)
+            app.configure({"api_latency": 0.0})  # the emulator holds that one 1.5 s
+            queued = [call(n) for n in range(1, 5)]
+            server.kill()
+            time.sleep(6.0)  # longer than redis-py's own reconnect retries
+            mark = worker_log.stat().st_size
+            server.start()
+            after = [call(n) for n in (5, 6)]
+            outcomes = [outcome(r) for r in [in_flight, *queued, *after]]
+            wait_until(lambda: renewals_run_since(mark) >= 2, "renewals after the restart", 30)
+            with urllib.request.urlopen(flower_api, timeout=5) as answer:
+                flower_tasks = answer.read().decode()
+            evidence.add("row 1 Celery: Flower /api/tasks", flower_tasks)
+            record = CeleryOutage(
+                in_flight=outcomes[0],
+                queued=outcomes[1:5],
+                after=outcomes[5:],
+                expected_in_flight=echo(0),
+                expected_queued=[echo(n) for n in range(1, 5)],
+                expected_after=[echo(n) for n in (5, 6)],
+                renewals_run_after_restart=renewals_run_since(mark),
+                worker_survived=worker.poll() is None,
+                canary=canary,
+                flower_saw_canary=canary in flower_tasks,
+            )
+            for result in outcomes:
+                if isinstance(result, BaseException):
+                    evidence.exception("row 1 Celery: task outcome", result)
+        finally:
+            while children:
+                stop_group(children.pop())
+            if client is not None:
+                client.close()
+            if server.process is not None:
+                dump = redis.Redis.from_url(server.url)
+                evidence.redis_keys("row 1 Celery (broker, results, store)", dump)
+                dump.close()
+            server.stop()
+            evidence.emulator("row 1 Celery", app)
+            for log in sorted(tmp.glob("*.log")):
+                evidence.add(f"row 1 Celery: {log.name}", log.read_bytes())
+    return record
+
+
+def test_row1_celery_worker_and_beat_reconnect_and_queued_calls_complete(
+    celery_outage: CeleryOutage,
+) -> None:
+    """After Redis comes back (with its AOF), nothing is restarted and nothing queued is lost.
+
+    The calls that waited in the queue and the calls enqueued after the restart complete
+    with their results; the worker process is the same; beat sends renewals again and the
+    worker runs them; Flower's task API shows task arguments (so the leak search of its
+    output is meaningful).
+    """
+    assert celery_outage.queued == celery_outage.expected_queued
+    assert celery_outage.after == celery_outage.expected_after
+    assert celery_outage.worker_survived
+    assert celery_outage.renewals_run_after_restart >= 2
+    assert celery_outage.flower_saw_canary
+
+
+def test_row1_celery_the_call_running_when_redis_dies_reports_its_real_result(
+    celery_outage: CeleryOutage,
+) -> None:
+    """The call that was running when Redis died reaches its caller with its real result.
+
+    The API answered it (the emulator saw it); what the caller gets must be that answer, or
+    a typed MerchantError if the call failed, never a transport error of the result store.
+    """
+    assert celery_outage.in_flight == celery_outage.expected_in_flight, repr(
+        celery_outage.in_flight
+    )
+
+
+# -- 2. token endpoint failing while the token is valid --------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["503", "timeout"])
+def test_row2_token_endpoint_down_through_the_advisory_window_fails_no_call(
+    fault: str,
+    sandbox: Sandbox,
+    settings: Settings,
+    redis_client: redis.Redis,
+    evidence: Evidence,
+) -> None:
+    """The token endpoint answers 503 (or outlasts the read timeout) from just after the
+    token is issued until 1 s into the mandatory window: longer than, and across all of, the
+    5 s advisory window, while the token stays valid (9 s more).
+
+    Zero calls fail; beat's renewals fail with TokenEndpointUnavailable and are retried with
+    back-off (each renewal tries a few times, then the fleet-wide breaker pauses exchanges),
+    so attempts stay bounded; once the endpoint is back, renewal succeeds before expiry.
+    """
+    # one renewal's three tries take at most ~4 s, so at least one fails whole before the
+    # endpoint is back; at most two fail, so the breaker's pause (<= 4 s) ends before expiry
+    lifetime, before, mandatory = 20.0, 15.0, 10.0
+    sandbox.app.configure({"lifetime": lifetime})
+    account = dataclasses.replace(
+        settings,
+        token_lifetime=lifetime,
+        renew_before=before,
+        renew_mandatory=mandatory,
+        connect_timeout=0.5,
+        read_timeout=0.5,
+    )
+    client = MerchantClient.from_settings(account, redis_client=redis_client)
+    manager, store = client.manager, client.manager.store
+    attempts: list[str] = []
+    real_exchange = manager.exchange
+
+    def counted_exchange() -> IssuedToken:
+        try:
+            issued = real_exchange()
+        except MerchantError as exc:
+            attempts.append(type(exc).__name__)
+            raise
+        attempts.append("ok")
+        return issued
+
+    manager.exchange = counted_exchange
+    first = manager.renew(force=True)
+    if fault == "503":
+        sandbox.app.configure({"token_error_rate": 1.0, "error_status": 503})
+    else:
+        sandbox.app.configure({"token_latency": 2.0})
+    beat_errors: list[str] = []
+    breaker_failures: list[int] = []
+    stop_beat = threading.Event()
+
+    def beat() -> None:
+        while not stop_beat.wait(0.25):
+            try:
+                manager.renew()
+            except MerchantError as exc:
+                beat_errors.append(type(exc).__name__)
+                evidence.exception(f"row 2 {fault}: beat", exc)
+            record = store.load_breaker()
+            if record is not None:
+                breaker_failures.append(record.failures)
+
+    beat_thread = threading.Thread(target=beat, daemon=True)
+    outage_end = first.expires_at - mandatory + 1.0
+    with CallLoop(client, 4, evidence, f"row 2 {fault}", pause=0.02) as loop:
+        beat_thread.start()
+        wait_until(lambda: store.time() >= outage_end, "the end of the outage", lifetime)
+        sandbox.app.configure({"token_error_rate": 0.0, "token_latency": 0.0})
+        attempts_in_outage = len(attempts)
+        loop.phase = "recovered"
+
+        def renewed() -> bool:
+            token = store.load()
+            return token is not None and token.generation > first.generation
+
+        wait_until(renewed, "a renewal after the outage", first.expires_at - store.time())
+        time.sleep(0.5)
+        stop_beat.set()
+        beat_thread.join(timeout=30)
+
+    assert set(loop.of()) == {"ok"}, _runs(loop.of())
+    assert set(beat_errors) <= {"TokenEndpointUnavailable"}, beat_errors
+    failed = [a for a in attempts[:attempts_in_outage] if a != "ok"]
+    assert set(failed) == {"TokenEndpointUnavailable"}
+    assert len(failed) >= 3  # one renewal's tries, at least
+    # back-off: one renewal at a time, a pause of at least 1 s after each: over the 6 s
+    # from the advisory window to the end, far fewer tries than calls
+    assert len(failed) <= 15, attempts
+    counters = store.counters()
+    assert counters.get("breaker_openings:unavailable", 0) >= 1, counters
+    renewed_token = store.load()
+    assert renewed_token is not None
+    assert renewed_token.generation == first.generation + 1
+    assert renewed_token.reason in ("scheduled", "mandatory")
+    assert renewed_token.issued_at < first.expires_at
+    assert store.load_breaker() is None  # the success closed it
+    assert sandbox.calls()["unauthorized"] == 0
+    print(
+        f"\nrow 2 ({fault}): {len(loop.of())} calls ok, exchange attempts {Counter(attempts)}, "
+        f"breaker failures seen {sorted(set(breaker_failures))}"
+    )
+
+
+# -- 3. 429 with Retry-After ---------------------------------------------------------------
+
+
+def test_row3_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passes(
+    sandbox: Sandbox,
+    settings: Settings,
+    secret_file: Path,
+    redis_client: redis.Redis,
+    callers: Callers,
+    evidence: Evidence,
+) -> None:
+    """The token endpoint admits one exchange per 4 s and answers 429 with Retry-After.
+
+    A revoke-all makes three caller processes and this one need a new token at once: the
+    fleet makes exactly one refused exchange, every call meanwhile fails with
+    ExchangeRateLimited, no exchange is tried before Retry-After (the emulator would have
+    answered 429 again), and the next one is admitted; every process then recovers.
+    """
+    sandbox.app.configure({"rate_limit": 1, "rate_window": 4.0})
+    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    client = MerchantClient.from_settings(settings, redis_client=redis_client)
+    client.request("GET", PING)  # the window's one exchange
+    sandbox.app.revoke_all()
+    callers.go()
+    outcomes: list[str] = []
+    deadline = time.monotonic() + 7.0
+    while time.monotonic() < deadline:
+        try:
+            client.request("GET", PING)
+            outcomes.append("ok")
+        except MerchantError as exc:
+            outcomes.append(type(exc).__name__)
+            evidence.exception("row 3: this process", exc)
+        time.sleep(0.02)
+    reports = callers.stop()
+
+    assert sandbox.exchanges() == {"ok": 2, "rejected": 0, "rate_limited": 1, "failed": 0}
+    assert client.manager.store.counters().get("breaker_openings:rate_limited") == 1
+    everyone = [outcomes] + [_outcomes(r, "0") for r in reports]
+    for seen in everyone:
+        assert set(seen) == {"ExchangeRateLimited", "ok"}, _runs(seen)
+        assert _only_ok_after_first_ok(seen), _runs(seen)
+    assert "retry" in " ".join(r["samples"]["ExchangeRateLimited"] for r in reports).lower()
+
+
+# -- 6. a worker killed while holding the renewal lock -----------------------------------------
+
+
+def test_row6_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_by_its_ttl(
+    sandbox: Sandbox,
+    settings: Settings,
+    secret_file: Path,
+    redis_client: redis.Redis,
+    callers: Callers,
+    evidence: Evidence,
+) -> None:
+    """A caller process takes the renewal lock (no token yet; the exchange is slow) and is
+    SIGKILLed mid-exchange.
+
+    The lock's TTL follows from the exchange timeouts (3 tries of connect + read timeout,
+    the waits between them, a margin) and it expires by itself; the four threads that
+    waited meanwhile then get a token from one new renewal, made by this process, and every
+    call succeeds. (That the killed task's call is re-run: test_celery_integration.py.)
+    """
+    account = dataclasses.replace(settings, connect_timeout=0.2, read_timeout=0.5)
+    sandbox.app.configure({"token_latency": 5.0})
+    callers.start(_process_env(account, secret_file), [{"FAULT_MAX_CALLS": "1"}])
+    client = MerchantClient.from_settings(account, redis_client=redis_client)
+    store = client.manager.store
+    callers.go()
+    victim = callers.pids[0]
+
+    def held_by_victim() -> bool:
+        holder = store.lock_holder()
+        return holder is not None and f":{victim}:" in holder
+
+    wait_until(held_by_victim, "the caller process holding the renewal lock", START_TIMEOUT)
+    callers.kill()
+    ttl = redis_client.pttl(store.lock_key) / 1000
+    assert 0 < ttl <= client.manager.lock_ttl
+    sandbox.app.configure({"token_latency": 0.0})
+
+    results: list[str] = []
+
+    def call() -> None:
+        try:
+            client.request("GET", PING)
+            results.append("ok")
+        except MerchantError as exc:
+            results.append(type(exc).__name__)
+            evidence.exception("row 6: waiter", exc)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=client.manager.lock_ttl + 30)
+
+    assert results == ["ok"] * 4
+    assert store.lock_holder() is None
+    token = store.load()
+    assert token is not None
+    assert token.renewed_by.split(":")[1] == str(os.getpid())
+    counters = store.counters()
+    assert counters.get("exchanges:mandatory:ok") == 1, counters  # the killed one never counted
+    assert counters.get("lock_waits", 0) >= 1, counters
+    print(f"\nrow 6: lock TTL {client.manager.lock_ttl:.1f} s, {ttl:.1f} s left at the kill")
+
+
+# -- 7. clocks 5 minutes apart -------------------------------------------------------------
+
+
+def test_row7_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
+    sandbox: Sandbox,
+    settings: Settings,
+    secret_file: Path,
+    redis_client: redis.Redis,
+    callers: Callers,
+) -> None:
+    """Three caller processes whose wall and monotonic clocks are -5 min, 0 and +5 min off
+    share a 5 s token with no beat, for two lifetimes.
+
+    Every stored token's times are on Redis's clock (within a lifetime of Redis TIME, not
+    300 s away); each renewal starts after the advisory window began (no early renewal) and
+    before the previous token expired (no late one: no call meets an expired token); only
+    callers renew. Control: a manager on a host's own clock 5 min ahead would renew a token
+    that has seconds left at once.
+    """
+    lifetime, before, mandatory = 5.0, 3.0, 1.5
+    sandbox.app.configure({"lifetime": lifetime})
+    account = dataclasses.replace(
+        settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
+    )
+    offsets = ["-300", "300", "0"]
+    callers.start(_process_env(account, secret_file), [{"FAULT_CLOCK_OFFSET": o} for o in offsets])
+    store = _store_of(account, redis_client)
+    callers.go()
+    seen: dict[int, tuple[Token, float]] = {}  # generation -> token, Redis time first seen
+    deadline = time.monotonic() + 2.2 * lifetime
+    while time.monotonic() < deadline:
+        token = store.load()
+        if token is not None and token.generation not in seen:
+            seen[token.generation] = (token, store.time())
+        time.sleep(0.02)
+    reports = callers.stop()
+
+    for report in reports:
+        assert set(_outcomes(report, "0")) == {"ok"}, report
+    assert sandbox.calls()["unauthorized"] == 0
+    generations = sorted(seen)
+    assert len(generations) >= 3
+    assert generations == list(range(1, len(generations) + 1))
+    for token, seen_at in seen.values():
+        assert 0 <= seen_at - token.issued_at < lifetime, (token, seen_at)
+    for generation in generations[1:]:
+        previous, renewal = seen[generation - 1][0], seen[generation][0]
+        left = previous.expires_at - renewal.issued_at
+        assert 0 < left < before, (generation, left)
+    counters = store.counters()
+    assert counters.get("exchanges:mandatory:ok") == len(generations), counters
+    assert sandbox.exchanges()["ok"] == len(generations)
+
+    # control: the same decision on a host's wall clock 5 min ahead exchanges at once
+    fresh = store.load()
+    assert fresh is not None
+    assert fresh.expires_at > store.time()
+    skewed = TokenManager(
+        store,
+        TokenExchange.from_settings(account),
+        lambda: fingerprint(TEST_SECRET),
+        renew_before=before,
+        renew_mandatory=mandatory,
+        exchange_timeout=5.0,
+        clock=lambda: time.time() + 300,
+    )
+    exchanges = sandbox.exchanges()["ok"]
+    skewed.token()
+    assert sandbox.exchanges()["ok"] == exchanges + 1
+    # and a Redis clock estimated from a monotonic clock 5 min off is still Redis's clock
+    estimated = RedisClock(store.time, monotonic=lambda: time.monotonic() + 300)
+    assert abs(estimated() - store.time()) < 1.0
+
+
+# -- 8. secret reset ---------------------------------------------------------------------
+
+
+def test_row8_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no_restart(
+    sandbox: Sandbox,
+    settings: Settings,
+    secret_file: Path,
+    redis_client: redis.Redis,
+    callers: Callers,
+    evidence: Evidence,
+) -> None:
+    """The secret is reset in the emulator (revoking every token) while three caller
+    processes call; later the new secret is written to the secret file.
+
+    Meanwhile every call fails with CredentialsRejected (or TokenRejected) naming the cause;
+    the whole fleet makes exactly one refused exchange (the breaker holds the others for
+    60 s). After the file changes, every process recovers (bounded wait: 60 s) without a
+    restart, with exactly one more exchange, and then only succeeds.
+    """
+    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    client = MerchantClient.from_settings(settings, redis_client=redis_client)
+    client.request("GET", PING)
+    callers.go()
+    wait_until(lambda: callers.each_has("0", "ok"), "calls before the reset", 20)
+    new_secret = f"rotated-secret-{uuid.uuid4().hex}"
+    evidence.needle("row 8: the new secret", new_secret)
+    sandbox.app.reset_secret(new_secret)
+    callers.phase("reset")
+    wait_until(lambda: callers.each_has("reset", at_least=10), "calls after the reset", 30)
+    breaker = client.manager.store.load_breaker()
+    _write_atomically(secret_file, new_secret)
+    callers.phase("rotated")
+    wait_until(lambda: callers.each_has("rotated", "ok"), "every process recovered", 60)
+    time.sleep(0.3)
+    reports = callers.stop()
+
+    for report in reports:
+        reset, rotated = _outcomes(report, "reset"), _outcomes(report, "rotated")
+        assert set(reset) <= {"CredentialsRejected", "TokenRejected"}, _runs(reset)
+        assert _only_ok_after_first_ok(rotated), _runs(rotated)
+        for message in report["samples"].values():
+            assert "MERCHANT_API_SECRET" in message or "secret was reset" in message, message
+    assert sandbox.exchanges()["rejected"] == 1
+    assert sandbox.exchanges()["ok"] == 2
+    assert breaker is not None
+    assert breaker.kind == "rejected"
+    assert breaker.until - _redis_time(redis_client) > 45  # the next try is a minute away
+
+
+def _redis_time(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
+
+
+# -- 9. a key of the other environment -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("emulator_env", "client_env"), [("production", "sandbox"), ("sandbox", "production")]
+)
+def test_row9_a_key_of_the_other_environment_is_a_clear_error_and_no_loop(
+    emulator_env: str,
+    client_env: str,
+    redis_url: str,
+    key_prefix: str,
+    redis_client: redis.Redis,
+    evidence: Evidence,
+) -> None:
+    """The emulator plays one environment, the client holds the other's key and secret.
+
+    Every call from eight threads fails with CredentialsRejected whose message names the
+    other environment as a likely cause; the token endpoint sees exactly one exchange.
+    """
+    app = SandboxApp(
+        SandboxConfig(
+            api_key=f"{emulator_env}-key",
+            secret=f"{emulator_env}-secret-{uuid.uuid4().hex}",
+            environment=emulator_env,
+        )
+    )
+    client_secret = f"{client_env}-secret-{uuid.uuid4().hex}"
+    evidence.needle(f"row 9 {client_env}: client secret", client_secret)
+    errors: list[MerchantError] = []
+    with SandboxServer(app) as server:
+        account = Settings(
+            api_key=f"{client_env}-key",
+            secret=Secret(client_secret),
+            environment=client_env,
+            base_url=server.url,
+            redis_url=redis_url,
+            key_prefix=key_prefix,
+            allow_insecure_http=True,  # a loopback emulator playing production
+        )
+        client = MerchantClient.from_settings(account, redis_client=redis_client)
+
+        def call() -> None:
+            for _ in range(5):
+                try:
+                    client.request("GET", PING)
+                except MerchantError as exc:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        counts = app.counters()
+    evidence.emulator(f"row 9 {emulator_env}", app)
+    for exc in errors[:3]:
+        evidence.exception("row 9", exc)
+
+    assert len(errors) == 40
+    assert {type(exc) for exc in errors} == {CredentialsRejected}
+    assert all("other environment" in str(exc) for exc in errors)
+    assert counts["exchanges"] == {"ok": 0, "rejected": 1, "rate_limited": 0, "failed": 0}
+    assert sum(counts["calls"].values()) == 0  # no business call without a token
+
+
+# -- 10. fuzzed token responses and error bodies ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    retry_after: str | None = None
+
+
+class ScriptedApi:
+    """A loopback server answering the token endpoint and business calls from a script."""
+
+    def __init__(self) -> None:
+        self.token: list[Reply] = []
+        self.api: list[Reply] = []
+        self._lock = threading.Lock()
+
+    def play(self, token: Sequence[Reply], api: Sequence[Reply]) -> None:
+        """Answer with these replies in order, repeating the last one of each."""
+        with self._lock:
+            self.token, self.api = list(token), list(api)
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Any:
+        request = Request(environ)
+        with self._lock:
+            replies = self.token if request.path == TOKEN_PATH else self.api
+            reply = replies.pop(0) if len(replies) > 1 else replies[0]
+        headers = {"Retry-After": reply.retry_after} if reply.retry_after is not None else {}
+        response = Response(
+            reply.body, status=reply.status, headers=headers, content_type="application/json"
+        )
+        return response(environ, start_response)
+
+
+@pytest.fixture(scope="module")
+def scripted_api() -> Iterator[tuple[str, ScriptedApi]]:
+    api = ScriptedApi()
+    server = make_server("127.0.0.1", 0, api, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}", api
+    server.shutdown()
+    thread.join()
+
+
+FUZZ_TOKEN = f"fuzz-token-{uuid.uuid4().hex}"
+FREE_TEXT = "free text ab41 marker"  # spaces: never quotable as an error code
+NEEDLES = {"the secret": TEST_SECRET, "the token": FUZZ_TOKEN, "free text": FREE_TEXT}
+
+
+def _no_sleep(_: float) -> None:
+    pass
+
+
+def _fuzz_client(url: str, redis_client: redis.Redis, key_prefix: str) -> MerchantClient:
+    """A client with no sleeps (waits are not what is fuzzed) and a namespace of its own."""
+    store = TokenStore(redis_client, f"{key_prefix}:fuzz:{uuid.uuid4().hex[:10]}")
+    session = new_session()
+    manager = TokenManager(
+        store,
+        TokenExchange(url, TEST_API_KEY, Secret(TEST_SECRET), session=session, timeout=(2, 2)),
+        lambda: fingerprint(TEST_SECRET),
+        renew_before=60,
+        renew_mandatory=30,
+        exchange_timeout=4,
+        sleep=_no_sleep,
+    )
+    return MerchantClient(url, manager, session=session, timeout=(2, 2), sleep=_no_sleep)
+
+
+# latin-1 text, bounded numbers and shallow JSON; the cases outside that (other code
+# points in a token, absurd lifetimes, 2xx bodies nested too deep) have a test each below
+_text = st.text(st.characters(codec="latin-1"), max_size=16)
+_numbers = (
+    st.integers(-(10**9), 10**9)
+    | st.floats(-1e9, 1e9)
+    | st.sampled_from([math.nan, math.inf, -math.inf])
+)
+_scalars = st.none() | st.booleans() | _numbers | _text
+_token_side = _scalars | st.sampled_from([TEST_SECRET, FREE_TEXT])  # a token never echoed
+_api_side = _scalars | st.sampled_from(list(NEEDLES.values()))
+_json_token_side = st.recursive(
+    _token_side,
+    lambda kids: (
+        st.lists(kids, max_size=3)
+        | st.dictionaries(_text | st.sampled_from([TEST_SECRET, FREE_TEXT]), kids, max_size=4)
+    ),
+    max_leaves=8,
+)
+_json_api_side = st.recursive(
+    _api_side,
+    lambda kids: (
+        st.lists(kids, max_size=3)
+        | st.dictionaries(_text | st.sampled_from(list(NEEDLES.values())), kids, max_size=4)
+    ),
+    max_leaves=8,
+)
+_lifetimes = st.none() | st.integers(1, 10**6) | st.floats(1e-3, 1e6) | st.just("7200")
+_good_grant = st.builds(
+    lambda shape, lifetime, message: json.dumps(
+        {"data": {"access_token": FUZZ_TOKEN, "expires_in": lifetime}, "message": message}
+        if shape == "data"
+        else {"access_token": FUZZ_TOKEN, "expires_in": lifetime, "message": message}
+    ),
+    st.sampled_from(["top", "data"]),
+    _lifetimes,
+    st.sampled_from([FREE_TEXT, f"{FREE_TEXT} {FUZZ_TOKEN}", ""]),
+)
+_token_fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "access_token": _json_token_side,
+        "expires_in": _json_token_side,
+        "data": _json_token_side,
+        "error": _token_side,
+        "code": _token_side,
+        "message": _json_token_side,
+    },
+).map(json.dumps)
+_token_bodies = (
+    _good_grant
+    | _token_fields
+    | _json_token_side.map(json.dumps)
+    | st.binary(max_size=40).map(lambda b: b.decode("latin-1"))
+    | st.just("[" * 5000 + "]" * 5000)  # deeper than the JSON parser's recursion limit
+)
+_api_bodies = (
+    _json_api_side.map(json.dumps)
+    | st.fixed_dictionaries({"error": _api_side, "message": _api_side}).map(json.dumps)
+    | st.lists(st.sampled_from([*NEEDLES.values(), " ", "\n", "x" * 40]), max_size=8).map("".join)
+    | st.binary(max_size=60).map(lambda b: b.decode("latin-1"))
+)
+_retry_after = st.none() | st.sampled_from(
+    ["0", "1", "2.5", "-1", "nan", "inf", "1e999", "soon", "Wed, 21 Oct 2015 07:28:00 GMT"]
+)
+_token_replies = st.lists(
+    st.builds(
+        lambda status, body, retry_after: Reply(status, body.encode("utf-8"), retry_after),
+        st.sampled_from([200, 201, 302, 400, 401, 403, 404, 408, 429, 500, 502, 503]),
+        _token_bodies,
+        _retry_after,
+    ),
+    min_size=1,
+    max_size=3,
+)
+_api_replies = st.lists(
+    st.builds(
+        lambda status, body, retry_after: Reply(status, body.encode("utf-8"), retry_after),
+        st.sampled_from([200, 201, 204, 302, 400, 401, 403, 404, 409, 422, 429, 500, 502, 503]),
+        _api_bodies,
+        _retry_after,
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+@hypothesis_settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(token=_token_replies, api=_api_replies, method=st.sampled_from(["GET", "POST"]))
+def test_row10_fuzzed_token_responses_and_error_bodies_give_typed_errors_and_log_no_body(
+    scripted_api: tuple[str, ScriptedApi],
+    redis_client: redis.Redis,
+    key_prefix: str,
+    token: list[Reply],
+    api: list[Reply],
+    method: str,
+) -> None:
+    """Any sequence of token-endpoint answers and business answers (status, body with the
+    secret, the token and free text anywhere, Retry-After) through the whole client.
+
+    The call returns or raises a MerchantError, nothing else; no log record (DEBUG), error
+    message or traceback holds the secret, the token or free text from a body; an ApiError's
+    excerpt never holds the token.
+    """
+    url, script = scripted_api
+    script.play(token, api)
+    client = _fuzz_client(url, redis_client, key_prefix)
+    handler = _LogLines()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    error: MerchantError | None = None
+    try:
+        client.request(method, PING if method == "GET" else ECHO)
+    except MerchantError as exc:
+        error = exc
+    finally:
+        root.removeHandler(handler)
+        client.session.close()
+    texts = list(handler.lines)
+    if error is not None:
+        texts += [str(error), repr(error), "".join(traceback.format_exception(error))]
+        if isinstance(error, ApiError):
+            assert FUZZ_TOKEN not in error.excerpt
+    haystack = "\n".join(texts)
+    for what, needle in NEEDLES.items():
+        assert needle not in haystack, f"{what} logged or in an error"
+
+
+def _one_scripted_call(
+    scripted_api: tuple[str, ScriptedApi],
+    redis_client: redis.Redis,
+    key_prefix: str,
+    token_body: str,
+    api_body: bytes,
+) -> None:
+    """One call through the scripted server: it must return or raise a MerchantError."""
+    url, script = scripted_api
+    script.play([Reply(200, token_body.encode())], [Reply(200, api_body)])
+    client = _fuzz_client(url, redis_client, key_prefix)
+    try:
+        client.request("GET", PING)
+    except MerchantError:
+        pass
+    finally:
+        client.session.close()
+
+
+def test_row10_a_token_that_cannot_go_in_a_header_is_a_typed_error(
+    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A 2xx token response whose access_token has a character outside latin-1 (found by
+    fuzzing with all of Unicode): a typed error (MalformedTokenResponse), not a crash."""
+    body = json.dumps({"access_token": "tok\u20ac", "expires_in": 60})
+    _one_scripted_call(scripted_api, redis_client, key_prefix, body, b"{}")
+
+
+def test_row10_an_absurd_token_lifetime_is_a_typed_error_or_is_capped(
+    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A 2xx token response with expires_in 1e15 (found by fuzzing unbounded numbers): the
+    call succeeds with a capped lifetime or fails with a MerchantError, nothing else."""
+    body = json.dumps({"access_token": "tok", "expires_in": 1e15})
+    _one_scripted_call(scripted_api, redis_client, key_prefix, body, b"{}")
+
+
+def test_row10_a_2xx_business_body_nested_too_deep_is_a_typed_error(
+    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A 2xx business answer of 100 000 nested arrays: MalformedApiResponse, not a crash."""
+    body = json.dumps({"access_token": "tok", "expires_in": 60})
+    _one_scripted_call(
+        scripted_api, redis_client, key_prefix, body, b"[" * 100_000 + b"]" * 100_000
+    )
+
+
+# -- 11. persistent 401 on a fresh token ------------------------------------------------------
+
+
+class RefusingGateway(SandboxApp):
+    """The emulator's token endpoint, behind a gateway that answers 401 to every API call
+    (as an API does for a key of the other environment that the token endpoint accepted)."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        super().__init__(config)
+        self.refused = 0
+        self._refused_lock = threading.Lock()
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Any:
+        path = environ.get("PATH_INFO", "")
+        if path.startswith(f"{API_ROOT}/") and path != TOKEN_PATH:
+            with self._refused_lock:
+                self.refused += 1
+            body = {"error": "invalid_token", "message": "token not valid for this API"}
+            return Response(json.dumps(body), 401, content_type="application/json")(
+                environ, start_response
+            )
+        return super().__call__(environ, start_response)
+
+
+def test_row11_a_persistent_401_on_fresh_tokens_is_one_retry_then_token_rejected(
+    settings: Settings, redis_client: redis.Redis, evidence: Evidence
+) -> None:
+    """Every API call gets 401 though the token endpoint issues tokens.
+
+    Eight threads make five calls each: every call ends in TokenRejected after at most one
+    retry, and the whole process makes two exchanges (the first token and one forced
+    renewal). Once FRESH_TOKEN_GRACE has passed (Redis time moved on), one more forced
+    renewal is allowed, and again only one.
+    """
+    app = RefusingGateway(SandboxConfig(api_key=TEST_API_KEY, secret=TEST_SECRET))
+    errors: list[MerchantError] = []
+    offset = [0.0]
+    with SandboxServer(app) as server:
+        account = dataclasses.replace(settings, base_url=server.url)
+        client = MerchantClient.from_settings(account, redis_client=redis_client)
+        redis_time = RedisClock(client.manager.store.time)
+        client.manager.clock = lambda: redis_time() + offset[0]
+
+        def call(times: int) -> None:
+            for _ in range(times):
+                try:
+                    client.request("GET", PING)
+                except MerchantError as exc:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=call, args=(5,)) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        exchanges_first, refused_first = app.counters()["exchanges"]["ok"], app.refused
+
+        offset[0] = FRESH_TOKEN_GRACE + 1
+        call(5)
+        exchanges_later = app.counters()["exchanges"]["ok"]
+    evidence.emulator("row 11", app)
+    for exc in errors[:2]:
+        evidence.exception("row 11", exc)
+
+    assert len(errors) == 45
+    assert {type(exc) for exc in errors} == {TokenRejected}
+    assert exchanges_first == 2
+    assert refused_first <= 2 * 40  # at most one retry per call
+    assert exchanges_later == 3
+
+
+# -- 12. issuing a token revokes the previous one -------------------------------------------
+
+
+def test_row12_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal(
+    sandbox: Sandbox,
+    settings: Settings,
+    secret_file: Path,
+    redis_client: redis.Redis,
+    callers: Callers,
+) -> None:
+    """Each exchange revokes every earlier token; three caller processes share a 3 s token
+    (renewed by callers in the mandatory window) for 7 s.
+
+    Every call succeeds; the 401s (calls made with a token another process's renewal just
+    revoked) number at most one per process per renewal; exchanges stay at one per
+    lifetime-minus-window: no storm.
+    """
+    lifetime, before, mandatory = 3.0, 2.0, 1.0
+    sandbox.app.configure({"lifetime": lifetime, "revoke_on_issue": True})
+    account = dataclasses.replace(
+        settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
+    )
+    callers.start(_process_env(account, secret_file), [{}] * 3)
+    started = time.monotonic()
+    callers.go()
+    time.sleep(7.0)
+    reports = callers.stop()
+    run = time.monotonic() - started
+
+    for report in reports:
+        assert set(_outcomes(report, "0")) == {"ok"}, report
+    exchanges = sandbox.exchanges()["ok"]
+    renewals = exchanges - 1
+    assert renewals >= 2
+    assert sandbox.calls()["unauthorized"] <= len(reports) * renewals
+    assert exchanges <= math.ceil(run / (lifetime - mandatory)) + 1
+    print(
+        f"\nrow 12: {exchanges} exchanges in {run:.1f} s, "
+        f"{sandbox.calls()['unauthorized']} 401s for {len(reports)} processes"
+    )
+
+
+# -- security -------------------------------------------------------------------------------
+
+
+def test_security_production_refuses_plain_http_unless_explicitly_allowed(
+    secret_file: Path,
+) -> None:
+    """A production base URL must be https://, unless MERCHANT_ALLOW_INSECURE_HTTP is set;
+    the error names the variable and does not echo the URL (it may carry credentials)."""
+    environ = {
+        "MERCHANT_ENVIRONMENT": "production",
+        "MERCHANT_BASE_URL": "http://user:pw-in-url@api.example.com",
+        "MERCHANT_API_KEY": "AK1",
+        "MERCHANT_API_SECRET_FILE": str(secret_file),
+    }
+    with pytest.raises(ConfigurationError) as refused:
+        Settings.from_env(environ)
+    assert "MERCHANT_ALLOW_INSECURE_HTTP" in str(refused.value)
+    assert "pw-in-url" not in str(refused.value)
+    allowed = Settings.from_env({**environ, "MERCHANT_ALLOW_INSECURE_HTTP": "1"})
+    assert allowed.allow_insecure_http
+    secure = Settings.from_env({**environ, "MERCHANT_BASE_URL": "https://api.example.com"})
+    assert secure.base_url == "https://api.example.com"
+    assert Settings.from_env({**environ, "MERCHANT_ENVIRONMENT": "sandbox"}).environment == (
+        "sandbox"
+    )
+
+
+def _self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not on PATH: no certificate for a TLS Redis")
+    cert, key = directory / "redis.crt", directory / "redis.key"
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def _documented_acl_rules() -> list[str]:
+    """The token store's ACL command rules exactly as README.md documents them."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start = readme.index("ACL SETUSER merchant-tokens")
+    words = readme[start : readme.index("```", start)].split()
+    return words[words.index("-@all") :]
+
+
+def test_security_rediss_token_store_over_tls_with_an_acl_user(
+    sandbox: Sandbox,
+    settings: Settings,
+    tmp_path: Path,
+    evidence: Evidence,
+) -> None:
+    """A real TLS Redis (self-signed certificate) and the ACL user README.md documents,
+    limited to the account's keys: ``rediss://user:password@...`` works for exchange, 401
+    renewal, counters and the lock; the user cannot touch another key; a client that does
+    not trust the certificate gets StoreUnavailable, whose text and traceback hold no
+    password.
+    """
+    cert, key = _self_signed_certificate(tmp_path)
+    port = free_port()
+    server = RedisServer(
+        tmp_path / "redis",
+        "--port",
+        "0",
+        "--tls-port",
+        str(port),
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+        "--tls-ca-cert-file",
+        str(cert),
+        "--tls-auth-clients",
+        "no",
+        port=port,
+    )
+
+    def tls_answers() -> bool:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return True
+        return False
+
+    server.start(tls_answers)
+    password = f"pw-{uuid.uuid4().hex}"
+    evidence.needle("TLS test: the Redis password", password)
+    trust = f"ssl_ca_certs={cert}&ssl_cert_reqs=required"
+    admin = redis_from_url(f"rediss://127.0.0.1:{port}/0?{trust}")
+    clients: list[MerchantClient] = []
+    try:
+        admin.acl_setuser(
+            "merchant",
+            enabled=True,
+            passwords=[f"+{password}"],
+            commands=_documented_acl_rules(),
+            keys=[f"{settings.key_prefix}:*"],
+            reset_keys=True,
+            reset_channels=True,
+        )
+        account = dataclasses.replace(
+            settings, redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0?{trust}"
+        )
+        client = MerchantClient.from_settings(account)
+        clients.append(client)
+        assert client.request("GET", PING) == {"ok": True}
+        sandbox.app.revoke_all()
+        assert client.request("GET", PING) == {"ok": True}  # 401, forced renewal, retry
+        store = client.manager.store
+        assert store.counters().get("exchanges:forced:ok") == 1
+        assert store.lock_holder() is None
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            store.redis.get("celery")
+
+        distrustful = MerchantClient.from_settings(
+            dataclasses.replace(
+                account, redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0"
+            )
+        )
+        clients.append(distrustful)
+        with pytest.raises(StoreUnavailable) as refused:
+            distrustful.request("GET", PING)
+        evidence.exception("TLS test: untrusted certificate", refused.value)
+        assert password not in "".join(traceback.format_exception(refused.value))
+    finally:
+        for client in clients:
+            client.session.close()
+            client.manager.store.redis.close()
+        admin.close()
+        server.stop()
+
+
+def test_security_settings_never_show_the_redis_password(secret_file: Path) -> None:
+    """The Redis URL may carry the ACL user's password: repr and str of the settings must
+    not show it, as they do not show the API secret."""
+    password = f"pw-{uuid.uuid4().hex}"
+    account = Settings(
+        api_key="AK1",
+        secret=Secret(path=secret_file),
+        redis_url=f"rediss://merchant:{password}@redis.example.com:6380/0",
+    )
+    assert password not in repr(account)
+    assert password not in str(account)
+
+
+# -- the leak search (keep last: it searches what every test above saw) -----------------------
+
+
+def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
+    celery_outage: CeleryOutage,
+    client: MerchantClient,
+    sandbox: Sandbox,
+    settings: Settings,
+    secret_file: Path,
+    evidence: Evidence,
+    debug_logs: _LogLines,
+) -> None:
+    """Every path once more at DEBUG in this process (a call, a 401 and forced renewal, a
+    token in a "data" envelope without expires_in, an unavailable endpoint, a reset secret,
+    a rotation, a 404), then a search of everything the module collected: logs, exception
+    texts and tracebacks, reprs, caller processes' output, Redis keys except the token, the
+    Celery run's worker, beat and Flower logs, Flower's task API and broker and result keys)
+    for every secret and every token the emulators issued.
+    """
+    texts: list[str] = []
+
+    def attempt(call: Callable[[], object]) -> None:
+        try:
+            call()
+        except MerchantError as exc:
+            texts.extend([str(exc), repr(exc), "".join(traceback.format_exception(exc))])
+
+    attempt(lambda: client.request("GET", PING))
+    sandbox.app.revoke_all()
+    attempt(lambda: client.request("POST", ECHO, json={"x": 1}))
+    sandbox.app.configure({"token_shape": "data", "include_expires_in": False})
+    attempt(lambda: client.manager.renew(force=True))
+    sandbox.app.configure({"token_error_rate": 1.0, "error_status": 500})
+    attempt(lambda: client.manager.renew(force=True))
+    sandbox.app.configure({"token_error_rate": 0.0})
+    new_secret = f"leak-search-secret-{uuid.uuid4().hex}"
+    evidence.needle("leak search: the new secret", new_secret)
+    client.manager.store.close_breaker()
+    sandbox.app.reset_secret(new_secret)
+    for _ in range(3):
+        attempt(lambda: client.request("GET", PING))
+    _write_atomically(secret_file, new_secret)
+    attempt(lambda: client.request("GET", PING))
+    attempt(lambda: client.request("GET", "/open-api/v1/payments/pay_missing"))
+    texts += [repr(client), repr(client.manager), repr(settings), str(settings.secret)]
+    texts += [repr(client.manager.store.load())]
+    evidence.add("leak search: this process's errors and reprs", "\n".join(texts))
+    evidence.add("leak search: DEBUG log so far", "\n".join(debug_logs.lines))
+    evidence.emulator("leak search", sandbox.app)
+    evidence.needle("the test secret", TEST_SECRET)
+    evidence.needle("the fuzz token", FUZZ_TOKEN)
+
+    searched = b"\n".join(evidence.texts.values())
+    assert b"token exchange for" in searched  # DEBUG records of the exchange were captured
+    # positive control: the search finds a value that is there (the Celery calls' canary,
+    # in stored results and in Flower's task API)
+    found = Evidence(evidence.texts, {"canary": celery_outage.canary}).leaks()
+    assert any("Redis key b'celery-task-meta-" in where for where in found), found
+    assert any("Flower /api/tasks" in where for where in found), found
+    assert len(sandbox.app.issued_tokens()) >= 3
+    print(
+        f"\nleak search: {len(evidence.needles)} needles in {len(evidence.texts)} texts "
+        f"({len(searched) // 1024} KiB); the control canary found in {len(found)}: "
+        + ", ".join(found)
+    )
+    leaks = evidence.leaks()
+    assert not leaks, leaks

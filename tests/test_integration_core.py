@@ -1,0 +1,331 @@
+"""The core against the real Redis and the sandbox emulator on loopback."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import requests
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+from werkzeug.serving import make_server
+from werkzeug.wrappers import Request, Response
+
+from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from merchant_tasks.client import MerchantClient
+from merchant_tasks.exceptions import (
+    ConfigurationError,
+    CredentialsRejected,
+    MerchantError,
+    TokenExchangeError,
+)
+from merchant_tasks.exchange import IssuedToken, TokenExchange
+from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.settings import Secret, Settings
+
+pytestmark = pytest.mark.integration
+
+STORM_THREADS = 64
+STORM_PROCESSES = 8
+PING = "/open-api/v1/ping"
+
+
+def test_exchanges_once_and_calls_through_the_emulator(
+    client: MerchantClient, sandbox: Sandbox
+) -> None:
+    assert client.request("GET", PING) == {"ok": True}
+    assert client.request("POST", "/open-api/v1/echo", json={"amount": 12}) == {
+        "echo": {"amount": 12}
+    }
+    assert sandbox.exchanges()["ok"] == 1
+    assert sandbox.calls()["ok"] == 2
+
+
+def test_threads_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
+    client: MerchantClient, sandbox: Sandbox
+) -> None:
+    client.request("GET", PING)
+    sandbox.app.revoke_all()
+    start = threading.Barrier(STORM_THREADS)
+
+    def call(_: int) -> Any:
+        start.wait()
+        return client.request("GET", PING)
+
+    with ThreadPoolExecutor(STORM_THREADS) as pool:
+        results = list(pool.map(call, range(STORM_THREADS)))
+
+    assert results == [{"ok": True}] * STORM_THREADS
+    assert sandbox.exchanges()["ok"] == 2  # the first token, then one for the whole storm
+    print(f"\nstorm of {STORM_THREADS} threads: {sandbox.exchanges()['ok'] - 1} exchange(s)")
+
+
+def test_processes_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
+    client: MerchantClient,
+    sandbox: Sandbox,
+    settings: Settings,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    secret_file: Path,
+) -> None:
+    client.request("GET", PING)
+    sandbox.app.revoke_all()
+    ready_key, go_key = f"{key_prefix}:test:ready", f"{key_prefix}:test:go"
+    env = {
+        **os.environ,
+        "MERCHANT_API_KEY": TEST_API_KEY,
+        "MERCHANT_API_SECRET_FILE": str(secret_file),
+        "MERCHANT_BASE_URL": sandbox.url,
+        "MERCHANT_REDIS_URL": settings.redis_url,
+        "MERCHANT_KEY_PREFIX": key_prefix,
+        "STORM_READY_KEY": ready_key,
+        "STORM_GO_KEY": go_key,
+    }
+    env.pop("MERCHANT_API_SECRET", None)
+    worker = Path(__file__).with_name("storm_worker.py")
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(worker), "5"], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(STORM_PROCESSES)
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while int(redis_client.get(ready_key) or 0) < STORM_PROCESSES:
+            assert time.monotonic() < deadline, "storm workers did not start"
+            time.sleep(0.02)
+        redis_client.set(go_key, 1)
+        outputs = [json.loads(p.communicate(timeout=60)[0]) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    assert [o["errors"] for o in outputs] == [[]] * STORM_PROCESSES
+    assert sum(o["ok"] for o in outputs) == 5 * STORM_PROCESSES
+    assert sandbox.exchanges()["ok"] == 2
+    print(f"\nstorm of {STORM_PROCESSES} processes: {sandbox.exchanges()['ok'] - 1} exchange(s)")
+
+
+def test_revoke_on_issue_causes_no_401_loop(client: MerchantClient, sandbox: Sandbox) -> None:
+    sandbox.app.config.revoke_on_issue = True
+    client.request("GET", PING)
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def keep_calling() -> None:
+        while not stop.is_set():
+            try:
+                client.request("GET", PING)
+            except MerchantError as exc:
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=keep_calling) for _ in range(8)]
+    for t in threads:
+        t.start()
+    renewals = 5
+    for _ in range(renewals):
+        time.sleep(0.1)
+        client.manager.renew(force=True)  # each revokes every token in flight
+    stop.set()
+    for t in threads:
+        t.join()
+
+    assert failures == []
+    assert sandbox.exchanges()["ok"] == 1 + renewals
+    # a call in flight with the revoked token gets one 401, then uses the new token
+    assert sandbox.calls()["unauthorized"] <= 8 * renewals
+
+
+def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
+    sandbox_config: SandboxConfig, settings: Settings, redis_client: redis.Redis
+) -> None:
+    app = SandboxApp(sandbox_config)
+    slow_request_arrived = threading.Event()
+
+    def watching(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ["PATH_INFO"].endswith("/access_token") and app.config.token_latency:
+            slow_request_arrived.set()
+        return app(environ, start_response)
+
+    with SandboxServer(watching) as server:  # type: ignore[arg-type]  # any WSGI app serves
+        client = MerchantClient.from_settings(
+            dataclasses.replace(settings, base_url=server.url), redis_client=redis_client
+        )
+        store = client.manager.store
+        client.request("GET", PING)
+        app.config.token_latency = 2.0
+        slow_result: list[Any] = []
+        slow = threading.Thread(target=lambda: slow_result.append(client.manager.renew(force=True)))
+        slow.start()
+        assert slow_request_arrived.wait(10)
+        redis_client.delete(store.lock_key)  # as if the slow holder's lock had expired
+        app.config.token_latency = 0.0
+        newer = client.manager.renew(force=True)
+        assert slow.is_alive(), "the slow exchange must still be in flight for this race"
+        slow.join()
+
+    stored = store.load()
+    assert stored is not None
+    assert stored.value == newer.value
+    assert stored.generation == newer.generation == 2
+    assert slow_result == [newer]  # the slow renewal hands back the newer token
+    assert app.counters()["exchanges"]["ok"] == 3  # first token, the slow one, the newer one
+
+
+def test_breaker_stops_hammering_a_reset_secret_and_recovers_after_rotation(
+    client: MerchantClient, sandbox: Sandbox, secret_file: Path
+) -> None:
+    client.request("GET", PING)
+    new_secret = sandbox.app.reset_secret("rotated-secret-8d2e61")
+
+    for _ in range(20):
+        with pytest.raises(CredentialsRejected) as caught:
+            client.request("GET", PING)
+        assert "MERCHANT_API_SECRET" in str(caught.value)
+    assert sandbox.exchanges()["rejected"] == 1  # the breaker held every later attempt
+
+    secret_file.write_text(new_secret)
+    assert client.request("GET", PING) == {"ok": True}
+    assert sandbox.exchanges()["ok"] == 2
+    assert client.manager.store.load_breaker() is None
+
+
+# -- malformed token responses, from a real server on loopback ---------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
+    max_leaves=8,
+)
+token_like_fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "access_token": json_values,
+        "expires_in": json_values,
+        "data": json_values,
+        "error": st.just(TEST_SECRET) | json_values,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def scripted_server() -> Iterator[tuple[str, dict[str, Any]]]:
+    """A loopback server that answers whatever the test scripted."""
+    script: dict[str, Any] = {"status": 200, "body": b"{}"}
+
+    @Request.application
+    def app(request: Request) -> Response:
+        return Response(script["body"], status=script["status"], content_type="application/json")
+
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}", script
+    server.shutdown()
+
+
+@hypothesis_settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    status=st.sampled_from([200, 201, 400, 401, 403, 404, 408, 429, 500, 502, 503]),
+    body=st.one_of(
+        token_like_fields.map(lambda d: json.dumps(d).encode()),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.binary(max_size=40),
+    ),
+)
+def test_any_token_response_gives_a_token_or_a_typed_error_without_the_secret(
+    scripted_server: tuple[str, dict[str, Any]], status: int, body: bytes
+) -> None:
+    url, script = scripted_server
+    script.update(status=status, body=body)
+    exchange = TokenExchange(url, TEST_API_KEY, Secret(TEST_SECRET), timeout=(2, 2))
+    outcome: IssuedToken | MerchantError
+    try:
+        outcome = exchange()
+    except MerchantError as exc:  # any other exception type fails the test
+        outcome = exc
+    if isinstance(outcome, IssuedToken):
+        assert outcome.value
+        assert outcome.expires_in > 0
+    else:
+        assert isinstance(outcome, TokenExchangeError | ConfigurationError)
+        assert TEST_SECRET not in str(outcome)
+        assert TEST_SECRET not in "".join(traceback.format_exception(outcome))
+
+
+def test_the_secret_and_tokens_never_reach_logs_errors_reprs_or_redis(
+    client: MerchantClient,
+    sandbox: Sandbox,
+    settings: Settings,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    texts: list[str] = []
+    client.request("GET", PING)
+    sandbox.app.revoke_all()
+    client.request("POST", "/open-api/v1/echo", json={"x": 1})  # 401 and forced renewal
+    sandbox.app.reset_secret("another-secret-77aa01")
+    for _ in range(3):
+        try:
+            client.request("GET", PING)
+        except MerchantError as exc:
+            texts.append(str(exc))
+            texts.append("".join(traceback.format_exception(exc)))
+    sandbox.app.config.token_error_rate = 1.0
+    texts += [
+        repr(client),
+        repr(client.manager),
+        repr(settings),
+        repr(settings.secret),
+        str(settings),
+    ]
+    texts += [record.getMessage() for record in caplog.records]
+    texts += [repr(client.manager.store.load())]
+    redis_dump = [
+        f"{key!r}={redis_client.dump(key)!r}" for key in redis_client.scan_iter(f"{key_prefix}:*")
+    ]
+
+    haystack = "\n".join(texts)
+    assert TEST_SECRET not in haystack
+    assert "another-secret-77aa01" not in haystack
+    for token in sandbox.app.issued_tokens():
+        assert token not in haystack
+    assert TEST_SECRET not in "\n".join(redis_dump)
+    assert len(caplog.records) > 0  # DEBUG logging was really on
+
+
+def test_a_sandbox_key_is_refused_by_an_emulator_playing_production(
+    sandbox: Sandbox, redis_url: str, key_prefix: str, redis_client: redis.Redis
+) -> None:
+    production_settings = Settings(
+        api_key="sandbox-only-key",
+        secret=Secret("sandbox-only-secret"),
+        base_url=sandbox.url,
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+    )
+    wrong = MerchantClient.from_settings(production_settings, redis_client=redis_client)
+    for _ in range(5):
+        with pytest.raises(CredentialsRejected):
+            wrong.request("GET", PING)
+    assert sandbox.exchanges()["rejected"] == 1
+    assert requests.get(sandbox.url + "/_sandbox/counters", timeout=5).ok

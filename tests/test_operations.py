@@ -1,0 +1,150 @@
+"""The command line, `status` and the Prometheus metrics, against the emulator and Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from merchant_tasks.accounts import AccountClients
+from merchant_tasks.cli import EXIT_CONFIGURATION, EXIT_FAILED, EXIT_STORE_UNAVAILABLE, main
+from merchant_tasks.metrics import FleetCollector
+from merchant_tasks.status import AccountStatus, account_status, format_status
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def env(sandbox: Sandbox, secret_file: Path, redis_url: str, key_prefix: str) -> dict[str, str]:
+    return {
+        "MERCHANT_API_KEY": TEST_API_KEY,
+        "MERCHANT_API_SECRET_FILE": str(secret_file),
+        "MERCHANT_BASE_URL": sandbox.url,
+        "MERCHANT_REDIS_URL": redis_url,
+        "MERCHANT_KEY_PREFIX": key_prefix,
+    }
+
+
+def _run(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args), env={"MERCHANT_API_SECRET": None, **env})
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _statuses(env: dict[str, str]) -> dict[str, AccountStatus]:
+    clients = AccountClients.from_env(env)
+    return {
+        name: account_status(name, settings, clients.get(name).manager.store)
+        for name, settings in clients.accounts.items()
+    }
+
+
+def test_call_prints_the_json_response_and_renew_reports_the_new_generation(
+    env: dict[str, str], sandbox: Sandbox
+) -> None:
+    code, out, _ = _run(env, "call", "POST", "/open-api/v1/echo", "--json", '{"amount": 5}')
+    assert code == 0
+    assert json.loads(out) == {"echo": {"amount": 5}}
+    code, out, _ = _run(env, "renew", "--force")
+    assert code == 0
+    assert out.startswith("generation 2, fingerprint ")
+    assert sandbox.exchanges()["ok"] == 2
+
+
+def test_status_json_reports_token_renewals_breaker_and_counters_but_no_token(
+    env: dict[str, str], sandbox: Sandbox
+) -> None:
+    _run(env, "call", "GET", "/open-api/v1/ping")
+    sandbox.app.revoke_all()
+    _run(env, "call", "GET", "/open-api/v1/ping")  # 401, forced renewal
+    code, out, _ = _run(env, "status", "--json")
+    assert code == 0
+    [account] = json.loads(out)["accounts"]
+    assert account["account"] == "default"
+    assert account["state"] == "fresh"
+    assert account["generation"] == 2
+    assert account["last_renewal_reason"] == "forced"
+    assert account["exchanges_last_hour"] == account["exchanges_last_day"] == 2
+    assert account["breaker"] is None
+    assert account["lock_holder"] is None
+    assert account["counters"]["exchanges:forced:ok"] == 1
+    assert account["counters"]["unauthorized"] == 1
+    for token in sandbox.app.issued_tokens():
+        assert token not in out
+    assert TEST_SECRET not in out
+
+
+def test_status_shows_an_open_breaker_and_exits_1(env: dict[str, str], sandbox: Sandbox) -> None:
+    sandbox.app.reset_secret("rotated-away-91c2")
+    code, _, err = _run(env, "call", "GET", "/open-api/v1/ping")
+    assert code == EXIT_FAILED
+    assert "CredentialsRejected" in err
+    code, out, _ = _run(env, "status")
+    assert code == EXIT_FAILED
+    assert "breaker     OPEN (rejected" in out
+    assert "rotated-away-91c2" not in out
+
+
+def test_exit_codes_tell_configuration_redis_and_api_failures_apart(env: dict[str, str]) -> None:
+    assert _run({**env, "MERCHANT_ENVIRONMENT": "staging"}, "status")[0] == EXIT_CONFIGURATION
+    down = {**env, "MERCHANT_REDIS_URL": "redis://127.0.0.1:1/0"}
+    assert _run(down, "renew")[0] == EXIT_STORE_UNAVAILABLE
+    assert _run(env, "call", "GET", "/open-api/v1/missing")[0] == EXIT_FAILED
+    assert _run(env, "call", "GET", "/elsewhere")[0] == 2  # click's usage error
+    assert _run(env, "call", "POST", "/open-api/v1/echo", "--json", "{nope")[0] == 2
+
+
+def test_the_sandbox_refuses_a_network_address_unless_allowed(env: dict[str, str]) -> None:
+    code, _, err = _run({**env, "MERCHANT_API_SECRET": "s"}, "sandbox", "--host", "0.0.0.0")  # noqa: S104
+    assert code == 2
+    assert "loopback only" in err
+
+
+def test_format_status_names_everything_an_operator_needs(
+    env: dict[str, str], sandbox: Sandbox
+) -> None:
+    _run(env, "call", "GET", "/open-api/v1/ping")
+    text = format_status(_statuses(env)["default"])
+    for expected in (
+        "default (sandbox, key test-app-id): fresh",
+        "generation 1",
+        "breaker     closed",
+    ):
+        assert expected in text
+
+
+def test_one_scrape_sees_the_exchanges_of_every_process(
+    env: dict[str, str], sandbox: Sandbox
+) -> None:
+    """Counters live in Redis, so a scrape in one process counts what others did."""
+    child_env = {k: v for k, v in os.environ.items() if k != "MERCHANT_API_SECRET"} | env
+    for _ in range(2):
+        subprocess.run(
+            [sys.executable, "-m", "merchant_tasks.cli", "renew", "--force"],
+            env=child_env,
+            check=True,
+            capture_output=True,
+        )
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(lambda: _statuses(env)))
+    text = generate_latest(registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    labels = (("account", "default"), ("environment", "sandbox"))
+    manual = (*labels, ("outcome", "ok"), ("reason", "manual"))
+    assert samples[("merchant_tasks_exchanges_total", tuple(sorted(manual)))] == 2
+    assert samples[("merchant_tasks_token_generation", labels)] == 2
+    assert samples[("merchant_tasks_token_time_left_seconds", labels)] > 0
+    assert samples[("merchant_tasks_exchanges_last_hour", labels)] == 2
+    assert samples[("merchant_tasks_breaker_open", (*labels, ("kind", "rejected")))] == 0
+    assert sandbox.exchanges()["ok"] == 2

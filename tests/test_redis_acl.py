@@ -1,0 +1,75 @@
+"""The token store works under the least-privilege Redis ACL user the README documents."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from conftest import TEST_API_KEY, Sandbox
+from merchant_tasks.client import MerchantClient, redis_from_url
+from merchant_tasks.settings import Secret, Settings
+
+pytestmark = pytest.mark.integration
+
+# the README's ACL, with the key pattern of this test's prefix
+TOKEN_STORE_COMMANDS = (
+    "+get +set +del +hincrby +hgetall +zadd +zcount +zremrangebyscore "
+    "+eval +evalsha +script|load +time +ping"
+)
+
+
+@pytest.fixture
+def acl_user(redis_client: redis.Redis, key_prefix: str) -> Iterator[tuple[str, str]]:
+    name, password = f"mt-test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    redis_client.execute_command(  # type: ignore[no-untyped-call]
+        "ACL",
+        "SETUSER",
+        name,
+        "on",
+        f">{password}",
+        "resetkeys",
+        f"~{key_prefix}:*",
+        "resetchannels",
+        "-@all",
+        *TOKEN_STORE_COMMANDS.split(),
+    )
+    yield name, password
+    redis_client.execute_command("ACL", "DELUSER", name)  # type: ignore[no-untyped-call]
+
+
+def test_the_documented_acl_user_is_enough_for_the_token_store(
+    acl_user: tuple[str, str],
+    redis_url: str,
+    key_prefix: str,
+    sandbox: Sandbox,
+    secret_file: Path,
+) -> None:
+    name, password = acl_user
+    host = redis_url.split("://", 1)[1]
+    settings = Settings(
+        api_key=TEST_API_KEY,
+        secret=Secret(path=secret_file),
+        base_url=sandbox.url,
+        redis_url=f"redis://{name}:{password}@{host}",
+        key_prefix=key_prefix,
+    )
+    client = MerchantClient.from_settings(settings)
+    assert client.request("GET", "/open-api/v1/ping") == {"ok": True}
+    sandbox.app.revoke_all()
+    assert client.request("GET", "/open-api/v1/ping") == {"ok": True}  # lock, CAS, counters
+    client.manager.renew(force=True)
+    assert sandbox.exchanges()["ok"] == 3
+
+
+def test_the_acl_user_cannot_touch_keys_outside_its_prefix(
+    acl_user: tuple[str, str], redis_url: str
+) -> None:
+    name, password = acl_user
+    host = redis_url.split("://", 1)[1]
+    limited = redis_from_url(f"redis://{name}:{password}@{host}")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        limited.get("celery")

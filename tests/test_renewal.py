@@ -1,0 +1,786 @@
+"""TokenManager on fakeredis with an injected clock, sleep and exchange: windows,
+single flight, compare-and-swap after a 401, and the fleet-wide breaker."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import time
+from collections.abc import Callable
+
+import fakeredis
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from merchant_tasks.exceptions import (
+    CredentialsRejected,
+    ExchangeRateLimited,
+    MalformedTokenResponse,
+    RenewalTimeout,
+    StoreUnavailable,
+    TokenEndpointUnavailable,
+    TokenExchangeError,
+    TokenRejected,
+)
+from merchant_tasks.exchange import IssuedToken
+from merchant_tasks.renewal import (
+    EXCHANGE_ATTEMPTS,
+    EXCHANGE_RETRY_WAIT_MAX,
+    FRESH_TOKEN_GRACE,
+    POLL_INITIAL,
+    POLL_MAX,
+    RATE_LIMITED_BACKOFF,
+    REJECTED_BACKOFF,
+    RETRY_AFTER_MARGIN,
+    UNAVAILABLE_BACKOFF,
+    TokenManager,
+)
+from merchant_tasks.store import BreakerRecord, TokenStore
+from merchant_tasks.token import Token, fingerprint
+
+RENEW_BEFORE = 480.0
+RENEW_MANDATORY = 120.0
+LIFETIME = 7200.0
+OTHER_HOLDER = "other-host:99:deadbeef"
+
+
+class ManualClock:
+    """The store's clock as the manager sees it; starts at real time, which Redis TIME follows."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Sleeper:
+    """Records every wait instead of sleeping; ``on_sleep`` lets a test act meanwhile."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.waits: list[float] = []
+        self.advance_clock = False
+        self.on_sleep: Callable[[int], None] | None = None
+
+    def __call__(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        if self.advance_clock:
+            self.clock.now += seconds
+        if self.on_sleep is not None:
+            self.on_sleep(len(self.waits))
+
+
+class FakeExchange:
+    """Gives the queued outcomes in turn (raising errors), then fresh tokens; counts calls."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        self.clock = clock
+        self.outcomes: list[IssuedToken | Exception] = []
+        self.calls: list[float] = []  # the clock at each call
+        self.during: Callable[[], None] | None = None
+
+    def __call__(self) -> IssuedToken:
+        self.calls.append(self.clock.now)
+        if self.during is not None:
+            self.during()
+        if self.outcomes:
+            outcome = self.outcomes.pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return IssuedToken(value=f"tok-issued-{len(self.calls)}", expires_in=LIFETIME)
+
+
+@pytest.fixture
+def fake_redis() -> redis.Redis:
+    client: redis.Redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    return client
+
+
+@pytest.fixture
+def store(fake_redis: redis.Redis) -> TokenStore:
+    return TokenStore(fake_redis, TokenStore.namespace_for("mt-test", "sandbox", "app-id-1234"))
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def sleep(clock: ManualClock) -> Sleeper:
+    return Sleeper(clock)
+
+
+@pytest.fixture
+def exchange(clock: ManualClock) -> FakeExchange:
+    return FakeExchange(clock)
+
+
+@pytest.fixture
+def secret() -> list[str]:
+    """The current API secret; a test rotates it by replacing the item."""
+    return ["secret-one-0a1b2c3d4e"]
+
+
+@pytest.fixture
+def manager(
+    store: TokenStore,
+    exchange: FakeExchange,
+    clock: ManualClock,
+    sleep: Sleeper,
+    secret: list[str],
+) -> TokenManager:
+    return TokenManager(
+        store,
+        exchange,
+        lambda: fingerprint(secret[0]),
+        renew_before=RENEW_BEFORE,
+        renew_mandatory=RENEW_MANDATORY,
+        exchange_timeout=0.1,
+        clock=clock,
+        sleep=sleep,
+        rng=random.Random(0),
+        local_copy_ttl=0.0,  # read the store on every call; the copy has its own tests
+    )
+
+
+def stored(
+    store: TokenStore,
+    clock: ManualClock,
+    left: float = 3600.0,
+    *,
+    value: str | None = None,
+    reason: str = "scheduled",
+    age: float | None = None,
+) -> Token:
+    """Save, as another process would, a token with ``left`` seconds to live."""
+    generation = store.generation() + 1
+    token = Token(
+        value=value or f"tok-stored-{generation}",
+        issued_at=clock.now - (LIFETIME - left if age is None else age),
+        expires_at=clock.now + left,
+        generation=generation,
+        renewed_by=OTHER_HOLDER,
+        reason=reason,
+    )
+    assert store.save(token) == (True, generation)
+    return token
+
+
+def hold_lock(store: TokenStore) -> None:
+    """Another process takes the renewal lock (and never lets go during the test)."""
+    assert store.lock(ttl=60.0).acquire(token=OTHER_HOLDER)
+
+
+def dead_redis() -> redis.Redis:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return redis.Redis(
+        host="127.0.0.1", port=port, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
+    )
+
+
+# -- token(): the callers' path ----------------------------------------------------------
+
+
+def test_token_returns_the_stored_token_while_fresh_without_exchanging(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    token = stored(store, clock, left=3600.0)
+    assert manager.token() == token
+    assert exchange.calls == []
+
+
+def test_token_returns_the_stored_token_in_the_advisory_window_without_exchanging(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    token = stored(store, clock, left=3600.0)
+    clock.now += 3600.0 - RENEW_MANDATORY - 1.0  # just above the mandatory window
+    assert manager.token() == token
+    assert exchange.calls == []
+
+
+def test_token_exchanges_in_the_mandatory_window(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    old = stored(store, clock, left=3600.0)
+    clock.now += 3600.0 - RENEW_MANDATORY + 1.0
+    token = manager.token()
+    assert token.value == "tok-issued-1"
+    assert token.generation == old.generation + 1
+    assert (token.issued_at, token.expires_at) == (clock.now, clock.now + LIFETIME)
+    assert token.reason == "mandatory"
+    assert store.load() == token
+    assert len(exchange.calls) == 1
+
+
+def test_token_exchanges_when_the_stored_token_has_expired(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    stored(store, clock, left=60.0)
+    clock.now += 61.0
+    assert manager.token().value == "tok-issued-1"
+    assert len(exchange.calls) == 1
+
+
+def test_token_exchanges_when_none_is_stored_and_then_reuses_it(
+    manager: TokenManager, store: TokenStore, exchange: FakeExchange
+) -> None:
+    first = manager.token()
+    assert first.generation == 1
+    assert manager.token() == first
+    assert len(exchange.calls) == 1
+    assert store.counters() == {"exchanges:mandatory:ok": 1}
+
+
+def test_a_renewal_records_who_renewed_and_releases_the_lock(
+    manager: TokenManager, store: TokenStore
+) -> None:
+    token = manager.token()
+    host, pid, nonce = token.renewed_by.split(":")
+    assert (host, pid) == (socket.gethostname(), str(os.getpid()))
+    assert len(nonce) == 8
+    assert store.lock_holder() is None
+
+
+# -- renew(): beat, operators ------------------------------------------------------------
+
+
+def test_scheduled_renewal_does_not_exchange_while_the_token_is_fresh(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    token = stored(store, clock, left=3600.0)
+    clock.now += 3600.0 - RENEW_BEFORE  # exactly at the advisory bound: still fresh
+    assert manager.renew() == token
+    assert exchange.calls == []
+
+
+def test_scheduled_renewal_exchanges_inside_the_advisory_window(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    stored(store, clock, left=3600.0)
+    clock.now += 3600.0 - RENEW_BEFORE + 1.0
+    token = manager.renew()
+    assert token.reason == "scheduled"
+    assert token.generation == 2
+    assert len(exchange.calls) == 1
+    assert store.counters() == {"exchanges:scheduled:ok": 1}
+
+
+def test_forced_renewal_always_exchanges_once(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    stored(store, clock, left=7000.0)
+    first = manager.renew(force=True)
+    assert (first.generation, first.reason) == (2, "manual")
+    assert len(exchange.calls) == 1
+    second = manager.renew(force=True)
+    assert second.generation == 3
+    assert len(exchange.calls) == 2
+
+
+# -- renew(stale_token=...): after a 401 -------------------------------------------------
+
+
+def test_renewal_after_401_returns_the_newer_stored_token_without_exchanging(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    refused = stored(store, clock, left=3600.0)
+    newer = stored(store, clock, left=7200.0)  # someone renewed meanwhile
+    assert manager.renew(stale_token=refused) == newer
+    assert exchange.calls == []
+    assert store.counters() == {"unauthorized": 1}
+
+
+def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    refused = stored(store, clock, left=3600.0, reason="mandatory", age=1.0)
+    token = manager.renew(stale_token=refused)
+    assert token.value != refused.value
+    assert token.reason == "forced"
+    assert len(exchange.calls) == 1
+    assert store.counters() == {
+        "unauthorized": 1,
+        "forced_renewals": 1,
+        "exchanges:forced:ok": 1,
+    }
+
+
+def test_a_token_renewed_after_a_401_and_refused_again_within_the_grace_is_token_rejected(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    refused = stored(store, clock, left=7190.0, reason="forced", age=10.0)
+    with pytest.raises(TokenRejected, match="other environment") as caught:
+        manager.renew(stale_token=refused)
+    assert not caught.value.retryable
+    assert exchange.calls == []
+    assert store.counters() == {"unauthorized": 1, "fresh_token_rejected": 1}
+
+
+def test_a_token_renewed_after_a_401_may_be_renewed_again_once_the_grace_has_passed(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    refused = stored(store, clock, left=7190.0, reason="forced", age=10.0)
+    clock.now += FRESH_TOKEN_GRACE
+    assert manager.renew(stale_token=refused).value == "tok-issued-1"
+    assert len(exchange.calls) == 1
+
+
+# -- single flight -----------------------------------------------------------------------
+
+
+def test_a_caller_with_a_still_valid_token_gets_it_while_another_process_renews(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+) -> None:
+    token = stored(store, clock, left=3600.0)
+    clock.now += 3600.0 - 60.0  # mandatory window, a minute left
+    hold_lock(store)
+    assert manager.token() == token
+    assert exchange.calls == []
+    assert sleep.waits == []
+
+
+def test_a_caller_without_a_token_waits_for_the_renewal_held_elsewhere(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+) -> None:
+    hold_lock(store)
+    written: list[Token] = []
+
+    def holder_finishes(polls: int) -> None:
+        if polls == 3:
+            written.append(stored(store, clock, left=LIFETIME))
+
+    sleep.on_sleep = holder_finishes
+    assert manager.token() == written[0]
+    assert exchange.calls == []
+    assert len(sleep.waits) == 3
+    assert all(0 < wait <= POLL_MAX for wait in sleep.waits)
+    assert store.counters() == {"lock_waits": 1}
+
+
+def test_waiting_for_another_process_starts_with_short_polls(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, sleep: Sleeper
+) -> None:
+    hold_lock(store)
+
+    def holder_finishes(polls: int) -> None:
+        if polls == 3:
+            stored(store, clock, left=LIFETIME)
+
+    sleep.on_sleep = holder_finishes
+    manager.token()
+    assert sleep.waits[0] <= POLL_INITIAL
+    assert sum(sleep.waits) < POLL_MAX  # a renewal on loopback is awaited in short polls
+
+
+def test_a_caller_without_a_token_gets_renewal_timeout_when_the_holder_never_writes(
+    manager: TokenManager, store: TokenStore, exchange: FakeExchange, sleep: Sleeper
+) -> None:
+    hold_lock(store)
+    with pytest.raises(RenewalTimeout, match=OTHER_HOLDER) as caught:
+        manager.token()
+    assert caught.value.retryable
+    assert exchange.calls == []
+    assert len(sleep.waits) == math.ceil(manager.lock_ttl / POLL_INITIAL) - 1
+    assert store.counters() == {"lock_waits": 1}
+
+
+def test_the_lock_outlives_the_longest_renewal(manager: TokenManager) -> None:
+    longest = EXCHANGE_ATTEMPTS * 0.1 + (EXCHANGE_ATTEMPTS - 1) * EXCHANGE_RETRY_WAIT_MAX
+    assert manager.lock_ttl > longest
+
+
+# -- breaker -----------------------------------------------------------------------------
+
+
+def test_rejected_credentials_open_the_breaker_for_that_secret(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    secret: list[str],
+    sleep: Sleeper,
+) -> None:
+    exchange.outcomes = [CredentialsRejected("token endpoint refused (HTTP 401)", status=401)]
+    with pytest.raises(CredentialsRejected):
+        manager.token()
+    assert len(exchange.calls) == 1  # never retried
+    assert sleep.waits == []
+    record = store.load_breaker()
+    assert record is not None
+    assert record.kind == "rejected"
+    assert record.until == clock.now + REJECTED_BACKOFF
+    assert record.secret_fingerprint == fingerprint(secret[0])
+    assert secret[0] not in record.detail
+    assert store.counters() == {
+        "exchanges:mandatory:rejected": 1,
+        "breaker_openings:rejected": 1,
+    }
+    assert store.lock_holder() is None
+
+
+def test_while_the_rejected_breaker_is_open_renewal_raises_without_exchanging(
+    manager: TokenManager, exchange: FakeExchange
+) -> None:
+    exchange.outcomes = [CredentialsRejected("token endpoint refused (HTTP 401)", status=401)]
+    with pytest.raises(CredentialsRejected):
+        manager.token()
+    with pytest.raises(CredentialsRejected, match="paused"):
+        manager.renew(force=True)
+    with pytest.raises(CredentialsRejected, match="paused"):
+        manager.token()
+    assert len(exchange.calls) == 1
+
+
+def test_a_new_secret_goes_through_the_rejected_breaker_and_success_closes_it(
+    manager: TokenManager, store: TokenStore, exchange: FakeExchange, secret: list[str]
+) -> None:
+    exchange.outcomes = [CredentialsRejected("token endpoint refused (HTTP 401)", status=401)]
+    with pytest.raises(CredentialsRejected):
+        manager.token()
+    secret[0] = "secret-two-rotated-5f6e7d"
+    token = manager.token()
+    assert token.value == "tok-issued-2"
+    assert store.load_breaker() is None
+
+
+def test_a_new_secret_that_is_rejected_too_reopens_the_breaker_for_it(
+    manager: TokenManager, store: TokenStore, exchange: FakeExchange, secret: list[str]
+) -> None:
+    exchange.outcomes = [
+        CredentialsRejected("token endpoint refused (HTTP 401)", status=401),
+        CredentialsRejected("token endpoint refused (HTTP 401)", status=401),
+    ]
+    with pytest.raises(CredentialsRejected):
+        manager.token()
+    secret[0] = "secret-two-also-wrong-11"
+    with pytest.raises(CredentialsRejected):
+        manager.token()
+    record = store.load_breaker()
+    assert record is not None
+    assert record.secret_fingerprint == fingerprint(secret[0])
+    assert len(exchange.calls) == 2
+
+
+def test_a_rate_limited_exchange_pauses_exchanges_until_retry_after(
+    manager: TokenManager,
+    store: TokenStore,
+    fake_redis: redis.Redis,
+    clock: ManualClock,
+    exchange: FakeExchange,
+) -> None:
+    exchange.outcomes = [ExchangeRateLimited("HTTP 429", retry_after=30.0)]
+    with pytest.raises(ExchangeRateLimited):
+        manager.token()
+    record = store.load_breaker()
+    assert record is not None
+    assert (record.kind, record.until) == ("rate_limited", clock.now + 30.0 + RETRY_AFTER_MARGIN)
+    # the record outlives its pause, to count failures in a row
+    assert fake_redis.pttl(store.breaker_key) > 30_000
+
+    clock.now += 20.0
+    with pytest.raises(ExchangeRateLimited) as caught:
+        manager.token()
+    assert caught.value.retry_after == pytest.approx(10.0 + RETRY_AFTER_MARGIN)
+    assert len(exchange.calls) == 1
+
+    clock.now += 11.0  # past ``until``: the record no longer pauses anything
+    assert manager.token().value == "tok-issued-2"
+    assert len(exchange.calls) == 2
+    assert store.counters()["exchanges:mandatory:rate_limited"] == 1
+    assert store.counters()["breaker_openings:rate_limited"] == 1
+
+
+def test_a_rate_limit_without_retry_after_pauses_for_the_default_backoff(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    exchange.outcomes = [ExchangeRateLimited("HTTP 429")]
+    with pytest.raises(ExchangeRateLimited):
+        manager.token()
+    record = store.load_breaker()
+    assert record is not None
+    assert record.until == clock.now + RATE_LIMITED_BACKOFF + RETRY_AFTER_MARGIN
+    assert len(exchange.calls) == 1  # a 429 is not retried while holding the lock
+
+
+def test_an_unavailable_endpoint_is_retried_then_pauses_exchanges(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+) -> None:
+    exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * EXCHANGE_ATTEMPTS
+    with pytest.raises(TokenEndpointUnavailable):
+        manager.token()
+    assert len(exchange.calls) == EXCHANGE_ATTEMPTS
+    assert len(sleep.waits) == EXCHANGE_ATTEMPTS - 1
+    assert all(0 <= wait <= EXCHANGE_RETRY_WAIT_MAX for wait in sleep.waits)
+    record = store.load_breaker()
+    assert record is not None
+    assert (record.kind, record.failures) == ("unavailable", 1)
+    pause = record.until - clock.now
+    assert UNAVAILABLE_BACKOFF / 2 <= pause <= UNAVAILABLE_BACKOFF
+    assert pause != UNAVAILABLE_BACKOFF  # jittered
+    assert store.counters() == {
+        "exchanges:mandatory:failed": 1,
+        "breaker_openings:unavailable": 1,
+    }
+
+    with pytest.raises(TokenEndpointUnavailable, match="paused"):
+        manager.token()
+    assert len(exchange.calls) == EXCHANGE_ATTEMPTS
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [TokenEndpointUnavailable("HTTP 502", status=502), MalformedTokenResponse("not JSON")],
+)
+def test_an_endpoint_that_recovers_within_the_attempts_gives_a_token(
+    manager: TokenManager,
+    store: TokenStore,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+    failure: TokenExchangeError,
+) -> None:
+    exchange.outcomes = [failure, failure]
+    assert manager.token().value == "tok-issued-3"
+    assert len(sleep.waits) == 2
+    assert store.load_breaker() is None
+
+
+def test_repeated_endpoint_failures_grow_the_jittered_backoff(
+    manager: TokenManager,
+    store: TokenStore,
+    fake_redis: redis.Redis,
+    clock: ManualClock,
+    exchange: FakeExchange,
+) -> None:
+    exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * (2 * EXCHANGE_ATTEMPTS)
+    with pytest.raises(TokenEndpointUnavailable):
+        manager.token()
+    first = store.load_breaker()
+    assert first is not None
+    clock.now = first.until  # the pause is over; the record remembers the failure
+    with pytest.raises(TokenEndpointUnavailable):
+        manager.token()
+    second = store.load_breaker()
+    assert second is not None
+    assert second.failures == 2
+    assert second.until - clock.now > UNAVAILABLE_BACKOFF  # doubled, then jittered by half
+
+
+def test_a_5xx_retry_after_is_honoured_before_the_next_exchange(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+) -> None:
+    sleep.advance_clock = True
+    exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503, retry_after=30.0)] * 3
+    started = clock.now
+    with pytest.raises(TokenEndpointUnavailable):
+        manager.token()
+    gaps = [b - a for a, b in zip(exchange.calls, exchange.calls[1:], strict=False)]
+    assert all(gap >= 30.0 for gap in gaps)
+    record = store.load_breaker()
+    assert record is not None
+    assert record.until >= started + 30.0
+
+
+@pytest.mark.parametrize(
+    "kind", ["rejected", "rate_limited", "unavailable"], ids=lambda kind: f"{kind}-breaker"
+)
+def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    secret: list[str],
+    kind: str,
+) -> None:
+    token = stored(store, clock, left=3600.0)
+    clock.now += 3600.0 - 60.0  # mandatory window
+    record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "paused")
+    store.open_breaker(record, clock.now)
+    assert manager.token() == token
+    assert exchange.calls == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [
+        ("rejected", CredentialsRejected),
+        ("rate_limited", ExchangeRateLimited),
+        ("unavailable", TokenEndpointUnavailable),
+    ],
+)
+def test_without_a_valid_token_an_open_breaker_raises_its_error(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    secret: list[str],
+    kind: str,
+    error: type[Exception],
+) -> None:
+    record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "why it paused")
+    store.open_breaker(record, clock.now)
+    with pytest.raises(error, match="paused for 30 s more: why it paused"):
+        manager.token()
+    assert exchange.calls == []
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        TokenEndpointUnavailable("HTTP 503", status=503),
+        ExchangeRateLimited("HTTP 429", retry_after=30.0),
+    ],
+    ids=["unavailable", "rate-limited"],
+)
+def test_a_failed_renewal_in_the_mandatory_window_still_returns_the_valid_token(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    failure: TokenExchangeError,
+) -> None:
+    token = stored(store, clock, left=3600.0)
+    clock.now += 3600.0 - 60.0
+    exchange.outcomes = [failure] * EXCHANGE_ATTEMPTS
+    assert manager.token() == token
+    assert store.load_breaker() is not None
+
+
+# -- races and outages -------------------------------------------------------------------
+
+
+def test_a_slow_exchange_refused_by_a_newer_generation_returns_the_newer_token(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    stored(store, clock, left=3600.0)
+    newer: list[Token] = []
+    exchange.during = lambda: newer.append(stored(store, clock, left=LIFETIME, value="tok-newer"))
+    assert manager.renew(force=True) == newer[0]
+    assert store.load() == newer[0]
+    assert store.generation() == 2
+    assert len(exchange.calls) == 1
+
+
+def test_a_token_that_expires_before_it_is_stored_is_malformed(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    clock.now -= 3600.0  # the exchange is seen to start an hour ago ...
+    exchange.outcomes = [IssuedToken("tok-short-lived", expires_in=60.0)]  # ... for a minute
+    with pytest.raises(MalformedTokenResponse, match="expired before it could be stored"):
+        manager.token()
+    assert store.load() is None
+    assert store.generation() == 0
+
+
+def test_token_uses_its_last_token_when_redis_goes_down(
+    manager: TokenManager, store: TokenStore, clock: ManualClock
+) -> None:
+    token = stored(store, clock, left=3600.0)
+    assert manager.token() == token
+    store.redis = dead_redis()
+    assert manager.token() == token
+
+
+def test_token_raises_store_unavailable_when_redis_is_down_and_its_last_token_expired(
+    manager: TokenManager, store: TokenStore, clock: ManualClock
+) -> None:
+    stored(store, clock, left=3600.0)
+    manager.token()
+    store.redis = dead_redis()
+    clock.now += 3600.0
+    with pytest.raises(StoreUnavailable):
+        manager.token()
+
+
+def test_token_raises_store_unavailable_when_redis_is_down_and_it_has_no_token(
+    manager: TokenManager, store: TokenStore
+) -> None:
+    store.redis = dead_redis()
+    with pytest.raises(StoreUnavailable, match="MERCHANT_REDIS_URL"):
+        manager.token()
+
+
+def test_repr_names_the_store_only(manager: TokenManager, store: TokenStore) -> None:
+    manager.token()
+    assert repr(manager) == f"TokenManager(store={store!r})"
+
+
+# -- this process's copy of the token ----------------------------------------------------
+
+
+@pytest.fixture
+def copying_manager(
+    store: TokenStore, exchange: FakeExchange, clock: ManualClock, sleep: Sleeper
+) -> TokenManager:
+    """A manager that trusts its copy for 1 s of the injected clock."""
+    return TokenManager(
+        store,
+        exchange,
+        lambda: "fp",
+        renew_before=RENEW_BEFORE,
+        renew_mandatory=RENEW_MANDATORY,
+        exchange_timeout=0.1,
+        clock=clock,
+        sleep=sleep,
+        rng=random.Random(0),
+        local_copy_ttl=1.0,
+        monotonic=clock,
+    )
+
+
+def test_the_copy_serves_calls_without_reading_redis_until_it_is_due_for_a_read(
+    copying_manager: TokenManager, store: TokenStore, fake_redis: redis.Redis, clock: ManualClock
+) -> None:
+    token = stored(store, clock, left=3600.0)
+    assert copying_manager.token() == token
+    fake_redis.delete(store.token_key)  # a read now would find nothing
+    clock.now += 0.5
+    assert copying_manager.token() == token
+    newer = stored(store, clock, left=3600.0, value="tok-newer")
+    clock.now += 0.6  # past the copy's second: Redis is read again
+    assert copying_manager.token() == newer
+
+
+def test_the_copy_is_not_used_once_it_enters_the_mandatory_window(
+    copying_manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    stored(store, clock, left=RENEW_MANDATORY + 0.5)
+    copying_manager.token()
+    clock.now += 0.6  # inside the copy's second, but now in the mandatory window
+    assert copying_manager.token().value.startswith("tok-issued")
+    assert len(exchange.calls) == 1
+
+
+def test_a_401_on_a_stale_copy_takes_the_stored_token_without_exchanging(
+    copying_manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    old = stored(store, clock, left=3600.0)
+    assert copying_manager.token() == old
+    newer = stored(store, clock, left=3600.0, value="tok-renewed-elsewhere")
+    assert copying_manager.renew(stale_token=old) == newer
+    assert copying_manager.token() == newer  # the copy follows, within its second
+    assert exchange.calls == []

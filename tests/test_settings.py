@@ -1,0 +1,388 @@
+"""Configuration from the environment: defaults, *_FILE variants, validation, the Secret."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from pathlib import Path
+
+import pytest
+
+from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.settings import (
+    CONNECT_TIMEOUT,
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_REDIS_URL,
+    READ_TIMEOUT,
+    RENEW_BEFORE,
+    RENEW_INTERVAL,
+    RENEW_MANDATORY,
+    SANDBOX_DEFAULT_BASE_URL,
+    TOKEN_LIFETIME,
+    Secret,
+    Settings,
+)
+
+SECRET = "s3cr3t-7c2e9d41b0a6f5e8"
+API_KEY = "app-id-1234"
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    """The least a valid configuration needs: the API key and the secret."""
+    return {"MERCHANT_API_KEY": API_KEY, "MERCHANT_API_SECRET": SECRET}
+
+
+@pytest.fixture
+def secret_path(tmp_path: Path) -> Path:
+    path = tmp_path / "api-secret"
+    path.write_text(SECRET + "\n", encoding="utf-8")
+    return path
+
+
+def test_defaults_apply_when_only_key_and_secret_are_given(env: dict[str, str]) -> None:
+    settings = Settings.from_env(env)
+    assert settings.api_key == API_KEY
+    assert settings.secret.reveal() == SECRET
+    assert settings.environment == "sandbox"
+    assert settings.base_url == SANDBOX_DEFAULT_BASE_URL
+    assert settings.redis_url == DEFAULT_REDIS_URL
+    assert settings.key_prefix == DEFAULT_KEY_PREFIX
+    assert settings.token_lifetime == TOKEN_LIFETIME == 7200
+    assert settings.renew_before == RENEW_BEFORE == 480
+    assert settings.renew_mandatory == RENEW_MANDATORY == 120
+    assert settings.renew_interval == RENEW_INTERVAL == 60
+    assert settings.connect_timeout == CONNECT_TIMEOUT
+    assert settings.read_timeout == READ_TIMEOUT
+    assert settings.allow_insecure_http is False
+    assert settings.account == f"sandbox:{API_KEY}"
+
+
+VARIABLES = [
+    ("MERCHANT_ENVIRONMENT", "sandbox", "environment", "sandbox"),
+    ("MERCHANT_BASE_URL", "https://api.example.test/", "base_url", "https://api.example.test"),
+    ("MERCHANT_API_KEY", "other-key", "api_key", "other-key"),
+    ("MERCHANT_REDIS_URL", "rediss://cache.example.test:6380/2", "redis_url", None),
+    ("MERCHANT_KEY_PREFIX", "acme", "key_prefix", "acme"),
+    ("MERCHANT_TOKEN_LIFETIME", "3600", "token_lifetime", 3600.0),
+    ("MERCHANT_RENEW_BEFORE", "300.5", "renew_before", 300.5),
+    ("MERCHANT_RENEW_MANDATORY", "30", "renew_mandatory", 30.0),
+    ("MERCHANT_RENEW_INTERVAL", "15", "renew_interval", 15.0),
+    ("MERCHANT_CONNECT_TIMEOUT", "1.5", "connect_timeout", 1.5),
+    ("MERCHANT_READ_TIMEOUT", "20", "read_timeout", 20.0),
+    ("MERCHANT_ALLOW_INSECURE_HTTP", "yes", "allow_insecure_http", True),
+]
+
+
+@pytest.mark.parametrize(("name", "raw", "attribute", "expected"), VARIABLES)
+def test_every_variable_is_read(
+    env: dict[str, str], name: str, raw: str, attribute: str, expected: object
+) -> None:
+    env[name] = raw
+    settings = Settings.from_env(env)
+    assert getattr(settings, attribute) == (raw if expected is None else expected)
+
+
+@pytest.mark.parametrize(("name", "raw", "attribute", "expected"), VARIABLES)
+def test_every_variable_may_come_from_its_file_variant(
+    env: dict[str, str], tmp_path: Path, name: str, raw: str, attribute: str, expected: object
+) -> None:
+    path = tmp_path / name.lower()
+    path.write_text(f"  {raw}\n", encoding="utf-8")  # as a secret mount may deliver it
+    env.pop(name, None)
+    env[f"{name}_FILE"] = str(path)
+    settings = Settings.from_env(env)
+    assert getattr(settings, attribute) == (raw if expected is None else expected)
+
+
+def test_the_secret_may_come_from_a_file(env: dict[str, str], secret_path: Path) -> None:
+    del env["MERCHANT_API_SECRET"]
+    env["MERCHANT_API_SECRET_FILE"] = str(secret_path)
+    assert Settings.from_env(env).secret.reveal() == SECRET
+
+
+def test_the_secret_value_is_stripped(env: dict[str, str]) -> None:
+    env["MERCHANT_API_SECRET"] = f"  {SECRET}\n"
+    assert Settings.from_env(env).secret.reveal() == SECRET
+
+
+@pytest.mark.parametrize("name", [name for name, *_ in VARIABLES] + ["MERCHANT_API_SECRET"])
+def test_a_variable_and_its_file_variant_together_are_an_error_naming_it(
+    env: dict[str, str], secret_path: Path, name: str
+) -> None:
+    env[name] = env.get(name, "1")
+    env[f"{name}_FILE"] = str(secret_path)
+    with pytest.raises(ConfigurationError, match=f"{name} or {name}_FILE"):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize("name", ["MERCHANT_API_KEY", "MERCHANT_API_SECRET"])
+@pytest.mark.parametrize("value", [None, ""])
+def test_key_and_secret_are_required(env: dict[str, str], name: str, value: str | None) -> None:
+    if value is None:
+        del env[name]
+    else:
+        env[name] = value
+    with pytest.raises(ConfigurationError, match=name):
+        Settings.from_env(env)
+
+
+def test_a_blank_secret_is_an_error_naming_the_variable(env: dict[str, str]) -> None:
+    env["MERCHANT_API_SECRET"] = "   "
+    with pytest.raises(ConfigurationError, match="MERCHANT_API_SECRET"):
+        Settings.from_env(env)
+
+
+NUMBERS = [
+    "MERCHANT_TOKEN_LIFETIME",
+    "MERCHANT_RENEW_BEFORE",
+    "MERCHANT_RENEW_MANDATORY",
+    "MERCHANT_RENEW_INTERVAL",
+    "MERCHANT_CONNECT_TIMEOUT",
+    "MERCHANT_READ_TIMEOUT",
+]
+
+
+@pytest.mark.parametrize("name", NUMBERS)
+@pytest.mark.parametrize("raw", ["abc", "10s", "0", "-5", "nan"])
+def test_an_invalid_number_of_seconds_is_an_error_naming_the_variable(
+    env: dict[str, str], name: str, raw: str
+) -> None:
+    env[name] = raw
+    with pytest.raises(ConfigurationError, match=name):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize(
+    ("name", "attribute", "default"),
+    [
+        ("MERCHANT_TOKEN_LIFETIME", "token_lifetime", TOKEN_LIFETIME),
+        ("MERCHANT_RENEW_BEFORE", "renew_before", RENEW_BEFORE),
+        ("MERCHANT_RENEW_MANDATORY", "renew_mandatory", RENEW_MANDATORY),
+        ("MERCHANT_RENEW_INTERVAL", "renew_interval", RENEW_INTERVAL),
+        ("MERCHANT_CONNECT_TIMEOUT", "connect_timeout", CONNECT_TIMEOUT),
+        ("MERCHANT_READ_TIMEOUT", "read_timeout", READ_TIMEOUT),
+    ],
+)
+def test_an_empty_number_means_the_default(
+    env: dict[str, str], name: str, attribute: str, default: float
+) -> None:
+    env[name] = ""
+    assert getattr(Settings.from_env(env), attribute) == default
+
+
+@pytest.mark.parametrize("name", ["MERCHANT_TOKEN_LIFETIME", "MERCHANT_READ_TIMEOUT"])
+def test_an_infinite_number_of_seconds_is_an_error_naming_the_variable(
+    env: dict[str, str], name: str
+) -> None:
+    env[name] = "inf"
+    with pytest.raises(ConfigurationError, match=name):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize(
+    ("mandatory", "before", "lifetime"),
+    [("480", "480", "7200"), ("500", "480", "7200"), ("120", "7200", "7200"), ("60", "90", "80")],
+)
+def test_windows_must_be_ordered_mandatory_before_lifetime(
+    env: dict[str, str], mandatory: str, before: str, lifetime: str
+) -> None:
+    env |= {
+        "MERCHANT_RENEW_MANDATORY": mandatory,
+        "MERCHANT_RENEW_BEFORE": before,
+        "MERCHANT_TOKEN_LIFETIME": lifetime,
+    }
+    with pytest.raises(
+        ConfigurationError, match="MERCHANT_RENEW_MANDATORY < MERCHANT_RENEW_BEFORE"
+    ):
+        Settings.from_env(env)
+
+
+def test_small_lifetimes_are_allowed_when_the_windows_fit(env: dict[str, str]) -> None:
+    env |= {
+        "MERCHANT_TOKEN_LIFETIME": "6",
+        "MERCHANT_RENEW_BEFORE": "3",
+        "MERCHANT_RENEW_MANDATORY": "1",
+    }
+    settings = Settings.from_env(env)
+    assert (settings.renew_mandatory, settings.renew_before, settings.token_lifetime) == (1, 3, 6)
+
+
+@pytest.mark.parametrize("environment", ["staging", "Production", "prod"])
+def test_an_unknown_environment_is_an_error_naming_the_variable(
+    env: dict[str, str], environment: str
+) -> None:
+    env["MERCHANT_ENVIRONMENT"] = environment
+    env["MERCHANT_BASE_URL"] = "https://api.example.test"
+    with pytest.raises(ConfigurationError, match="MERCHANT_ENVIRONMENT"):
+        Settings.from_env(env)
+
+
+def test_production_requires_a_base_url(env: dict[str, str]) -> None:
+    env["MERCHANT_ENVIRONMENT"] = "production"
+    with pytest.raises(ConfigurationError, match="MERCHANT_BASE_URL is required in production"):
+        Settings.from_env(env)
+
+
+def test_production_refuses_a_plain_http_base_url(env: dict[str, str]) -> None:
+    env |= {"MERCHANT_ENVIRONMENT": "production", "MERCHANT_BASE_URL": "http://api.example.test"}
+    with pytest.raises(ConfigurationError, match="MERCHANT_BASE_URL must be https://"):
+        Settings.from_env(env)
+
+
+def test_production_accepts_plain_http_when_insecure_http_is_allowed(env: dict[str, str]) -> None:
+    env |= {
+        "MERCHANT_ENVIRONMENT": "production",
+        "MERCHANT_BASE_URL": "http://127.0.0.1:9000",
+        "MERCHANT_ALLOW_INSECURE_HTTP": "1",
+    }
+    settings = Settings.from_env(env)
+    assert (settings.environment, settings.base_url) == ("production", "http://127.0.0.1:9000")
+    assert settings.account == f"production:{API_KEY}"
+
+
+def test_production_accepts_an_https_base_url(env: dict[str, str]) -> None:
+    env |= {"MERCHANT_ENVIRONMENT": "production", "MERCHANT_BASE_URL": "https://api.example.test"}
+    assert Settings.from_env(env).base_url == "https://api.example.test"
+
+
+def test_sandbox_accepts_a_plain_http_base_url(env: dict[str, str]) -> None:
+    env["MERCHANT_BASE_URL"] = "http://localhost:8480"
+    assert Settings.from_env(env).base_url == "http://localhost:8480"
+
+
+@pytest.mark.parametrize("url", ["ftp://api.example.test", "api.example.test", "https://", ""])
+def test_a_base_url_without_http_scheme_and_host_is_an_error(env: dict[str, str], url: str) -> None:
+    env["MERCHANT_BASE_URL"] = url
+    with pytest.raises(ConfigurationError, match="MERCHANT_BASE_URL"):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize("flag", ["maybe", "2", "enabled"])
+def test_an_invalid_flag_is_an_error_naming_the_variable(env: dict[str, str], flag: str) -> None:
+    env["MERCHANT_ALLOW_INSECURE_HTTP"] = flag
+    with pytest.raises(ConfigurationError, match="MERCHANT_ALLOW_INSECURE_HTTP"):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://localhost:6379/0",
+        "redis://:pw@cache.example.test:6379/1",
+        "rediss://cache.example.test:6380/0",
+        "unix:///var/run/redis/redis.sock",
+    ],
+)
+def test_redis_urls_with_redis_rediss_or_unix_scheme_are_accepted(
+    env: dict[str, str], url: str
+) -> None:
+    env["MERCHANT_REDIS_URL"] = url
+    assert Settings.from_env(env).redis_url == url
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://:hunter2-redis-pw@cache.example.test:6379/0",
+        "localhost:6379",
+        "redis:///0",
+        "memcached://user:hunter2-redis-pw@cache.example.test",
+    ],
+)
+def test_an_invalid_redis_url_is_an_error_that_never_echoes_it(
+    env: dict[str, str], url: str
+) -> None:
+    env["MERCHANT_REDIS_URL"] = url
+    with pytest.raises(ConfigurationError, match="MERCHANT_REDIS_URL") as caught:
+        Settings.from_env(env)
+    assert "hunter2" not in str(caught.value)
+    assert url not in str(caught.value)
+
+
+def test_secret_repr_and_str_never_show_the_value(secret_path: Path) -> None:
+    for secret in (Secret(SECRET), Secret(path=secret_path)):
+        shown = f"{secret!r} {secret} {secret!s} {[secret]}"
+        assert SECRET not in shown
+        assert "hidden" in shown
+
+
+def test_settings_repr_never_shows_the_secret(env: dict[str, str]) -> None:
+    settings = Settings.from_env(env)
+    assert SECRET not in repr(settings)
+    assert SECRET not in str(settings)
+    assert API_KEY in repr(settings)  # the key is an identifier, not a credential
+
+
+def test_a_secret_cannot_be_pickled_or_copied(env: dict[str, str]) -> None:
+    settings = Settings.from_env(env)
+    with pytest.raises(TypeError, match="not serialisable"):
+        pickle.dumps(settings.secret)
+    with pytest.raises(TypeError, match="not serialisable"):
+        pickle.dumps(settings)
+    with pytest.raises(TypeError, match="not serialisable"):
+        copy.deepcopy(settings.secret)
+
+
+def test_a_secret_from_a_file_is_re_read_after_the_file_changes(secret_path: Path) -> None:
+    secret = Secret(path=secret_path)
+    assert secret.reveal() == SECRET
+    secret_path.write_text("rotated-secret-9f8e7d\n", encoding="utf-8")
+    assert secret.reveal() == "rotated-secret-9f8e7d"
+
+
+def test_settings_built_from_a_secret_file_follow_its_rotation(
+    env: dict[str, str], secret_path: Path
+) -> None:
+    del env["MERCHANT_API_SECRET"]
+    env["MERCHANT_API_SECRET_FILE"] = str(secret_path)
+    settings = Settings.from_env(env)
+    secret_path.write_text("rotated-secret-9f8e7d", encoding="utf-8")
+    assert settings.secret.reveal() == "rotated-secret-9f8e7d"
+
+
+def test_an_unreadable_secret_file_is_an_error_at_start_up(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    del env["MERCHANT_API_SECRET"]
+    env["MERCHANT_API_SECRET_FILE"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigurationError, match="MERCHANT_API_SECRET_FILE: cannot read"):
+        Settings.from_env(env)
+
+
+def test_an_empty_secret_file_is_an_error_at_start_up(env: dict[str, str], tmp_path: Path) -> None:
+    path = tmp_path / "empty"
+    path.write_text(" \n", encoding="utf-8")
+    del env["MERCHANT_API_SECRET"]
+    env["MERCHANT_API_SECRET_FILE"] = str(path)
+    with pytest.raises(ConfigurationError, match=r"MERCHANT_API_SECRET_FILE: .* is empty"):
+        Settings.from_env(env)
+
+
+def test_a_secret_file_that_disappears_later_is_an_error_when_revealed(secret_path: Path) -> None:
+    secret = Secret(path=secret_path)
+    secret_path.unlink()
+    with pytest.raises(ConfigurationError, match="MERCHANT_API_SECRET_FILE: cannot read") as caught:
+        secret.reveal()
+    assert SECRET not in str(caught.value)
+
+
+def test_an_unreadable_file_variant_is_an_error_naming_it(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    env["MERCHANT_REDIS_URL_FILE"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigurationError, match="MERCHANT_REDIS_URL_FILE: cannot read"):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"value": "v", "path": Path("p")}])
+def test_a_secret_needs_exactly_one_source(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        Secret(**kwargs)  # type: ignore[arg-type]
+
+
+def test_settings_built_directly_are_validated_too() -> None:
+    with pytest.raises(ConfigurationError, match="MERCHANT_API_KEY"):
+        Settings(api_key="", secret=Secret(SECRET))
+    with pytest.raises(ConfigurationError, match="MERCHANT_ENVIRONMENT"):
+        Settings(api_key=API_KEY, secret=Secret(SECRET), environment="staging")

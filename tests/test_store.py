@@ -1,0 +1,328 @@
+"""The Redis token store (on fakeredis): generation compare-and-swap, TTLs, breaker, clock."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+import fakeredis
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.store import BREAKER_MEMORY, BreakerRecord, RedisClock, TokenStore
+from merchant_tasks.token import Token
+
+NAMESPACE = TokenStore.namespace_for("mt-test", "sandbox", "app-id-1234")
+
+
+@pytest.fixture
+def fake_redis() -> redis.Redis:
+    client: redis.Redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    return client
+
+
+@pytest.fixture
+def store(fake_redis: redis.Redis) -> TokenStore:
+    return TokenStore(fake_redis, NAMESPACE)
+
+
+def make_token(generation: int, left: float = 3600.0, value: str | None = None) -> Token:
+    """A token with ``left`` seconds to live on the real clock, which Redis TIME follows."""
+    now = time.time()
+    return Token(
+        value=value or f"tok-gen-{generation}",
+        issued_at=now - 60.0,
+        expires_at=now + left,
+        generation=generation,
+        renewed_by="host-a:123:abcd1234",
+        reason="scheduled",
+    )
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def dead_redis() -> redis.Redis:
+    """A client for a port nobody listens on, failing at once (no retries, no back-off)."""
+    return redis.Redis(
+        host="127.0.0.1",
+        port=closed_port(),
+        socket_connect_timeout=0.2,
+        socket_timeout=0.2,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+# -- token and generation ----------------------------------------------------------------
+
+
+def test_keys_are_namespaced_by_environment_and_api_key(store: TokenStore) -> None:
+    assert NAMESPACE == "mt-test:sandbox:app-id-1234"
+    assert store.token_key == f"{NAMESPACE}:token"
+    assert store.generation_key == f"{NAMESPACE}:generation"
+    assert store.lock_key == f"{NAMESPACE}:lock"
+    assert store.breaker_key == f"{NAMESPACE}:breaker"
+    assert store.counters_key == f"{NAMESPACE}:counters"
+    assert repr(store) == f"TokenStore(namespace={NAMESPACE!r})"
+
+
+def test_an_empty_store_has_no_token_and_generation_zero(store: TokenStore) -> None:
+    assert store.load() is None
+    assert store.generation() == 0
+
+
+def test_a_saved_token_loads_back_unchanged(store: TokenStore) -> None:
+    token = make_token(1)
+    assert store.save(token) == (True, 1)
+    assert store.load() == token
+    assert store.generation() == 1
+
+
+def test_the_token_key_expires_with_the_token(store: TokenStore, fake_redis: redis.Redis) -> None:
+    store.save(make_token(1, left=300.0))
+    ttl_ms = fake_redis.pttl(store.token_key)
+    assert 299_000 <= ttl_ms <= 300_000
+
+
+def test_the_generation_key_does_not_expire(store: TokenStore, fake_redis: redis.Redis) -> None:
+    store.save(make_token(1, left=300.0))
+    assert fake_redis.ttl(store.generation_key) == -1
+
+
+def test_a_save_naming_a_stale_generation_is_refused_and_returns_the_current_one(
+    store: TokenStore,
+) -> None:
+    second = make_token(2)
+    store.save(make_token(1))
+    store.save(second)
+    assert store.save(make_token(2, value="tok-from-a-slow-renewer")) == (False, 2)
+    assert store.load() == second
+
+
+def test_an_older_token_never_overwrites_a_newer_one(store: TokenStore) -> None:
+    newer = make_token(1, left=7200.0, value="tok-newer")
+    store.save(newer)
+    older = make_token(1, left=7000.0, value="tok-older")  # also claims to follow generation 0
+    assert store.save(older) == (False, 1)
+    assert store.load() == newer
+
+
+def test_a_save_skipping_a_generation_is_refused(store: TokenStore) -> None:
+    first = make_token(1)
+    store.save(first)
+    assert store.save(make_token(3)) == (False, 1)
+    assert store.load() == first
+
+
+def test_an_already_expired_token_is_not_saved(store: TokenStore) -> None:
+    assert store.save(make_token(1, left=-1.0)) == (False, 0)
+    assert store.load() is None
+    assert store.generation() == 0
+
+
+def test_the_generation_survives_the_token_key_expiring(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    store.save(make_token(1))
+    fake_redis.delete(store.token_key)  # what the key's TTL does when the token expires
+    assert store.load() is None
+    assert store.generation() == 1
+    assert store.save(make_token(1, value="tok-replayed")) == (False, 1)
+    assert store.save(make_token(2)) == (True, 2)
+
+
+def test_load_sees_a_token_written_by_another_process(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    first, second = make_token(1), make_token(2)
+    store.save(first)
+    assert store.load() == first
+    TokenStore(fake_redis, NAMESPACE).save(second)
+    assert store.load() == second
+
+
+def test_two_namespaces_do_not_see_each_other(fake_redis: redis.Redis) -> None:
+    sandbox = TokenStore(fake_redis, TokenStore.namespace_for("p", "sandbox", "key"))
+    production = TokenStore(fake_redis, TokenStore.namespace_for("p", "production", "key"))
+    sandbox.save(make_token(1))
+    assert production.load() is None
+    assert production.generation() == 0
+
+
+def test_time_is_redis_time(store: TokenStore) -> None:
+    assert abs(store.time() - time.time()) < 1.0
+
+
+# -- lock, breaker, counters -------------------------------------------------------------
+
+
+def test_the_lock_names_its_holder_and_is_exclusive(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    assert store.lock_holder() is None
+    lock = store.lock(ttl=10.0)
+    assert lock.acquire(token="host-a:123:abcd1234")
+    assert store.lock_holder() == "host-a:123:abcd1234"
+    assert 9_000 <= fake_redis.pttl(store.lock_key) <= 10_000
+    assert not store.lock(ttl=10.0).acquire(token="host-b:456:ef012345")
+    lock.release()
+    assert store.lock_holder() is None
+
+
+def test_no_breaker_is_open_at_first(store: TokenStore) -> None:
+    assert store.load_breaker() is None
+
+
+def test_a_breaker_is_kept_a_while_past_until_and_closes(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    record = BreakerRecord("rejected", until=1030.0, failures=2, secret_fingerprint="abc123")
+    store.open_breaker(record, now=1000.0)
+    assert store.load_breaker() == record
+    expected_ms = (30 + BREAKER_MEMORY) * 1000
+    assert expected_ms - 1000 <= fake_redis.pttl(store.breaker_key) <= expected_ms
+    store.close_breaker()
+    assert store.load_breaker() is None
+
+
+def test_a_breaker_long_over_is_stored_with_the_shortest_ttl(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    store.open_breaker(BreakerRecord("rate_limited", until=0.0), now=1000.0 + BREAKER_MEMORY)
+    assert fake_redis.pttl(store.breaker_key) <= 1
+
+
+def test_counters_add_up_per_event(store: TokenStore) -> None:
+    assert store.counters() == {}
+    store.count("exchanges:scheduled:ok", "lock_waits")
+    store.count("lock_waits")
+    assert store.counters() == {"exchanges:scheduled:ok": 1, "lock_waits": 2}
+
+
+# -- Redis down --------------------------------------------------------------------------
+
+OPERATIONS: dict[str, Callable[[TokenStore], object]] = {
+    "load": lambda s: s.load(),
+    "save": lambda s: s.save(make_token(1)),
+    "time": lambda s: s.time(),
+    "generation": lambda s: s.generation(),
+    "lock_holder": lambda s: s.lock_holder(),
+    "load_breaker": lambda s: s.load_breaker(),
+    "open_breaker": lambda s: s.open_breaker(BreakerRecord("unavailable", 2.0), 1.0),
+    "close_breaker": lambda s: s.close_breaker(),
+    "count": lambda s: s.count("x"),
+    "counters": lambda s: s.counters(),
+}
+
+
+@pytest.mark.parametrize("operation", OPERATIONS.values(), ids=OPERATIONS.keys())
+def test_every_operation_raises_store_unavailable_when_redis_is_down(
+    operation: Callable[[TokenStore], object],
+) -> None:
+    store = TokenStore(dead_redis(), NAMESPACE)
+    with pytest.raises(StoreUnavailable, match="MERCHANT_REDIS_URL") as caught:
+        operation(store)
+    assert caught.value.retryable
+
+
+# -- RedisClock --------------------------------------------------------------------------
+
+
+class FakeTime:
+    """Redis TIME readings and a monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.mono = 100.0
+        self.remote = 1_700_000_000.0
+        self.reads = 0
+        self.down = False
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def read_time(self) -> float:
+        self.reads += 1
+        if self.down:
+            raise StoreUnavailable("token store (Redis) unavailable")
+        return self.remote
+
+
+def test_the_clock_reads_redis_once_then_advances_with_the_monotonic_clock() -> None:
+    fake = FakeTime()
+    clock = RedisClock(fake.read_time, fake.monotonic, resync=60.0)
+    assert clock() == 1_700_000_000.0
+    fake.mono += 25.0
+    assert clock() == 1_700_000_025.0
+    fake.mono += 34.9
+    assert clock() == pytest.approx(1_700_000_059.9)
+    assert fake.reads == 1
+
+
+def test_the_clock_resyncs_with_redis_after_the_interval() -> None:
+    fake = FakeTime()
+    clock = RedisClock(fake.read_time, fake.monotonic, resync=60.0)
+    clock()
+    fake.mono += 60.0
+    fake.remote = 1_700_000_065.0  # Redis ran 5 s ahead of our monotonic estimate
+    assert clock() == 1_700_000_065.0
+    assert fake.reads == 2
+    fake.mono += 1.0
+    assert clock() == 1_700_000_066.0
+    assert fake.reads == 2
+
+
+def test_the_clock_reads_redis_time_about_mid_round_trip() -> None:
+    fake = FakeTime()
+    readings = iter([100.0, 100.0, 102.0])  # call, before the read, after the read
+
+    def monotonic() -> float:
+        return next(readings, 102.0)
+
+    clock = RedisClock(fake.read_time, monotonic, resync=60.0)
+    clock()
+    assert clock() == 1_700_000_001.0  # 102 - mid-point 101
+
+
+def test_the_clock_keeps_its_last_reading_when_a_resync_fails() -> None:
+    fake = FakeTime()
+    clock = RedisClock(fake.read_time, fake.monotonic, resync=60.0)
+    clock()
+    fake.down = True
+    fake.mono += 61.0
+    assert clock() == 1_700_000_061.0
+    fake.mono += 10.0
+    assert clock() == 1_700_000_071.0
+    assert fake.reads == 2  # not retried on every call while Redis is down
+    fake.down = False
+    fake.remote = 1_700_000_200.0
+    fake.mono += 60.0
+    assert clock() == 1_700_000_200.0
+
+
+def test_the_clock_raises_store_unavailable_when_redis_was_never_reached() -> None:
+    fake = FakeTime()
+    fake.down = True
+    clock = RedisClock(fake.read_time, fake.monotonic, resync=60.0)
+    with pytest.raises(StoreUnavailable):
+        clock()
+    fake.down = False
+    assert clock() == 1_700_000_000.0  # tries again at once: it has nothing to go on
+
+
+def test_the_clock_over_a_store_follows_redis_time(store: TokenStore) -> None:
+    clock = RedisClock(store.time)
+    assert abs(clock() - time.time()) < 1.0
+
+
+def test_the_clock_over_a_dead_store_raises_store_unavailable() -> None:
+    clock = RedisClock(TokenStore(dead_redis(), NAMESPACE).time)
+    with pytest.raises(StoreUnavailable):
+        clock()

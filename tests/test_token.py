@@ -1,0 +1,112 @@
+"""The token value: its state at each window boundary, its stored form, and what it shows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from merchant_tasks.token import Token, TokenState, fingerprint
+
+RENEW_BEFORE = 480.0
+RENEW_MANDATORY = 120.0
+NOW = 1_700_000_000.0
+VALUE = "tok-5d1e0c77a9b24f6e8c1d"
+
+
+def make_token(left: float = 3600.0, value: str = VALUE) -> Token:
+    return Token(
+        value=value,
+        issued_at=NOW - 7200.0 + left,
+        expires_at=NOW + left,
+        generation=3,
+        renewed_by="host-a:123:abcd1234",
+        reason="scheduled",
+    )
+
+
+@pytest.mark.parametrize(
+    ("left", "expected"),
+    [
+        (7200.0, TokenState.FRESH),
+        (RENEW_BEFORE + 0.001, TokenState.FRESH),
+        (RENEW_BEFORE, TokenState.FRESH),  # exactly the advisory bound: not yet inside it
+        (RENEW_BEFORE - 0.001, TokenState.ADVISORY),
+        (RENEW_MANDATORY + 0.001, TokenState.ADVISORY),
+        (RENEW_MANDATORY, TokenState.ADVISORY),  # exactly the mandatory bound: not yet inside
+        (RENEW_MANDATORY - 0.001, TokenState.MANDATORY),
+        (0.001, TokenState.MANDATORY),
+        (0.0, TokenState.EXPIRED),  # expiry itself is unusable
+        (-0.001, TokenState.EXPIRED),
+        (-7200.0, TokenState.EXPIRED),
+    ],
+)
+def test_state_at_each_window_boundary(left: float, expected: TokenState) -> None:
+    assert make_token(left).state(NOW, RENEW_BEFORE, RENEW_MANDATORY) is expected
+
+
+def test_time_left_counts_down_to_expiry() -> None:
+    token = make_token(left=300.0)
+    assert token.time_left(NOW) == 300.0
+    assert token.time_left(NOW + 400.0) == -100.0
+
+
+def test_repr_shows_the_fingerprint_and_generation_but_never_the_value() -> None:
+    token = make_token()
+    text = repr(token)
+    assert VALUE not in text
+    assert VALUE not in str(token)
+    assert VALUE not in f"{token!r} {token}"
+    assert token.fingerprint in text
+    assert "generation=3" in text
+
+
+def test_to_json_and_from_json_round_trip() -> None:
+    token = make_token()
+    assert Token.from_json(token.to_json()) == token
+    assert Token.from_json(token.to_json().encode()) == token
+
+
+def test_from_json_accepts_a_record_without_who_and_why() -> None:
+    raw = json.dumps({"value": VALUE, "issued_at": 1.0, "expires_at": 2.0, "generation": 1})
+    token = Token.from_json(raw)
+    assert (token.renewed_by, token.reason) == ("", "")
+
+
+@given(
+    value=st.text(min_size=1),
+    issued_at=st.floats(allow_nan=False, allow_infinity=False),
+    lifetime=st.floats(min_value=0.001, max_value=1e9),
+    generation=st.integers(min_value=1, max_value=2**53),
+    renewed_by=st.text(),
+    reason=st.text(),
+)
+@hypothesis_settings(database=None, deadline=None)
+def test_any_token_survives_its_stored_form(
+    value: str, issued_at: float, lifetime: float, generation: int, renewed_by: str, reason: str
+) -> None:
+    token = Token(value, issued_at, issued_at + lifetime, generation, renewed_by, reason)
+    assert Token.from_json(token.to_json()) == token
+
+
+def test_fingerprint_is_stable_short_hex_and_not_the_value() -> None:
+    first, again = make_token(), make_token(left=10.0)
+    assert first.fingerprint == again.fingerprint == fingerprint(VALUE)
+    assert len(first.fingerprint) == 12
+    int(first.fingerprint, 16)  # hex digits only
+    assert first.fingerprint not in VALUE
+    assert VALUE not in first.fingerprint
+
+
+def test_different_tokens_have_different_fingerprints() -> None:
+    assert make_token(value="tok-a").fingerprint != make_token(value="tok-b").fingerprint
+
+
+def test_a_token_is_immutable() -> None:
+    token = make_token()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        token.value = "other"  # type: ignore[misc]

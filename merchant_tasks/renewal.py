@@ -109,6 +109,10 @@ class TokenManager:
             + (EXCHANGE_ATTEMPTS - 1) * EXCHANGE_RETRY_WAIT_MAX
             + LOCK_MARGIN
         )
+        # how long a caller waits for other processes' renewal: it may arrive just after a
+        # holder took the lock and died (the lock expires within lock_ttl), and then see
+        # the next holder take it and need its whole renewal (within lock_ttl again)
+        self.wait_limit = 2 * self.lock_ttl
         self.local_copy_ttl = local_copy_ttl
         self._monotonic = monotonic
         # this process's copy of the token and the monotonic time until which it is trusted
@@ -256,8 +260,8 @@ class TokenManager:
         wait_for_holder = Retrying(
             retry=retry_if_result(lambda token: token is None),
             wait=wait_random_exponential(multiplier=POLL_INITIAL, max=POLL_MAX),
-            stop=stop_after_delay(self.lock_ttl)
-            | stop_after_attempt(math.ceil(self.lock_ttl / POLL_INITIAL)),
+            stop=stop_after_delay(self.wait_limit)
+            | stop_after_attempt(math.ceil(self.wait_limit / POLL_INITIAL)),
             sleep=self.sleep,
             retry_error_callback=self._holder_too_slow,
         )

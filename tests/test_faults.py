@@ -922,7 +922,7 @@ def test_row6_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=client.manager.lock_ttl + 30)
+        thread.join(timeout=client.manager.wait_limit + 30)
 
     assert results == ["ok"] * 4
     assert store.lock_holder() is None

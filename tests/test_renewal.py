@@ -397,8 +397,31 @@ def test_a_caller_without_a_token_gets_renewal_timeout_when_the_holder_never_wri
         manager.token()
     assert caught.value.retryable
     assert exchange.calls == []
-    assert len(sleep.waits) == math.ceil(manager.lock_ttl / POLL_INITIAL) - 1
+    assert len(sleep.waits) == math.ceil(manager.wait_limit / POLL_INITIAL) - 1
     assert store.counters() == {"lock_waits": 1}
+
+
+def test_a_waiter_outlasts_a_dead_holder_and_the_whole_renewal_of_the_next_one(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, sleep: Sleeper
+) -> None:
+    """The caller arrives just after a holder took the lock and died; when that lock
+    expires another process takes it first and needs its whole lock TTL. The caller still
+    gets that process's token instead of a RenewalTimeout (CI once saw one in fault row 6)."""
+    hold_lock(store)
+    one_lock_ttl = math.ceil(manager.lock_ttl / POLL_INITIAL)
+    next_holder = "third-host:7:cafebabe"
+
+    def holders(polls: int) -> None:
+        if polls == one_lock_ttl - 5:  # the dead holder's lock expires...
+            store.redis.delete(store.lock_key)
+            # ...and another process wins it before our caller looks again
+            assert store.lock(ttl=60.0).acquire(token=next_holder)
+        if polls == 2 * one_lock_ttl - 10:
+            stored(store, clock, left=LIFETIME)
+
+    sleep.on_sleep = holders
+    assert manager.token().expires_at > clock()
+    assert len(sleep.waits) == 2 * one_lock_ttl - 10
 
 
 def test_the_lock_outlives_the_longest_renewal(manager: TokenManager) -> None:

@@ -3,12 +3,14 @@ prefix per test, and the sandbox emulator serving on loopback."""
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import redis
@@ -114,3 +116,47 @@ def settings(sandbox: Sandbox, redis_url: str, key_prefix: str, secret_file: Pat
 @pytest.fixture
 def client(settings: Settings, redis_client: redis.Redis) -> MerchantClient:
     return MerchantClient.from_settings(settings, redis_client=redis_client)
+
+
+# -- the leak searches' readers (test_faults.py, test_celery_integration.py) ----------------
+
+
+def redis_value(client: redis.Redis, key: bytes) -> bytes:
+    """A key and everything in it, read by type (members only, for sorted sets)."""
+    kind = client.type(key)
+    values: list[Any] = [key]
+    if kind == b"string":
+        values.append(client.get(key))
+    elif kind == b"list":
+        values += cast(list[bytes], client.lrange(key, 0, -1))
+    elif kind == b"hash":
+        for pair in cast(dict[bytes, bytes], client.hgetall(key)).items():
+            values += pair
+    elif kind == b"set":
+        values += cast(set[bytes], client.smembers(key))
+    elif kind == b"zset":
+        values += cast(list[bytes], client.zrange(key, 0, -1))
+    elif kind == b"stream":
+        for entry_id, fields in cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(key)):
+            values.append(entry_id)
+            for pair in fields.items():
+                values += pair
+    elif kind != b"none":  # "none": expired since the scan
+        raise AssertionError(f"no reader for Redis type {kind!r} (key {key!r})")
+    return b"\n".join(v for v in values if isinstance(v, bytes))
+
+
+def encoded_forms(needle: str) -> list[bytes]:
+    """The needle, and the part of its base64 that shows at any offset (message bodies)."""
+    raw = needle.encode()
+    forms = [raw]
+    for shift in range(3):
+        encoded = base64.b64encode(b"\0" * shift + raw)
+        core = encoded[4 if shift else 0 : (len(raw) + shift) // 3 * 4]
+        forms += [core, core.replace(b"+", b"-").replace(b"/", b"_")]
+    return forms
+
+
+def shows(needle: str, text: bytes) -> bool:
+    """Whether ``text`` holds the needle, plainly or in base64."""
+    return any(form in text for form in encoded_forms(needle))

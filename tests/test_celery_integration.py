@@ -23,13 +23,13 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, redis_value, shows
 from merchant_tasks.celery_app import load_config
 from merchant_tasks.exceptions import ApiError, CredentialsRejected
 from merchant_tasks.local import RedisServer, stop_group, wait_until
@@ -488,49 +488,6 @@ def test_a_pool_child_killed_mid_task_has_its_call_requeued_at_once(
 # -- 7. no secret, no token outside the token key -------------------------------------------
 
 
-def _encoded_forms(needle: str) -> list[bytes]:
-    """The needle, and the part of its base64 that shows at any offset (message bodies)."""
-    raw = needle.encode()
-    forms = [raw]
-    for shift in range(3):
-        encoded = base64.b64encode(b"\0" * shift + raw)
-        core = encoded[4 if shift else 0 : (len(raw) + shift) // 3 * 4]
-        forms += [core, core.replace(b"+", b"-").replace(b"/", b"_")]
-    return forms
-
-
-def _redis_contents(client: redis.Redis, skip: bytes) -> dict[str, bytes]:
-    """Every key and its value(s), read by type, except the key ``skip``."""
-    contents: dict[str, bytes] = {}
-    for key in client.scan_iter(count=1000):
-        if key == skip:
-            continue
-        kind = client.type(key)
-        values: list[Any] = [key]
-        if kind == b"string":
-            values.append(client.get(key))
-        elif kind == b"list":
-            values += cast(list[bytes], client.lrange(key, 0, -1))
-        elif kind == b"hash":
-            for pair in cast(dict[bytes, bytes], client.hgetall(key)).items():
-                values += pair
-        elif kind == b"set":
-            values += cast(set[bytes], client.smembers(key))
-        elif kind == b"zset":
-            scored = cast(list[tuple[bytes, float]], client.zrange(key, 0, -1, withscores=True))
-            values += [member for member, _ in scored]
-        elif kind == b"stream":
-            entries = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(key))
-            for entry_id, fields in entries:
-                values.append(entry_id)
-                for pair in fields.items():
-                    values += pair
-        elif kind != b"none":  # "none": expired since the scan
-            raise AssertionError(f"no reader for Redis type {kind!r} (key {key!r})")
-        contents[f"redis key {key!r}"] = b"\n".join(v for v in values if isinstance(v, bytes))
-    return contents
-
-
 def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
     fleet: Fleet, sandbox: Sandbox, key_prefix: str
 ) -> None:
@@ -594,18 +551,17 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
     assert len(lines) > 100, "the monitor saw almost nothing"
     # the one place a token may be: commands writing or reading the token key
     texts["redis MONITOR"] = "\n".join(line for line in lines if token_key not in line).encode()
-    texts.update(_redis_contents(store.redis, token_key.encode()))
+    for key in store.redis.scan_iter(count=1000):
+        if key != token_key.encode():
+            texts[f"redis key {key!r}"] = redis_value(store.redis, key)
     assert any(key.startswith("redis key b'celery-task-meta-") for key in texts)
     assert any(key.startswith(f"redis key b'{key_prefix}:") for key in texts)
 
-    def found(needle: str, text: bytes) -> bool:
-        return any(form in text for form in _encoded_forms(needle))
-
     # positive controls: a value sent as a task argument shows in the message bodies
     # (base64 on the broker) and in the stored results
-    assert found(canary, texts["redis MONITOR"])
-    assert found(canary, base64.b64encode(f'{{"note": "{canary}"}}'.encode()))
-    assert any(found(canary, text) for key, text in texts.items() if "celery-task-meta" in key)
+    assert shows(canary, texts["redis MONITOR"])
+    assert shows(canary, base64.b64encode(f'{{"note": "{canary}"}}'.encode()))
+    assert any(shows(canary, text) for key, text in texts.items() if "celery-task-meta" in key)
 
     tokens = sandbox.app.issued_tokens()
     assert len(tokens) >= 3  # first, after revoke-all, and beat's
@@ -615,6 +571,6 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
         f"{what} in {where}"
         for what, needle in needles.items()
         for where, text in texts.items()
-        if found(needle, text)
+        if shows(needle, text)
     ]
     assert not leaks, leaks

@@ -7,20 +7,17 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
 import fakeredis
 import pytest
 import redis
 import requests
-from requests.adapters import BaseAdapter
-from requests.structures import CaseInsensitiveDict
 from urllib3.connection import HTTPSConnection
 from urllib3.connectionpool import HTTPSConnectionPool
 from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError
 
+from fake_http import FakeTransport, Reply, response, session_with
 from merchant_tasks.client import CALL_ATTEMPTS, CALL_WAIT_MAX, EXCERPT_LENGTH, MerchantClient
 from merchant_tasks.exceptions import (
     ApiError,
@@ -37,69 +34,6 @@ from merchant_tasks.token import Token, fingerprint
 BASE_URL = "https://api.example.test"
 ORDERS = "/open-api/v1/orders"
 LIFETIME = 7200.0
-
-Reply = requests.Response | Exception | Callable[[requests.PreparedRequest], requests.Response]
-
-
-def response(
-    status: int = 200, body: Any = None, headers: Mapping[str, str] | None = None
-) -> requests.Response:
-    """A response as the transport would build it; ``body`` bytes or str are sent as they are."""
-    built = requests.Response()
-    built.status_code = status
-    if body is None:
-        built._content = b""
-    elif isinstance(body, bytes):
-        built._content = body
-    elif isinstance(body, str):
-        built._content = body.encode()
-    else:
-        built._content = json.dumps(body).encode()
-    built.headers = CaseInsensitiveDict(headers or {})
-    built.encoding = "utf-8"
-    return built
-
-
-@dataclass
-class Sent:
-    method: str
-    url: str
-    headers: CaseInsensitiveDict[str]
-    body: bytes
-    timeout: object
-
-    @property
-    def bearer(self) -> str:
-        return self.headers["authorization"].removeprefix("Bearer ")
-
-
-class FakeTransport(BaseAdapter):
-    """Answers each request with the next reply (the last one repeats) and records it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.replies: list[Reply] = [response(200, {"ok": True})]
-        self.sent: list[Sent] = []
-
-    def reply(self, *replies: Reply) -> None:
-        self.replies = list(replies)
-
-    def send(  # type: ignore[override]
-        self, request: requests.PreparedRequest, timeout: object = None, **_: object
-    ) -> requests.Response:
-        body = request.body.encode() if isinstance(request.body, str) else request.body or b""
-        headers = CaseInsensitiveDict(dict(request.headers))
-        self.sent.append(Sent(request.method or "", request.url or "", headers, body, timeout))
-        reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
-        if isinstance(reply, Exception):
-            raise reply
-        built = reply(request) if callable(reply) else reply
-        built.request = request
-        built.url = request.url or ""
-        return built
-
-    def close(self) -> None:
-        pass
 
 
 class FakeExchange:
@@ -154,11 +88,8 @@ def client(
         rng=random.Random(0),
         local_copy_ttl=0.0,  # read the store on every call; the copy has its own tests
     )
-    session = requests.Session()
-    session.mount("https://", transport)
-    session.mount("http://", transport)
     return MerchantClient(
-        BASE_URL, manager, session=session, timeout=(1.0, 2.0), sleep=sleeps.append
+        BASE_URL, manager, session=session_with(transport), timeout=(1.0, 2.0), sleep=sleeps.append
     )
 
 

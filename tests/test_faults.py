@@ -12,7 +12,6 @@ token the emulators issued. Lifetimes are seconds; assertions are on counts and 
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import json
@@ -43,7 +42,7 @@ from hypothesis import strategies as st
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, redis_value, shows
 from merchant_tasks.celery_app import load_config
 from merchant_tasks.client import MerchantClient, new_session, redis_from_url
 from merchant_tasks.exceptions import (
@@ -131,42 +130,6 @@ def _only_ok_after_first_ok(outcomes: Sequence[str]) -> bool:
 # -- evidence for the leak search ----------------------------------------------------------
 
 
-def _redis_value(client: redis.Redis, key: bytes) -> bytes:
-    """A key and everything in it, read by type."""
-    kind = client.type(key)
-    values: list[Any] = [key]
-    if kind == b"string":
-        values.append(client.get(key))
-    elif kind == b"list":
-        values += cast(list[bytes], client.lrange(key, 0, -1))
-    elif kind == b"hash":
-        for pair in cast(dict[bytes, bytes], client.hgetall(key)).items():
-            values += pair
-    elif kind == b"set":
-        values += cast(set[bytes], client.smembers(key))
-    elif kind == b"zset":
-        values += cast(list[bytes], client.zrange(key, 0, -1))
-    elif kind == b"stream":
-        for entry_id, fields in cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(key)):
-            values.append(entry_id)
-            for pair in fields.items():
-                values += pair
-    elif kind != b"none":  # "none": expired since the scan
-        raise AssertionError(f"no reader for Redis type {kind!r} (key {key!r})")
-    return b"\n".join(v for v in values if isinstance(v, bytes))
-
-
-def _encoded_forms(needle: str) -> list[bytes]:
-    """The needle, and the part of its base64 that shows at any offset (message bodies)."""
-    raw = needle.encode()
-    forms = [raw]
-    for shift in range(3):
-        encoded = base64.b64encode(b"\0" * shift + raw)
-        core = encoded[4 if shift else 0 : (len(raw) + shift) // 3 * 4]
-        forms += [core, core.replace(b"+", b"-").replace(b"/", b"_")]
-    return forms
-
-
 @dataclass
 class Evidence:
     """Everything the fault tests saw, and what must never appear in it."""
@@ -197,14 +160,14 @@ class Evidence:
         """Every key matching ``match`` except token keys, the one place a token may be."""
         for key in client.scan_iter(match=match, count=1000):
             if not key.endswith(b":token"):
-                self.add(f"{where}: Redis key {key!r}", _redis_value(client, key))
+                self.add(f"{where}: Redis key {key!r}", redis_value(client, key))
 
     def leaks(self) -> list[str]:
         return [
             f"{what} in {where}"
             for what, needle in self.needles.items()
             for where, text in self.texts.items()
-            if any(form in text for form in _encoded_forms(needle))
+            if shows(needle, text)
         ]
 
 
@@ -1210,21 +1173,21 @@ _numbers = (
 _scalars = st.none() | st.booleans() | _numbers | _text
 _token_side = _scalars | st.sampled_from([TEST_SECRET, FREE_TEXT])  # a token never echoed
 _api_side = _scalars | st.sampled_from(list(NEEDLES.values()))
+
+
+def _containers(keys: st.SearchStrategy[str]) -> Callable[[st.SearchStrategy[Any]], Any]:
+    # a named function, not a lambda: hypothesis reads a lambda's source at run time
+    def extend(kids: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+        return st.lists(kids, max_size=3) | st.dictionaries(keys, kids, max_size=4)
+
+    return extend
+
+
 _json_token_side = st.recursive(
-    _token_side,
-    lambda kids: (
-        st.lists(kids, max_size=3)
-        | st.dictionaries(_text | st.sampled_from([TEST_SECRET, FREE_TEXT]), kids, max_size=4)
-    ),
-    max_leaves=8,
+    _token_side, _containers(_text | st.sampled_from([TEST_SECRET, FREE_TEXT])), max_leaves=8
 )
 _json_api_side = st.recursive(
-    _api_side,
-    lambda kids: (
-        st.lists(kids, max_size=3)
-        | st.dictionaries(_text | st.sampled_from(list(NEEDLES.values())), kids, max_size=4)
-    ),
-    max_leaves=8,
+    _api_side, _containers(_text | st.sampled_from(list(NEEDLES.values()))), max_leaves=8
 )
 _lifetimes = st.none() | st.integers(1, 10**6) | st.floats(1e-3, 1e6) | st.just("7200")
 _good_grant = st.builds(

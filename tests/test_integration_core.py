@@ -205,11 +205,16 @@ def test_breaker_stops_hammering_a_reset_secret_and_recovers_after_rotation(
 
 # -- malformed token responses, from a real server on loopback ---------------------------
 
+
+def _json_containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(children, max_size=3) | st.dictionaries(
+        st.text(max_size=12), children, max_size=4
+    )
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda children: (
-        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=12), children, max_size=4)
-    ),
+    _json_containers,  # a named function: hypothesis reads a lambda's source at run time
     max_leaves=8,
 )
 token_like_fields = st.fixed_dictionaries(

@@ -5,6 +5,13 @@ answers, else a private ``redis-server``, else fakeredis's TCP server), starts a
 worker and beat as child processes, enqueues calls, revokes every token midway, and shows
 token generation, time left, exchanges, calls and 401 recoveries. It stops every process
 it started, whatever happens.
+
+When it runs on a Redis that other programs use, nothing it writes can meet theirs: its token
+keys carry a key prefix of their own, and every Celery key (queues, results, events) carries
+that prefix too (kombu's ``global_keyprefix``), so its worker never takes another fleet's
+calls and no other worker takes the demo's. Its children run in a private directory with a
+``celeryconfig.py`` written for the run, so a ``celeryconfig.py`` in the current directory
+(which may point at another broker) does not apply either.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any, TextIO
 
 import redis
 
+from .celery_app import VISIBILITY_TIMEOUT
 from .local import RedisServer, free_port, redis_answers, stop_group, wait_until
 from .sandbox import SandboxApp, SandboxConfig, SandboxServer
 from .store import TokenStore
@@ -70,6 +78,9 @@ def run_demo(
         secret_file.write_text(secret)
         secret_file.chmod(0o600)
         renew_before = round(lifetime * 0.3, 3)
+        key_prefix = f"mt-demo-{uuid.uuid4().hex[:8]}"
+        celery_config = _celery_config(redis_url, f"{key_prefix}:celery:")
+        _write_celery_config(workdir / "celeryconfig.py", celery_config)
         env = {
             **os.environ,
             "MERCHANT_ENVIRONMENT": "sandbox",
@@ -77,7 +88,7 @@ def run_demo(
             "MERCHANT_API_SECRET_FILE": str(secret_file),
             "MERCHANT_BASE_URL": server.url,
             "MERCHANT_REDIS_URL": redis_url,
-            "MERCHANT_KEY_PREFIX": f"mt-demo-{uuid.uuid4().hex[:8]}",
+            "MERCHANT_KEY_PREFIX": key_prefix,
             "MERCHANT_TOKEN_LIFETIME": str(lifetime),
             "MERCHANT_RENEW_BEFORE": str(renew_before),
             "MERCHANT_RENEW_MANDATORY": str(round(lifetime * 0.1, 3)),
@@ -102,14 +113,16 @@ def run_demo(
                     f"demo-{uuid.uuid4().hex[:6]}@%h",
                 ],
                 env,
-                workdir / "worker.log",
+                workdir,
+                "worker.log",
             )
         )
         stack.enter_context(
             _child(
                 [*celery, "beat", "--loglevel=WARNING", "-s", str(workdir / "beat-schedule")],
                 env,
-                workdir / "beat.log",
+                workdir,
+                "beat.log",
             )
         )
         store = TokenStore(
@@ -122,6 +135,9 @@ def run_demo(
             f"demo: emulator {server.url}, Redis {redis_kind}, {workers} worker processes, "
             f"token lifetime {lifetime:g} s, {duration:g} s of calls at {rate:g}/s\n"
         )
+        from .celery_app import app
+
+        app.conf.update(celery_config)  # this process enqueues where the children consume
         _drive(summary, sandbox, store, duration, rate, out)
         out.write(_summary_text(summary))
         return summary
@@ -224,6 +240,25 @@ def _summary_text(summary: DemoSummary) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _celery_config(redis_url: str, prefix: str) -> dict[str, Any]:
+    """The demo's Celery settings on top of the package defaults: its Redis, its own keys."""
+    options = {"visibility_timeout": VISIBILITY_TIMEOUT, "global_keyprefix": prefix}
+    return {
+        "broker_url": redis_url,
+        "result_backend": redis_url,
+        "broker_transport_options": options,
+        "result_backend_transport_options": options,
+    }
+
+
+def _write_celery_config(path: Path, config: dict[str, Any]) -> None:
+    """The children's celeryconfig.py; private to the run (the URL may hold a password)."""
+    lines = ['"""Written by merchant-tasks demo for one run; deleted with it."""']
+    lines += [f"{name} = {value!r}" for name, value in config.items()]
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o600)
+
+
 @contextlib.contextmanager
 def _redis_for_demo(workdir: Path) -> Iterator[tuple[str, str]]:
     """MERCHANT_REDIS_URL if it answers, else a private redis-server, else fakeredis."""
@@ -255,12 +290,17 @@ def _redis_for_demo(workdir: Path) -> Iterator[tuple[str, str]]:
 
 @contextlib.contextmanager
 def _child(
-    argv: list[str], env: dict[str, str], log_path: Path
+    argv: list[str], env: dict[str, str], workdir: Path, log_name: str
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A child process in its own session, stopped with all its children on exit."""
-    with log_path.open("wb") as log:
+    """A child process in ``workdir`` and its own session, stopped with all its children."""
+    with (workdir / log_name).open("wb") as log:
         process = subprocess.Popen(  # noqa: S603
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            env=env,
+            cwd=workdir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             yield process

@@ -1,0 +1,90 @@
+"""`merchant-tasks demo`, the README's main job, run as a user runs it: a real command, a
+real worker and beat, on a Redis that another fleet also uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from merchant_tasks.local import RedisServer
+
+pytestmark = pytest.mark.integration
+
+DEMO_TIMEOUT = 180.0  # seconds for a 6 s demo: start-up, drain and stop on a loaded machine
+# a call_api message as another fleet's app would have queued it, on Celery's default queue
+FOREIGN_MESSAGE = json.dumps(
+    {
+        "body": "W1siR0VUIiwgIi9vcGVuLWFwaS92MS9waW5nIl0sIHt9LCB7fV0=",
+        "headers": {"task": "merchant_tasks.call_api", "id": "foreign-1"},
+        "properties": {"delivery_tag": "foreign-1", "body_encoding": "base64"},
+        "content-type": "application/json",
+        "content-encoding": "utf-8",
+    }
+)
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    with RedisServer(tmp_path / "redis") as server:
+        shared = redis.Redis.from_url(server.url)
+        # another fleet on the same Redis: a queued call and its queue binding
+        shared.lpush("celery", FOREIGN_MESSAGE)
+        shared.sadd("_kombu.binding.celery", "celery\x06\x16\x06\x16celery")
+        foreign = {key: shared.dump(key) for key in shared.scan_iter()}
+        # the demo's children start in a private directory; a celeryconfig.py here that
+        # points at another broker must not apply to them
+        (tmp_path / "celeryconfig.py").write_text('broker_url = "redis://127.0.0.1:1/0"\n')
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
+        options = ["--duration", "6", "--rate", "5", "--lifetime", "8", "--workers", "2"]
+        finished = subprocess.run(
+            [sys.executable, "-m", "merchant_tasks.cli", "demo", *options],
+            env={**env, "MERCHANT_REDIS_URL": server.url},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=DEMO_TIMEOUT,
+            check=False,
+        )
+        assert finished.returncode == 0, finished.stdout + finished.stderr
+        out = finished.stdout
+        assert "(MERCHANT_REDIS_URL)" in out
+        summary = dict(
+            re.findall(r"^  (calls [a-z]+(?: [a-z]+)*|result) {2,}(\S+)", out, re.MULTILINE)
+        )
+        assert int(summary["calls enqueued"]) >= 25  # 5 a second for 6 s
+        assert summary["calls ok"] == summary["calls enqueued"]
+        assert summary["calls failed"] == summary["calls not finished"] == "0"
+        assert summary["result"] == "OK"
+        assert "revoke-all" in out
+
+        # the other fleet's keys are as they were; every key the demo left carries its prefix
+        assert {key: shared.dump(key) for key in foreign} == foreign
+        prefixes = {key.split(b":")[0] for key in shared.scan_iter() if key not in foreign}
+        assert len(prefixes) == 1, prefixes
+        assert prefixes.pop().startswith(b"mt-demo-")
+
+    assert _processes_with("mt-demo-") == []  # worker, its pool and beat all stopped

@@ -247,6 +247,11 @@ class TokenManager:
                     if satisfied(current):
                         assert current is not None
                         return current
+                    # the holder we waited for may have failed and paused exchanges: breakers
+                    # only open under the lock, so this look makes their pause fleet-wide
+                    still_valid = self._check_breaker(fallback)
+                    if still_valid is not None:
+                        return still_valid
                     return self._exchange_and_save(reason)
                 finally:
                     _release(lock)

@@ -14,6 +14,7 @@ import fakeredis
 import pytest
 import redis
 from redis.backoff import NoBackoff
+from redis.lock import Lock
 from redis.retry import Retry
 
 from merchant_tasks.exceptions import (
@@ -469,6 +470,34 @@ def test_while_the_rejected_breaker_is_open_renewal_raises_without_exchanging(
     with pytest.raises(CredentialsRejected, match="paused"):
         manager.token()
     assert len(exchange.calls) == 1
+
+
+def test_a_waiter_that_gets_the_lock_after_a_failed_renewal_obeys_the_breaker_it_opened(
+    manager: TokenManager,
+    store: TokenStore,
+    exchange: FakeExchange,
+    clock: ManualClock,
+    sleep: Sleeper,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller found no breaker; before it took the lock, the process holding it got a
+    429, paused exchanges and let go. Taking the lock next, the caller must not make a
+    second refused exchange (fault rows 3, 8 and 9 count refused exchanges exactly)."""
+    hold_lock(store)
+    take_lock = store.lock
+
+    def holder_fails_between_our_breaker_look_and_our_lock(ttl: float) -> Lock:
+        if sleep.waits:  # the caller has waited once; now, just after it looked...
+            record = BreakerRecord("rate_limited", clock.now + 30.0, 1, "", "HTTP 429")
+            store.open_breaker(record, clock.now)
+            store.redis.delete(store.lock_key)
+        return take_lock(ttl)
+
+    monkeypatch.setattr(store, "lock", holder_fails_between_our_breaker_look_and_our_lock)
+    with pytest.raises(ExchangeRateLimited, match="paused"):
+        manager.token()
+    assert exchange.calls == []
+    assert store.lock_holder() is None
 
 
 def test_a_new_secret_goes_through_the_rejected_breaker_and_success_closes_it(

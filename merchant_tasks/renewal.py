@@ -163,7 +163,14 @@ class TokenManager:
         return self._keep(token)
 
     def _keep(self, token: Token) -> Token:
-        self._copy = (token, self._monotonic() + self.local_copy_ttl)
+        """Make ``token`` this process's copy, unless another thread just kept a newer one
+        (this one was read before that was stored: it would cost each call a 401)."""
+        now = self._monotonic()
+        copy = self._copy
+        if copy is None or token.generation >= copy[0].generation or now >= copy[1]:
+            # (a fresh copy with a higher generation only loses to a stale Redis after a
+            # restart without persistence: then it is replaced once its second is over)
+            self._copy = (token, now + self.local_copy_ttl)
         return token
 
     # -- beat, operators, 401s -----------------------------------------------------------

@@ -6,11 +6,13 @@ from __future__ import annotations
 import base64
 import os
 import socket
+import threading
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import redis
@@ -19,6 +21,9 @@ from merchant_tasks.client import MerchantClient
 from merchant_tasks.local import RedisServer
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 TEST_API_KEY = "test-app-id"
 TEST_SECRET = "test-secret-4f1c9a7e2b"  # searched for in every leak test
@@ -62,11 +67,29 @@ def redis_client(redis_url: str, key_prefix: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+class WatchedSandbox(SandboxApp):
+    """The emulator, counting requests by path as they arrive (before any latency)."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        super().__init__(config)
+        self._arrivals: Counter[str] = Counter()
+        self._arrivals_lock = threading.Lock()
+
+    def arrived(self, path: str) -> int:
+        with self._arrivals_lock:
+            return self._arrivals[path]
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Any:
+        with self._arrivals_lock:
+            self._arrivals[environ.get("PATH_INFO", "")] += 1
+        return super().__call__(environ, start_response)
+
+
 @dataclass
 class Sandbox:
     """A running emulator and what a test needs to reach it."""
 
-    app: SandboxApp
+    app: WatchedSandbox
     server: SandboxServer
 
     @property
@@ -89,7 +112,7 @@ def sandbox_config() -> SandboxConfig:
 
 @pytest.fixture
 def sandbox(sandbox_config: SandboxConfig) -> Iterator[Sandbox]:
-    app = SandboxApp(sandbox_config)
+    app = WatchedSandbox(sandbox_config)
     with SandboxServer(app) as server:
         yield Sandbox(app, server)
 

@@ -34,6 +34,7 @@ from merchant_tasks.exceptions import (
     TokenExchangeError,
 )
 from merchant_tasks.exchange import IssuedToken, TokenExchange
+from merchant_tasks.local import wait_until
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
 
@@ -124,20 +125,29 @@ def test_revoke_on_issue_causes_no_401_loop(client: MerchantClient, sandbox: San
     client.request("GET", PING)
     stop = threading.Event()
     failures: list[str] = []
+    successes = [0] * 8  # per thread
 
-    def keep_calling() -> None:
+    def keep_calling(n: int) -> None:
         while not stop.is_set():
             try:
                 client.request("GET", PING)
+                successes[n] += 1
             except MerchantError as exc:
                 failures.append(repr(exc))
 
-    threads = [threading.Thread(target=keep_calling) for _ in range(8)]
+    threads = [threading.Thread(target=keep_calling, args=(n,)) for n in range(8)]
     for t in threads:
         t.start()
     renewals = 5
     for _ in range(renewals):
-        time.sleep(0.1)
+        # every thread gets through a call between two renewals; a call that met two of them
+        # would rightly give up (its third 401 in a row)
+        seen = list(successes)
+
+        def every_thread_got_through(seen: list[int] = seen) -> bool:
+            return all(now > then for now, then in zip(successes, seen, strict=True))
+
+        wait_until(every_thread_got_through, "a successful call in every thread", 10.0)
         client.manager.renew(force=True)  # each revokes every token in flight
     stop.set()
     for t in threads:
@@ -153,11 +163,15 @@ def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
     sandbox_config: SandboxConfig, settings: Settings, redis_client: redis.Redis
 ) -> None:
     app = SandboxApp(sandbox_config)
+    hold_exchanges = threading.Event()  # while set, token requests wait for ``release``
     slow_request_arrived = threading.Event()
+    release = threading.Event()
 
     def watching(environ: dict[str, Any], start_response: Any) -> Any:
-        if environ["PATH_INFO"].endswith("/access_token") and app.config.token_latency:
+        if environ["PATH_INFO"].endswith("/access_token") and hold_exchanges.is_set():
+            hold_exchanges.clear()
             slow_request_arrived.set()
+            assert release.wait(30)
         return app(environ, start_response)
 
     with SandboxServer(watching) as server:  # type: ignore[arg-type]  # any WSGI app serves
@@ -166,15 +180,15 @@ def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
         )
         store = client.manager.store
         client.request("GET", PING)
-        app.config.token_latency = 2.0
+        hold_exchanges.set()
         slow_result: list[Any] = []
         slow = threading.Thread(target=lambda: slow_result.append(client.manager.renew(force=True)))
         slow.start()
         assert slow_request_arrived.wait(10)
         redis_client.delete(store.lock_key)  # as if the slow holder's lock had expired
-        app.config.token_latency = 0.0
         newer = client.manager.renew(force=True)
-        assert slow.is_alive(), "the slow exchange must still be in flight for this race"
+        assert slow.is_alive()  # its exchange is still held
+        release.set()
         slow.join()
 
     stored = store.load()

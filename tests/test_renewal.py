@@ -836,3 +836,29 @@ def test_a_401_on_a_stale_copy_takes_the_stored_token_without_exchanging(
     assert copying_manager.renew(stale_token=old) == newer
     assert copying_manager.token() == newer  # the copy follows, within its second
     assert exchange.calls == []
+
+
+def test_a_token_read_before_a_newer_one_was_kept_does_not_replace_the_copy(
+    copying_manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Thread A reads the store; meanwhile thread B meets a 401 and keeps the token renewed
+    elsewhere; A then keeps what it read. The copy must stay the newer token."""
+    old = stored(store, clock, left=3600.0)
+    assert copying_manager.token() == old
+    clock.now += 1.1  # the copy is due for a read
+    read = store.load
+    newer: list[Token] = []
+
+    def slow_read() -> Token | None:
+        monkeypatch.setattr(store, "load", read)
+        snapshot = read()  # thread A's read: the old token
+        newer.append(stored(store, clock, left=3600.0, value="tok-renewed-elsewhere"))
+        assert copying_manager.renew(stale_token=old) == newer[0]  # thread B
+        return snapshot
+
+    monkeypatch.setattr(store, "load", slow_read)
+    assert copying_manager.token() == old  # what thread A read, and may use once
+    assert copying_manager.token() == newer[0]  # the copy, within its second

@@ -9,7 +9,10 @@
   always with ``force=True``; ``renew(stale_token=t)`` after a 401 is compare-and-swap.
 
 Single-flight holds across threads, processes and hosts through one Redis lock per
-account, and the store refuses a write that does not follow the generation it replaces.
+account; inside a process, threads take their turn first, so in a 401 storm one thread
+per process talks to Redis while the others wait for its token without polling (and
+without a Redis connection each). The store refuses a write that does not follow the
+generation it replaces.
 A fleet-wide breaker in Redis pauses exchanges after rejected credentials (until the
 secret changes or the back-off ends), after 429 (until Retry-After) and after repeated
 endpoint failures (jittered back-off). The exchange itself is passed in as a callable:
@@ -23,6 +26,7 @@ import math
 import os
 import random
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -118,6 +122,8 @@ class TokenManager:
         # this process's copy of the token and the monotonic time until which it is trusted
         # without reading Redis; kept as one tuple so threads always see a matching pair
         self._copy: tuple[Token, float] | None = None
+        # threads of this process renew in turn (reentrant: a 401's renewal nests in it)
+        self._turn = threading.RLock()
 
     def __repr__(self) -> str:
         return f"TokenManager(store={self.store!r})"
@@ -198,9 +204,24 @@ class TokenManager:
         )
 
     def _renew_after_401(self, stale: Token) -> Token:
+        self._take_turn(fallback=None)
+        try:
+            return self._compare_and_renew(stale)
+        finally:
+            self._turn.release()
+
+    def _compare_and_renew(self, stale: Token) -> Token:
         self.store.count("unauthorized")
-        current = self.store.load()
         now = self.clock()
+        copy = self._copy
+        if (
+            copy is not None
+            and copy[0].value != stale.value
+            and copy[0].expires_at > now
+            and self._monotonic() < copy[1]
+        ):
+            return copy[0]  # another thread of this process took the new token moments ago
+        current = self.store.load()
         if current is not None and current.value != stale.value and current.expires_at > now:
             return self._keep(current)
         if (
@@ -237,6 +258,31 @@ class TokenManager:
         Whoever gets the lock re-checks the store and exchanges; the others wait for its
         token, or use ``fallback`` (a still-valid token) rather than wait.
         """
+        if not self._take_turn(fallback):
+            assert fallback is not None
+            return fallback
+        try:
+            return self._renew_in_turn(reason, satisfied, fallback)
+        finally:
+            self._turn.release()
+
+    def _take_turn(self, fallback: Token | None) -> bool:
+        """Wait for this process's other threads to finish renewing, or return False at once
+        when one is renewing and ``fallback`` is still valid (the caller keeps using it)."""
+        if fallback is not None and fallback.expires_at > self.clock():
+            return self._turn.acquire(blocking=False)
+        if not self._turn.acquire(timeout=self.wait_limit):
+            raise RenewalTimeout(
+                f"waited {self.wait_limit:.1f} s for another thread of this process to renew"
+            )
+        return True
+
+    def _renew_in_turn(
+        self,
+        reason: RenewalReason,
+        satisfied: Callable[[Token | None], bool],
+        fallback: Token | None,
+    ) -> Token:
         waited: list[bool] = []
 
         def attempt() -> Token | None:

@@ -7,6 +7,7 @@ import math
 import os
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -862,3 +863,58 @@ def test_a_token_read_before_a_newer_one_was_kept_does_not_replace_the_copy(
     monkeypatch.setattr(store, "load", slow_read)
     assert copying_manager.token() == old  # what thread A read, and may use once
     assert copying_manager.token() == newer[0]  # the copy, within its second
+
+
+def test_threads_of_one_process_wait_for_its_renewal_in_turn_without_polling_redis(
+    copying_manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+) -> None:
+    """A 401 storm in one process: eight threads hold the revoked token. One renews; the
+    others wait for their turn in the process, not by polling the Redis lock, and then take
+    the new token from the process's copy."""
+    old = stored(store, clock, left=3600.0)
+    exchange.during = lambda: time.sleep(0.2)  # the others arrive while it exchanges
+    start = threading.Barrier(8)
+    got: list[Token] = []
+
+    def after_401() -> None:
+        start.wait()
+        got.append(copying_manager.renew(stale_token=old))
+
+    threads = [threading.Thread(target=after_401) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(exchange.calls) == 1
+    assert len({token.value for token in got}) == 1
+    assert got[0].value != old.value
+    assert sleep.waits == []  # nobody polled the Redis lock
+    assert store.counters()["unauthorized"] == 8
+
+
+def test_a_thread_with_a_valid_token_does_not_queue_behind_another_threads_renewal(
+    copying_manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    old = stored(store, clock, left=RENEW_MANDATORY / 2)  # due for renewal, still valid
+    exchanging, release = threading.Event(), threading.Event()
+
+    def slow_exchange() -> None:
+        exchanging.set()
+        assert release.wait(10)
+
+    exchange.during = slow_exchange
+    renewer_got: list[Token] = []
+    renewer = threading.Thread(target=lambda: renewer_got.append(copying_manager.token()))
+    renewer.start()
+    try:
+        assert exchanging.wait(10)
+        assert copying_manager.token() == old  # at once, while the other thread exchanges
+    finally:
+        release.set()
+        renewer.join()
+    assert renewer_got[0].value.startswith("tok-issued")
+    assert len(exchange.calls) == 1

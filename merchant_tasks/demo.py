@@ -11,7 +11,8 @@ keys carry a key prefix of their own, and every Celery key (queues, results, eve
 that prefix too (kombu's ``global_keyprefix``), so its worker never takes another fleet's
 calls and no other worker takes the demo's. Its children run in a private directory with a
 ``celeryconfig.py`` written for the run, so a ``celeryconfig.py`` in the current directory
-(which may point at another broker) does not apply either.
+(which may point at another broker) does not apply to them, nor to this process, which
+enqueues through a Celery app of its own; CELERY_BROKER_URL and the like are ignored.
 """
 
 from __future__ import annotations
@@ -33,13 +34,21 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import redis
+from celery import Celery
 
-from .celery_app import VISIBILITY_TIMEOUT
+from .celery_app import VISIBILITY_TIMEOUT, package_defaults
 from .local import RedisServer, free_port, redis_answers, stop_group, wait_until
 from .sandbox import SandboxApp, SandboxConfig, SandboxServer
 from .store import TokenStore
 
 DEMO_API_KEY = "demo-app-id"
+CALL_API_TASK = "merchant_tasks.call_api"
+CELERY_URL_VARIABLES = (
+    "CELERY_BROKER_URL",
+    "CELERY_RESULT_BACKEND",
+    "CELERY_BROKER_READ_URL",
+    "CELERY_BROKER_WRITE_URL",
+)
 VIEW_INTERVAL = 0.5  # seconds between two refreshes of the live view
 DRAIN_TIMEOUT = 30.0  # seconds to wait for calls still queued when the duration ends
 
@@ -95,8 +104,11 @@ def run_demo(
             "MERCHANT_RENEW_INTERVAL": str(max(1.0, round(lifetime * 0.05, 3))),
         }
         env.pop("MERCHANT_API_SECRET", None)
-        env.pop("CELERY_BROKER_URL", None)
-        env.pop("CELERY_RESULT_BACKEND", None)
+        # Celery reads these from the environment before any configuration: in the children
+        # and in this process, where the producer below would otherwise send elsewhere
+        for name in CELERY_URL_VARIABLES:
+            env.pop(name, None)
+            os.environ.pop(name, None)
         os.environ.update({k: v for k, v in env.items() if k.startswith("MERCHANT_")})
         os.environ.pop("MERCHANT_API_SECRET", None)
         celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
@@ -135,10 +147,12 @@ def run_demo(
             f"demo: emulator {server.url}, Redis {redis_kind}, {workers} worker processes, "
             f"token lifetime {lifetime:g} s, {duration:g} s of calls at {rate:g}/s\n"
         )
-        from .celery_app import app
-
-        app.conf.update(celery_config)  # this process enqueues where the children consume
-        _drive(summary, sandbox, store, duration, rate, out)
+        # this process enqueues with the children's configuration, whatever celeryconfig.py
+        # the current directory holds
+        producer = Celery("merchant-tasks-demo", set_as_current=False)
+        producer.conf.update({**package_defaults(env), **celery_config, "imports": ()})
+        stack.callback(producer.close)
+        _drive(summary, producer, sandbox, store, duration, rate, out)
         out.write(_summary_text(summary))
         return summary
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
@@ -146,6 +160,7 @@ def run_demo(
 
 def _drive(
     summary: DemoSummary,
+    producer: Celery,
     sandbox: SandboxApp,
     store: TokenStore,
     duration: float,
@@ -153,7 +168,9 @@ def _drive(
     out: TextIO,
 ) -> None:
     """Enqueue calls, revoke every token midway, show the live view, collect results."""
-    from .tasks import call_api
+
+    def call_api(method: str, path: str, **kwargs: Any) -> Any:
+        return producer.send_task(CALL_API_TASK, args=[method, path], kwargs=kwargs)
 
     pending: list[Any] = []
     started = time.monotonic()
@@ -196,9 +213,9 @@ def _drive(
         while summary.enqueued < target:
             path = "/open-api/v1/echo" if summary.enqueued % 2 else "/open-api/v1/ping"
             if path.endswith("echo"):
-                pending.append(call_api.delay("POST", path, json={"n": summary.enqueued}))
+                pending.append(call_api("POST", path, json={"n": summary.enqueued}))
             else:
-                pending.append(call_api.delay("GET", path))
+                pending.append(call_api("GET", path))
             summary.enqueued += 1
         if not revoked and elapsed >= duration / 2:
             sandbox.revoke_all()

@@ -108,9 +108,10 @@ class TokenManager:
         self.sleep = sleep
         self.rng = rng or random.Random()
         # the lock outlives the longest renewal: every attempt timing out plus the waits
+        # between them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
         self.lock_ttl = (
             EXCHANGE_ATTEMPTS * exchange_timeout
-            + (EXCHANGE_ATTEMPTS - 1) * EXCHANGE_RETRY_WAIT_MAX
+            + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
             + LOCK_MARGIN
         )
         # how long a caller waits for other processes' renewal: it may arrive just after a
@@ -122,8 +123,11 @@ class TokenManager:
         # this process's copy of the token and the monotonic time until which it is trusted
         # without reading Redis; kept as one tuple so threads always see a matching pair
         self._copy: tuple[Token, float] | None = None
-        # threads of this process renew in turn (reentrant: a 401's renewal nests in it)
+        self._copy_lock = threading.Lock()  # makes _keep's compare-and-set atomic
+        # threads of this process look at the store and renew in turn, one attempt at a time
+        # (reentrant: an exchange keeps its token while holding it); remade after a fork
         self._turn = threading.RLock()
+        self._turn_pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"TokenManager(store={self.store!r})"
@@ -172,12 +176,20 @@ class TokenManager:
         """Make ``token`` this process's copy, unless another thread just kept a newer one
         (this one was read before that was stored: it would cost each call a 401)."""
         now = self._monotonic()
-        copy = self._copy
-        if copy is None or token.generation >= copy[0].generation or now >= copy[1]:
-            # (a fresh copy with a higher generation only loses to a stale Redis after a
-            # restart without persistence: then it is replaced once its second is over)
-            self._copy = (token, now + self.local_copy_ttl)
+        with self._copy_lock:
+            copy = self._copy
+            if copy is None or token.generation >= copy[0].generation or now >= copy[1]:
+                # (a fresh copy with a higher generation only loses to a stale Redis after a
+                # restart without persistence: then it is replaced once its second is over)
+                self._copy = (token, now + self.local_copy_ttl)
         return token
+
+    def _kept_since(self, started: float) -> Token | None:
+        """The copy, if a thread of this process kept it after ``started``."""
+        copy = self._copy
+        if copy is None or copy[1] - self.local_copy_ttl < started:
+            return None
+        return copy[0]
 
     # -- beat, operators, 401s -----------------------------------------------------------
 
@@ -204,44 +216,44 @@ class TokenManager:
         )
 
     def _renew_after_401(self, stale: Token) -> Token:
-        self._take_turn(fallback=None)
+        """Compare-and-swap: another valid token than ``stale`` if one is stored (or was
+        just kept by another thread of this process), else a forced renewal."""
+        started = self._monotonic()
         try:
-            return self._compare_and_renew(stale)
+            self._take_turn(blocking=True)
+        except RenewalTimeout:
+            self.store.count("unauthorized")
+            raise
+        try:
+            self.store.count("unauthorized")
+            now = self.clock()
+            kept = self._kept_since(started)
+            if kept is not None and kept.value != stale.value and kept.expires_at > now:
+                return kept  # another thread of this process took the new token meanwhile
+            current = self.store.load()
+            if current is not None and current.value != stale.value and current.expires_at > now:
+                return self._keep(current)
+            if (
+                current is not None
+                and stale.reason == RenewalReason.FORCED.value
+                and now - stale.issued_at < FRESH_TOKEN_GRACE
+            ):
+                self.store.count("fresh_token_rejected")
+                raise TokenRejected(
+                    f"a token issued {now - stale.issued_at:.0f} s ago after a 401 was refused "
+                    "again (HTTP 401). Likely causes: the API key belongs to the other "
+                    "environment (check MERCHANT_ENVIRONMENT and MERCHANT_BASE_URL), the secret "
+                    "was reset in the dashboard, or API access was revoked for this merchant"
+                )
+            self.store.count("forced_renewals")
         finally:
             self._turn.release()
-
-    def _compare_and_renew(self, stale: Token) -> Token:
-        self.store.count("unauthorized")
-        now = self.clock()
-        copy = self._copy
-        if (
-            copy is not None
-            and copy[0].value != stale.value
-            and copy[0].expires_at > now
-            and self._monotonic() < copy[1]
-        ):
-            return copy[0]  # another thread of this process took the new token moments ago
-        current = self.store.load()
-        if current is not None and current.value != stale.value and current.expires_at > now:
-            return self._keep(current)
-        if (
-            current is not None
-            and stale.reason == RenewalReason.FORCED.value
-            and now - stale.issued_at < FRESH_TOKEN_GRACE
-        ):
-            self.store.count("fresh_token_rejected")
-            raise TokenRejected(
-                f"a token issued {now - stale.issued_at:.0f} s ago after a 401 was refused "
-                "again (HTTP 401). Likely causes: the API key belongs to the other environment "
-                "(check MERCHANT_ENVIRONMENT and MERCHANT_BASE_URL), the secret was reset in "
-                "the dashboard, or API access was revoked for this merchant"
-            )
-        self.store.count("forced_renewals")
         return self._keep(
             self._renew(
                 RenewalReason.FORCED,
                 lambda t: t is not None and t.value != stale.value and t.expires_at > self.clock(),
                 fallback=None,
+                started=started,
             )
         )
 
@@ -252,68 +264,29 @@ class TokenManager:
         reason: RenewalReason,
         satisfied: Callable[[Token | None], bool],
         fallback: Token | None,
+        started: float | None = None,
     ) -> Token:
         """Return a token that satisfies the caller, exchanging at most once fleet-wide.
 
         Whoever gets the lock re-checks the store and exchanges; the others wait for its
-        token, or use ``fallback`` (a still-valid token) rather than wait.
+        token, or use ``fallback`` (a still-valid token) rather than wait. Each look at the
+        store is made in this process's turn: while one thread exchanges, the others of the
+        process wait for the turn instead of polling Redis, then find the token it kept.
         """
-        if not self._take_turn(fallback):
-            assert fallback is not None
-            return fallback
-        try:
-            return self._renew_in_turn(reason, satisfied, fallback)
-        finally:
-            self._turn.release()
-
-    def _take_turn(self, fallback: Token | None) -> bool:
-        """Wait for this process's other threads to finish renewing, or return False at once
-        when one is renewing and ``fallback`` is still valid (the caller keeps using it)."""
-        if fallback is not None and fallback.expires_at > self.clock():
-            return self._turn.acquire(blocking=False)
-        if not self._turn.acquire(timeout=self.wait_limit):
-            raise RenewalTimeout(
-                f"waited {self.wait_limit:.1f} s for another thread of this process to renew"
-            )
-        return True
-
-    def _renew_in_turn(
-        self,
-        reason: RenewalReason,
-        satisfied: Callable[[Token | None], bool],
-        fallback: Token | None,
-    ) -> Token:
+        since = self._monotonic() if started is None else started
         waited: list[bool] = []
 
         def attempt() -> Token | None:
-            current = self.store.load()
-            if satisfied(current):
-                assert current is not None
-                return current
-            still_valid = self._check_breaker(fallback)
-            if still_valid is not None:
-                return still_valid
-            lock = self.store.lock(self.lock_ttl)
-            if lock.acquire(token=_owner()):
-                try:
-                    current = self.store.load()
-                    if satisfied(current):
-                        assert current is not None
-                        return current
-                    # the holder we waited for may have failed and paused exchanges: breakers
-                    # only open under the lock, so this look makes their pause fleet-wide
-                    still_valid = self._check_breaker(fallback)
-                    if still_valid is not None:
-                        return still_valid
-                    return self._exchange_and_save(reason)
-                finally:
-                    _release(lock)
-            if fallback is not None and fallback.expires_at > self.clock():
-                return fallback
-            if not waited:
-                waited.append(True)
-                self.store.count("lock_waits")
-            return None
+            has_fallback = fallback is not None and fallback.expires_at > self.clock()
+            if not self._take_turn(blocking=not has_fallback):
+                return fallback  # another thread of this process is renewing; keep using it
+            try:
+                kept = self._kept_since(since)
+                if kept is not None and satisfied(kept):
+                    return kept
+                return self._attempt_in_turn(reason, satisfied, fallback, waited)
+            finally:
+                self._turn.release()
 
         wait_for_holder = Retrying(
             retry=retry_if_result(lambda token: token is None),
@@ -326,6 +299,60 @@ class TokenManager:
         token = wait_for_holder(attempt)
         assert token is not None  # the retry only ends on a token or an error
         return token
+
+    def _take_turn(self, blocking: bool) -> bool:
+        """Take this process's turn; without ``blocking``, only if no other thread has it.
+
+        A blocking wait lasts at most one attempt of another thread: an exchange and its
+        retries, bounded by the lock TTL (then the caller's own deadline decides)."""
+        if self._turn_pid != os.getpid():  # forked: the parent's threads are not here
+            self._turn, self._turn_pid = threading.RLock(), os.getpid()
+            self._copy_lock = threading.Lock()
+        if not blocking:
+            return self._turn.acquire(blocking=False)
+        if not self._turn.acquire(timeout=self.lock_ttl):
+            raise RenewalTimeout(
+                f"waited {self.lock_ttl:.1f} s for another thread of this process to renew"
+            )
+        return True
+
+    def _attempt_in_turn(
+        self,
+        reason: RenewalReason,
+        satisfied: Callable[[Token | None], bool],
+        fallback: Token | None,
+        waited: list[bool],
+    ) -> Token | None:
+        """One look at the store: its token, the fallback, our own exchange under the Redis
+        lock, or None to look again after a pause (another process holds the lock)."""
+        current = self.store.load()
+        if satisfied(current):
+            assert current is not None
+            return current
+        still_valid = self._check_breaker(fallback)
+        if still_valid is not None:
+            return still_valid
+        lock = self.store.lock(self.lock_ttl)
+        if lock.acquire(token=_owner()):
+            try:
+                current = self.store.load()
+                if satisfied(current):
+                    assert current is not None
+                    return current
+                # the holder we waited for may have failed and paused exchanges: breakers
+                # only open under the lock, so this look makes their pause fleet-wide
+                still_valid = self._check_breaker(fallback)
+                if still_valid is not None:
+                    return still_valid
+                return self._exchange_and_save(reason)
+            finally:
+                _release(lock)
+        if fallback is not None and fallback.expires_at > self.clock():
+            return fallback
+        if not waited:
+            waited.append(True)
+            self.store.count("lock_waits")
+        return None
 
     def _holder_too_slow(self, state: RetryCallState) -> Token:
         holder = self.store.lock_holder() or "nobody (it expired)"
@@ -368,6 +395,7 @@ class TokenManager:
         written, stored_generation = self.store.save(token)
         self.store.record_exchange(reason.value, "ok", self.clock())
         if written:
+            self._keep(token)  # the other threads of this process find it there
             if self.store.load_breaker() is not None:
                 self.store.close_breaker()
             log.info(

@@ -54,15 +54,23 @@ def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
         shared.lpush("celery", FOREIGN_MESSAGE)
         shared.sadd("_kombu.binding.celery", "celery\x06\x16\x06\x16celery")
         foreign = {key: shared.dump(key) for key in shared.scan_iter()}
-        # the demo's children start in a private directory; a celeryconfig.py here that
-        # points at another broker must not apply to them
-        (tmp_path / "celeryconfig.py").write_text('broker_url = "redis://127.0.0.1:1/0"\n')
+        # neither a celeryconfig.py in the current directory nor Celery's variables in the
+        # environment may send the demo's calls elsewhere or change how they run
+        (tmp_path / "celeryconfig.py").write_text(
+            'broker_url = "redis://127.0.0.1:1/0"\n'
+            'task_default_queue = "payments"\n'
+        )
 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
         options = ["--duration", "6", "--rate", "5", "--lifetime", "8", "--workers", "2"]
         finished = subprocess.run(
             [sys.executable, "-m", "merchant_tasks.cli", "demo", *options],
-            env={**env, "MERCHANT_REDIS_URL": server.url},
+            env={
+                **env,
+                "MERCHANT_REDIS_URL": server.url,
+                "CELERY_BROKER_URL": "redis://127.0.0.1:1/0",
+                "CELERY_RESULT_BACKEND": "redis://127.0.0.1:1/0",
+            },
             cwd=tmp_path,
             capture_output=True,
             text=True,

@@ -29,6 +29,7 @@ from merchant_tasks.exceptions import (
     TokenRejected,
 )
 from merchant_tasks.exchange import IssuedToken
+from merchant_tasks.local import wait_until
 from merchant_tasks.renewal import (
     EXCHANGE_ATTEMPTS,
     EXCHANGE_RETRY_WAIT_MAX,
@@ -426,9 +427,22 @@ def test_a_waiter_outlasts_a_dead_holder_and_the_whole_renewal_of_the_next_one(
     assert len(sleep.waits) == 2 * one_lock_ttl - 10
 
 
-def test_the_lock_outlives_the_longest_renewal(manager: TokenManager) -> None:
-    longest = EXCHANGE_ATTEMPTS * 0.1 + (EXCHANGE_ATTEMPTS - 1) * EXCHANGE_RETRY_WAIT_MAX
-    assert manager.lock_ttl > longest
+def test_the_lock_outlives_the_longest_renewal(
+    manager: TokenManager, exchange: FakeExchange, sleep: Sleeper
+) -> None:
+    """Every try times out (0.1 s here) and asks for the longest Retry-After still obeyed
+    under the lock; the back-off comes on top of it."""
+    exchange.outcomes = [
+        TokenEndpointUnavailable("HTTP 503", status=503, retry_after=EXCHANGE_RETRY_WAIT_MAX)
+    ] * EXCHANGE_ATTEMPTS
+    with pytest.raises(TokenEndpointUnavailable):
+        manager.renew(force=True)
+    assert len(exchange.calls) == EXCHANGE_ATTEMPTS
+    assert all(
+        EXCHANGE_RETRY_WAIT_MAX <= wait <= 2 * EXCHANGE_RETRY_WAIT_MAX for wait in sleep.waits
+    )
+    worst = EXCHANGE_ATTEMPTS * 0.1 + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
+    assert manager.lock_ttl > worst
 
 
 # -- breaker -----------------------------------------------------------------------------
@@ -918,3 +932,25 @@ def test_a_thread_with_a_valid_token_does_not_queue_behind_another_threads_renew
         renewer.join()
     assert renewer_got[0].value.startswith("tok-issued")
     assert len(exchange.calls) == 1
+
+
+def test_a_401_does_not_wait_behind_a_thread_waiting_for_another_process(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, sleep: Sleeper
+) -> None:
+    """Thread A's manual renewal waits for another process's lock; meanwhile thread B's 401
+    finds the valid token in the store at once: only looks at the store take turns."""
+    revoked = stored(store, clock, left=3600.0, value="tok-revoked")
+    valid = stored(store, clock, left=3600.0, value="tok-valid")
+    hold_lock(store)
+    sleep.on_sleep = lambda polls: time.sleep(0.005)  # A polls in real time
+    outcome: list[Token] = []
+    waiting = threading.Thread(target=lambda: outcome.append(manager.renew(force=True)))
+    waiting.start()
+    try:
+        wait_until(lambda: len(sleep.waits) >= 3, "thread A polling", 10.0)
+        assert manager.renew(stale_token=revoked) == valid
+        assert waiting.is_alive()  # B did not wait for A
+    finally:
+        newer = stored(store, clock, left=3600.0, value="tok-newer")
+        waiting.join(timeout=30)
+    assert outcome == [newer]

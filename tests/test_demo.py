@@ -57,8 +57,7 @@ def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
         # neither a celeryconfig.py in the current directory nor Celery's variables in the
         # environment may send the demo's calls elsewhere or change how they run
         (tmp_path / "celeryconfig.py").write_text(
-            'broker_url = "redis://127.0.0.1:1/0"\n'
-            'task_default_queue = "payments"\n'
+            'broker_url = "redis://127.0.0.1:1/0"\ntask_default_queue = "payments"\n'
         )
 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}

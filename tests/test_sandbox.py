@@ -760,9 +760,13 @@ def test_real_server_cannot_start_twice() -> None:
     server.stop()  # a second stop is harmless
 
 
-# Run in a child process so that SIGINT reaches serve_forever as Ctrl-C would.
+# Run in a child process so that SIGINT reaches serve_forever as Ctrl-C would. A process
+# started in the background by a non-interactive shell (as CI runners may start the suite)
+# inherits SIGINT ignored, and then Python raises no KeyboardInterrupt: the child restores
+# the handler a terminal session would have.
 FOREGROUND_SCRIPT = """
-import threading, time
+import signal, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 server = SandboxServer(SandboxApp(SandboxConfig("key", "secret")))
 def announce():
@@ -781,12 +785,15 @@ def test_foreground_server_stops_cleanly_on_ctrl_c() -> None:
     with subprocess.Popen(
         [sys.executable, "-c", FOREGROUND_SCRIPT], stdout=subprocess.PIPE, text=True, env=env
     ) as child:
-        assert child.stdout is not None
-        url = child.stdout.readline().strip()
-        assert requests.get(url + "/_sandbox/counters", timeout=5).status_code == 200
-        child.send_signal(signal.SIGINT)
-        assert child.wait(timeout=10) == 0
-        assert child.stdout.read() == "stopped\n"
+        try:
+            assert child.stdout is not None
+            url = child.stdout.readline().strip()
+            assert requests.get(url + "/_sandbox/counters", timeout=5).status_code == 200
+            child.send_signal(signal.SIGINT)
+            assert child.wait(timeout=10) == 0
+            assert child.stdout.read() == "stopped\n"
+        finally:
+            child.kill()  # a no-op once it exited; else the with block would wait for ever
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.10", "::", "example.com"])  # noqa: S104

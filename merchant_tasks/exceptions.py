@@ -85,7 +85,7 @@ class MalformedTokenResponse(TokenExchangeError):
 
 
 class RenewalTimeout(MerchantError):
-    """Another process held the renewal lock longer than we could wait for its token."""
+    """Another process (or thread) held the renewal longer than we could wait for its token."""
 
     retryable = True
 

@@ -325,25 +325,17 @@ class TokenManager:
     ) -> Token | None:
         """One look at the store: its token, the fallback, our own exchange under the Redis
         lock, or None to look again after a pause (another process holds the lock)."""
-        current = self.store.load()
-        if satisfied(current):
-            assert current is not None
-            return current
-        still_valid = self._check_breaker(fallback)
-        if still_valid is not None:
-            return still_valid
+        found = self._stored_or_paused(satisfied, fallback)
+        if found is not None:
+            return found
         lock = self.store.lock(self.lock_ttl)
         if lock.acquire(token=_owner()):
             try:
-                current = self.store.load()
-                if satisfied(current):
-                    assert current is not None
-                    return current
-                # the holder we waited for may have failed and paused exchanges: breakers
-                # only open under the lock, so this look makes their pause fleet-wide
-                still_valid = self._check_breaker(fallback)
-                if still_valid is not None:
-                    return still_valid
+                # look again: the holder we waited for may have stored a token, or failed
+                # and paused exchanges (breakers only open under the lock)
+                found = self._stored_or_paused(satisfied, fallback)
+                if found is not None:
+                    return found
                 return self._exchange_and_save(reason)
             finally:
                 _release(lock)
@@ -353,6 +345,16 @@ class TokenManager:
             waited.append(True)
             self.store.count("lock_waits")
         return None
+
+    def _stored_or_paused(
+        self, satisfied: Callable[[Token | None], bool], fallback: Token | None
+    ) -> Token | None:
+        """The stored token if it satisfies the caller; while exchanges are paused, the
+        still-valid ``fallback`` or the breaker's error; else None."""
+        current = self.store.load()
+        if satisfied(current):
+            return current
+        return self._check_breaker(fallback)
 
     def _holder_too_slow(self, state: RetryCallState) -> Token:
         holder = self.store.lock_holder() or "nobody (it expired)"

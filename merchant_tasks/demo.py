@@ -36,7 +36,7 @@ from typing import Any, TextIO
 import redis
 from celery import Celery
 
-from .celery_app import VISIBILITY_TIMEOUT, package_defaults
+from .celery_app import package_defaults
 from .local import RedisServer, free_port, redis_answers, stop_group, wait_until
 from .sandbox import SandboxApp, SandboxConfig, SandboxServer
 from .store import TokenStore
@@ -259,12 +259,14 @@ def _summary_text(summary: DemoSummary) -> str:
 
 def _celery_config(redis_url: str, prefix: str) -> dict[str, Any]:
     """The demo's Celery settings on top of the package defaults: its Redis, its own keys."""
-    options = {"visibility_timeout": VISIBILITY_TIMEOUT, "global_keyprefix": prefix}
+    defaults = package_defaults({"MERCHANT_REDIS_URL": redis_url})
     return {
         "broker_url": redis_url,
         "result_backend": redis_url,
-        "broker_transport_options": options,
-        "result_backend_transport_options": options,
+        **{
+            name: {**defaults[name], "global_keyprefix": prefix}
+            for name in ("broker_transport_options", "result_backend_transport_options")
+        },
     }
 
 

@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 
 from redis.exceptions import LockError, RedisError
@@ -123,11 +124,14 @@ class TokenManager:
         # this process's copy of the token and the monotonic time until which it is trusted
         # without reading Redis; kept as one tuple so threads always see a matching pair
         self._copy: tuple[Token, float] | None = None
+        self._make_locks()
+        _MANAGERS.add(self)  # its locks are remade in a forked child
+
+    def _make_locks(self) -> None:
         self._copy_lock = threading.Lock()  # makes _keep's compare-and-set atomic
         # threads of this process look at the store and renew in turn, one attempt at a time
-        # (reentrant: an exchange keeps its token while holding it); remade after a fork
+        # (reentrant: an exchange keeps its token while holding it)
         self._turn = threading.RLock()
-        self._turn_pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"TokenManager(store={self.store!r})"
@@ -305,9 +309,6 @@ class TokenManager:
 
         A blocking wait lasts at most one attempt of another thread: an exchange and its
         retries, bounded by the lock TTL (then the caller's own deadline decides)."""
-        if self._turn_pid != os.getpid():  # forked: the parent's threads are not here
-            self._turn, self._turn_pid = threading.RLock(), os.getpid()
-            self._copy_lock = threading.Lock()
         if not blocking:
             return self._turn.acquire(blocking=False)
         if not self._turn.acquire(timeout=self.lock_ttl):
@@ -478,6 +479,18 @@ class TokenManager:
 
 
 _USABLE = (TokenState.FRESH, TokenState.ADVISORY)
+
+# A fork copies the locks as they are: one held by a parent's thread would stay held in the
+# child for ever, as no thread there can release it. Every manager gets new ones instead.
+_MANAGERS: weakref.WeakSet[TokenManager] = weakref.WeakSet()
+
+
+def _remake_locks_after_fork() -> None:
+    for manager in list(_MANAGERS):
+        manager._make_locks()
+
+
+os.register_at_fork(after_in_child=_remake_locks_after_fork)
 
 
 def _owner() -> str:

@@ -954,3 +954,42 @@ def test_a_401_does_not_wait_behind_a_thread_waiting_for_another_process(
         newer = stored(store, clock, left=3600.0, value="tok-newer")
         waiting.join(timeout=30)
     assert outcome == [newer]
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # Python 3.12+: we mean it
+def test_a_forked_child_renews_although_a_parent_thread_held_the_locks_at_the_fork(
+    copying_manager: TokenManager, store: TokenStore, clock: ManualClock
+) -> None:
+    """A client made before a fork (say a preloaded web app): a parent thread holds the
+    process's turn and the copy's lock at that moment; the child must still renew."""
+    old = stored(store, clock, left=3600.0)
+    assert copying_manager.token() == old
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_both() -> None:
+        with copying_manager._turn, copying_manager._copy_lock:
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_both)
+    holder.start()
+    assert holding.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: renew and keep the token, then report by exit status
+        try:
+            clock.now += 1.1  # the copy is due for a read, and then kept again
+            assert copying_manager.token() == old
+            renewed = copying_manager.renew(force=True)
+            os._exit(0 if copying_manager.token() == renewed else 1)
+        except BaseException:
+            os._exit(2)
+    release.set()
+    holder.join()
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done == (0, 0):
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child hung on a lock held by a parent's thread at the fork")
+    assert os.waitstatus_to_exitcode(done[1]) == 0

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import redis
 import requests
 
-from .client import MerchantClient, new_session, redis_from_url
+from .client import MerchantClient, new_session
 from .exceptions import ConfigurationError
+from .redis_topology import StoreClient, redis_for
 from .settings import Settings
 
 DEFAULT_ACCOUNT = "default"
@@ -137,7 +137,7 @@ class AccountClients:
     def __init__(self, accounts: Mapping[str, Settings]) -> None:
         self.accounts = dict(accounts)
         self._clients: dict[str, MerchantClient] = {}
-        self._redis: redis.Redis | None = None
+        self._redis: StoreClient | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -159,7 +159,7 @@ class AccountClients:
             client = self._clients.get(name)
             if client is None:
                 if self._redis is None:
-                    self._redis = redis_from_url(settings.redis_url)
+                    self._redis = redis_for(settings)
                 session: requests.Session = new_session()  # cookies never cross accounts
                 client = MerchantClient.from_settings(
                     settings, redis_client=self._redis, session=session

@@ -44,7 +44,7 @@ from werkzeug.wrappers import Request, Response
 
 from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, WatchedSandbox, redis_value, shows
 from merchant_tasks.celery_app import load_config
-from merchant_tasks.client import MerchantClient, new_session, redis_from_url
+from merchant_tasks.client import MerchantClient, new_session
 from merchant_tasks.exceptions import (
     ApiError,
     ConfigurationError,
@@ -55,6 +55,7 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import RedisServer, free_port, stop_group, wait_until
+from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import FRESH_TOKEN_GRACE, TokenManager
 from merchant_tasks.sandbox import API_ROOT, TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings

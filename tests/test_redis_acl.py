@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from conftest import TEST_API_KEY, Sandbox
-from merchant_tasks.client import MerchantClient, redis_from_url
+from merchant_tasks.client import MerchantClient
+from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.settings import Secret, Settings
 
 pytestmark = pytest.mark.integration

@@ -20,14 +20,23 @@ from typing import Any
 
 from celery import Celery
 from kombu.entity import Queue
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
-from .settings import DEFAULT_REDIS_URL, RENEW_INTERVAL
+from .redis_topology import DEFAULT_SENTINEL_MASTER
+from .settings import DEFAULT_REDIS_URL, RENEW_INTERVAL, read_variable
 
 CALLS_QUEUE = "celery"  # Celery's default queue: app code needs no routing to enqueue calls
 RENEWAL_QUEUE = "merchant-renewal"  # its own queue, so a backlog of calls never delays it
 VISIBILITY_TIMEOUT = 3600  # seconds an unacknowledged message waits before redelivery
 RESULT_EXPIRES = 3600  # results are for the caller waiting on them, not an archive
 RESULT_BACKEND_RETRIES = 20  # Celery backs off between them: about a minute of Redis restart
+REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "socket", "sentinel"})  # kombu's names
+# what only kombu's Redis transports read (visibility_timeout, sentinel_kwargs, ...): never
+# sent to another broker such as RabbitMQ
+REDIS_ONLY_TRANSPORT_OPTIONS = frozenset(kombu_redis.SentinelChannel.from_transport_options) - (
+    frozenset(virtual.Channel.from_transport_options)
+)
 
 
 def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -38,8 +47,8 @@ def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
         "broker_url": redis_url,
         "result_backend": redis_url,
         "broker_connection_retry_on_startup": True,
-        "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT},
-        "result_backend_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT},
+        "broker_transport_options": transport_options(redis_url, {}, environ),
+        "result_backend_transport_options": transport_options(redis_url, {}, environ),
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
@@ -87,7 +96,33 @@ def load_config(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         config["broker_url"] = env["CELERY_BROKER_URL"]
     if env.get("CELERY_RESULT_BACKEND"):
         config["result_backend"] = env["CELERY_RESULT_BACKEND"]
+    for url, options in (
+        ("broker_url", "broker_transport_options"),
+        ("result_backend", "result_backend_transport_options"),
+    ):
+        config[options] = transport_options(config[url], config.get(options) or {}, env)
     return config
+
+
+def transport_options(
+    url: str, chosen: Mapping[str, Any], environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """Transport options for the broker or result backend at ``url``: ``chosen`` (from
+    celeryconfig.py) over our defaults for a Redis URL; without the Redis-only ones for
+    any other (RabbitMQ)."""
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in REDIS_SCHEMES:
+        return {k: v for k, v in chosen.items() if k not in REDIS_ONLY_TRANSPORT_OPTIONS}
+    defaults: dict[str, Any] = {"visibility_timeout": VISIBILITY_TIMEOUT}
+    if scheme == "sentinel":
+        # the token store's sentinel settings serve Celery too: one value for both
+        defaults["master_name"] = (
+            read_variable(environ, "MERCHANT_REDIS_SENTINEL_MASTER") or DEFAULT_SENTINEL_MASTER
+        )
+        password = read_variable(environ, "MERCHANT_REDIS_SENTINEL_PASSWORD")
+        if password:
+            defaults["sentinel_kwargs"] = {"password": password}
+    return {**defaults, **chosen}
 
 
 app = Celery("merchant_tasks")

@@ -20,11 +20,11 @@ SENTINELS = "sentinel://:master-pw@127.0.0.1:26379/0;sentinel://:master-pw@127.0
 
 
 @pytest.fixture(autouse=True)
-def no_celeryconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Run where no celeryconfig.py can be imported, unless the test writes one."""
+def empty_celeryconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """An empty celeryconfig.py first on the path (not the repo's), unless a test writes one."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "celeryconfig", raising=False)
+    write_celeryconfig(tmp_path, "")
     yield
     sys.modules.pop("celeryconfig", None)
 

@@ -407,7 +407,8 @@ def test_a_sentinel_url_in_celerys_form_is_accepted_with_master_and_sentinel_pas
     assert settings.redis_url == url
     assert settings.redis_sentinel_master == "payments"
     assert settings.redis_sentinel_password == "hunter2-sentinel-pw"
-    assert "hunter2" not in repr(settings) and "master-pw" not in repr(settings)
+    assert "hunter2" not in repr(settings)
+    assert "master-pw" not in repr(settings)
     parsed = parse_sentinel_url(url)
     assert parsed.sentinels == (("s1.example.test", 26379), ("s2.example.test", 26379))
     assert (parsed.db, parsed.password) == (2, "master-pw")

@@ -375,7 +375,8 @@ def test_another_process_that_never_saw_the_lost_write_keeps_the_strict_successi
     assert theirs.load() == first  # it never used generation 2: nothing goes back for it
     assert theirs.save(make_token(3)) == (False, 1)  # and it may not skip a generation
     assert ours.save(make_token(3, value="tok-from-the-process-that-saw-2")) == (True, 3)
-    assert theirs.load() is not None and theirs.load() == ours.load()
+    assert theirs.load() is not None
+    assert theirs.load() == ours.load()
 
 
 def test_with_a_hash_tag_every_key_of_an_account_names_the_same_tag() -> None:

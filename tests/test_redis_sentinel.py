@@ -35,7 +35,7 @@ from test_celery_integration import (
 from conftest import TEST_API_KEY, Sandbox, WatchedSandbox
 from merchant_tasks.client import MerchantClient
 from merchant_tasks.exceptions import StoreUnavailable
-from merchant_tasks.local import RedisServer, wait_until
+from merchant_tasks.local import RedisServer, redis_answers, wait_until
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.sandbox import SandboxConfig, SandboxServer
 from merchant_tasks.settings import Settings
@@ -71,16 +71,6 @@ WORKER = "worker"  # the caller name of calls without an X-Caller header
 
 
 # -- servers -------------------------------------------------------------------------------
-
-
-def pings(port: int, password: str) -> bool:
-    probe = redis.Redis(port=port, password=password, socket_connect_timeout=0.2)
-    try:
-        return bool(probe.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        probe.close()
 
 
 def admin(port: int, password: str) -> redis.Redis:
@@ -163,7 +153,7 @@ def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
     )
     group = SentinelGroup(master, master, [])
     try:
-        master.start(ready=lambda: pings(master.port, MASTER_PASSWORD))
+        master.start(ready=lambda: redis_answers(master.port, MASTER_PASSWORD))
         with contextlib.closing(admin(master.port, MASTER_PASSWORD)) as client:
             client.execute_command(  # type: ignore[no-untyped-call]
                 "ACL", "SETUSER", "repl", "on", f">{REPLICATION_PASSWORD}",
@@ -176,12 +166,12 @@ def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
             "--masterauth", REPLICATION_PASSWORD,
             "--replicaof", "127.0.0.1", str(master.port),
         )  # fmt: skip
-        group.replica.start(ready=lambda: pings(group.replica.port, MASTER_PASSWORD))
+        group.replica.start(ready=lambda: redis_answers(group.replica.port, MASTER_PASSWORD))
         wait_until(group.in_sync, "the replica in sync", 30.0)
         for n in range(3):
             sentinel = sentinel_server(tmp_path / f"sentinel-{n}", master.port)
             group.sentinels.append(sentinel)
-            sentinel.start(ready=functools.partial(pings, sentinel.port, SENTINEL_PASSWORD))
+            sentinel.start(ready=functools.partial(redis_answers, sentinel.port, SENTINEL_PASSWORD))
 
         def all_known() -> bool:
             for server in group.sentinels:
@@ -398,8 +388,9 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
     store_now = redis_from_url(
         sentinel_group.url, sentinel_password=SENTINEL_PASSWORD, sentinel_master=MASTER
     )
-    token_key = f"{key_prefix}:sandbox:{TEST_API_KEY}:generation"
-    assert int(store_now.get(token_key) or 0) > lost.generation  # written above the lost one
+    generation_key = f"{key_prefix}:sandbox:{TEST_API_KEY}:generation"
+    assert int(store_now.get(generation_key) or 0) > lost.generation  # above the lost one
+    store_now.close()
 
     # the first token, the lost renewal, the renewal after the revoke-all: and at most one
     # more for the failover

@@ -240,6 +240,7 @@ class Callers:
     def __init__(self, client: MerchantClient, count: int) -> None:
         self.client = client
         self.outcomes: dict[str, list[tuple[float, str]]] = defaultdict(list)
+        self.messages: set[str] = set()  # every failure's text and cause, for the leak check
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(f"thread-{n}",), daemon=True)
@@ -254,6 +255,7 @@ class Callers:
                 outcome = "ok"
             except Exception as exc:  # every kind is recorded; the test says which may occur
                 outcome = type(exc).__name__
+                self.messages.add(f"{exc!r} {exc} {exc.__cause__!r} {exc.__context__!r}")
             self.outcomes[name].append((started, outcome))
             time.sleep(CALLER_PAUSE)
 
@@ -396,6 +398,11 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
     # every task enqueued outside the lost moments ran and reported its real result
     assert all(answer == {"echo": {"n": n}} for n, answer in answers.items()), answers
     assert not feeder.publish_errors
+
+    # neither password shows in any failure or in the worker's DEBUG log
+    texts = [*callers.messages, *fleet.logs().values()]
+    for password in (MASTER_PASSWORD, SENTINEL_PASSWORD):
+        assert not [text for text in texts if password in text]
 
     # a token generation never goes backwards in any process
     assert not backward_steps(app), backward_steps(app)

@@ -31,6 +31,16 @@ RENEWAL_QUEUE = "merchant-renewal"  # its own queue, so a backlog of calls never
 VISIBILITY_TIMEOUT = 3600  # seconds an unacknowledged message waits before redelivery
 RESULT_EXPIRES = 3600  # results are for the caller waiting on them, not an archive
 RESULT_BACKEND_RETRIES = 20  # Celery backs off between them: about a minute of Redis restart
+# publishing (an enqueue, or a task's own retry) waits out a broker that is away for about
+# a minute (a Redis restart, a Sentinel failover: 30 s before the sentinels even call the
+# master down, by default) instead of failing after Celery's 0.6 s: a task whose retry
+# cannot be published is rejected, and its call dropped
+PUBLISH_RETRY_POLICY = {
+    "max_retries": 30,
+    "interval_start": 0,
+    "interval_step": 1,
+    "interval_max": 2,
+}
 REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "socket", "sentinel"})  # kombu's names
 # what only kombu's Redis transports read (visibility_timeout, sentinel_kwargs, ...): never
 # sent to another broker such as RabbitMQ
@@ -47,6 +57,7 @@ def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
         "broker_url": redis_url,
         "result_backend": redis_url,
         "broker_connection_retry_on_startup": True,
+        "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
         "broker_transport_options": transport_options(redis_url, {}, environ),
         "result_backend_transport_options": transport_options(redis_url, {}, environ),
         "task_serializer": "json",

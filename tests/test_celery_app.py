@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from merchant_tasks.celery_app import (
+    PUBLISH_RETRY_POLICY,
     REDIS_ONLY_TRANSPORT_OPTIONS,
     VISIBILITY_TIMEOUT,
     load_config,
@@ -82,3 +83,13 @@ def test_the_sentinel_master_name_defaults_to_mymaster_and_celeryconfig_wins(
     write_celeryconfig(tmp_path, "broker_transport_options = {'master_name': 'other'}\n")
     options = load_config({"MERCHANT_REDIS_URL": SENTINELS})["broker_transport_options"]
     assert options["master_name"] == "other"
+
+
+def test_publishing_waits_out_a_broker_away_for_about_a_minute() -> None:
+    policy = load_config({})["task_publish_retry_policy"]
+    assert policy == PUBLISH_RETRY_POLICY
+    waits, wait = [], float(policy["interval_start"])
+    for _ in range(policy["max_retries"]):
+        waits.append(wait)
+        wait = min(wait + policy["interval_step"], policy["interval_max"])
+    assert 50 <= sum(waits) <= 70  # Celery's default gives up after 0.6 s

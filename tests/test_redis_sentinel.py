@@ -37,7 +37,7 @@ from merchant_tasks.client import MerchantClient
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import RedisServer, redis_answers, wait_until
 from merchant_tasks.redis_topology import redis_from_url
-from merchant_tasks.sandbox import SandboxConfig, SandboxServer
+from merchant_tasks.sandbox import TOKEN_PATH, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Settings
 
 if TYPE_CHECKING:
@@ -52,14 +52,6 @@ REPLICATION_PASSWORD = "repl-pw-1f7e42"  # the replica's user on the master, to 
 DOWN_AFTER_MS = 1000  # sentinels call the master down after 1 s of silence (default 30 s)
 FAILOVER_TIMEOUT_MS = 5000
 FAILOVER_DEADLINE = 60.0  # seconds for the sentinels to agree and promote, on a busy machine
-# what the README tells enqueuers to set: publishing waits out a failover (Celery's default
-# gives up after 0.6 s with kombu's OperationalError)
-PUBLISH_THROUGH_FAILOVER = {
-    "max_retries": 120,
-    "interval_start": 0,
-    "interval_step": 0.5,
-    "interval_max": 0.5,
-}
 CALLER_THREADS = 3
 CALLER_PAUSE = 0.05  # seconds between two calls of one in-process caller
 TASK_PERIOD = 0.1  # seconds between two enqueued call_api tasks
@@ -67,6 +59,7 @@ LOAD_BEFORE = 2.0  # seconds of load before the master is killed
 LOAD_AFTER = 5.0  # seconds of load once the failover is over
 VISIBILITY_TIMEOUT = 10  # seconds; above any task here, so only a lost ack redelivers
 RESULT_DEADLINE = 120.0  # a task caught in the failover may wait for a retry or redelivery
+SLOW_EXCHANGE = 0.5  # seconds the token endpoint takes while the master is killed
 WORKER = "worker"  # the caller name of calls without an X-Caller header
 
 
@@ -332,7 +325,6 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
     settings = Settings.from_env(fleet.env)
     client = MerchantClient.from_settings(settings)
     try:
-        fleet.app.conf.task_publish_retry_policy = PUBLISH_THROUGH_FAILOVER
         config_dir = tmp_path / "short-visibility"
         config_dir.mkdir()
         (config_dir / "celeryconfig.py").write_text(
@@ -416,3 +408,36 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
     # the first token, the lost renewal, the renewal after the revoke-all: and at most one
     # more for the failover
     assert sandbox.exchanges()["ok"] <= 3 + 1
+
+
+def test_a_call_whose_retry_falls_in_the_failover_is_retried_not_dropped(
+    tmp_path: Path,
+    sandbox: Sandbox,
+    sentinel_group: SentinelGroup,
+    key_prefix: str,
+    secret_file: Path,
+) -> None:
+    """The master dies while a task renews the token: saving it fails with StoreUnavailable,
+    and the task's retry must be published while the broker (the same Redis) is away."""
+    fleet = Fleet(tmp_path, sandbox, sentinel_group.url, key_prefix, secret_file)
+    fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
+    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    # short HTTP timeouts make a short renewal lock: the one held when the master dies
+    # outlives it on the new master until its TTL, and the retried call waits for that
+    fleet.env.update({"MERCHANT_CONNECT_TIMEOUT": "0.5", "MERCHANT_READ_TIMEOUT": "1"})
+    try:
+        fleet.start_worker("w", concurrency=1)
+        fleet.wait_ready()
+        sandbox.app.revoke_all()  # the next call gets a 401 and renews...
+        sandbox.app.configure({"token_latency": SLOW_EXCHANGE})  # ... slowly
+        result = fleet.call("POST", ECHO, json={"order": "retried"})
+        wait_until(lambda: sandbox.app.arrived(TOKEN_PATH) == 2, "the renewal's exchange", 30.0)
+        sentinel_group.master.kill()  # before the exchange answers: its token cannot be saved
+        sandbox.app.configure({"token_latency": 0.0})
+
+        answer = fleet.get(result, RESULT_DEADLINE)
+        log = fleet.logs()["worker-w.log"]
+    finally:
+        fleet.close()
+    assert answer == {"echo": {"order": "retried"}}
+    assert "StoreUnavailable" in log  # the case under test did happen: the task retried

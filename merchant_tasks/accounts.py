@@ -189,7 +189,7 @@ def _check_environments_apart(accounts: Mapping[str, Settings]) -> None:
 
 class AccountClients:
     """This process's clients, one per account, each made on its first use (one HTTP
-session each; one Redis pool per Redis server)."""
+    session each; one Redis pool per Redis server)."""
 
     def __init__(self, accounts: Mapping[str, Settings]) -> None:
         self.accounts = dict(accounts)

@@ -94,7 +94,7 @@ class Sealer:
         for opener in self._openers:
             try:
                 return str(opener.decrypt(nonce, sealed, namespace.encode()).decode())
-            except (self._invalid, ValueError):  # noqa: PERF203 - wrong key or malformed: next
+            except (self._invalid, ValueError):  # another key, or a malformed value
                 continue
         raise TokenUnreadable(
             f"the stored token of {namespace} was sealed with another key: set "

@@ -103,9 +103,7 @@ class RedisClock:
 class TokenStore:
     """Reads and writes one account's token, lock, breaker and counters in Redis."""
 
-    def __init__(
-        self, client: redis.Redis, namespace: str, codec: TokenCodec = PLAIN_TEXT
-    ) -> None:
+    def __init__(self, client: redis.Redis, namespace: str, codec: TokenCodec = PLAIN_TEXT) -> None:
         self.redis = client
         self.namespace = namespace
         self.codec = codec  # how the token value is kept at rest (sealing.py)

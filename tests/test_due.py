@@ -33,7 +33,7 @@ class CountingConnection(Connection):
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         CountingConnection.sent += 1
-        super().send_packed_command(command, check_health)
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ class AccountsPlan:
 
 
 QUICK = AccountsPlan(1000, 200, 30.0, 20.0, 3.0, 1.0, 5, 200)
-FULL = AccountsPlan(1000, 1000, 60.0, 40.0, 4.0, 1.0, 9, 1000)
+FULL = AccountsPlan(1000, 1000, 90.0, 60.0, 5.0, 1.0, 9, 1000)
 
 
 def accounts_source() -> dict[str, Settings]:

@@ -38,7 +38,7 @@ import redis
 import requests
 
 from .client import MerchantClient, new_session, redis_from_url
-from .due import due_accounts
+from .due import claim_renewals, due_accounts, release_renewal
 from .exceptions import ConfigurationError
 from .settings import Settings
 
@@ -234,9 +234,16 @@ class AccountClients:
         return client
 
     def due(self) -> list[str]:
-        """The accounts whose token is due for renewal (``due.py``): one round trip per
-        Redis server, no client built."""
-        return due_accounts(self.accounts, self.redis_for)
+        """The accounts due for renewal with no renewal task pending (``due.py``): one
+        round trip per Redis server when none is due, no client built."""
+        due = due_accounts(self.accounts, self.redis_for)
+        return claim_renewals(due, self.accounts, self.redis_for) if due else []
+
+    def renewal_done(self, name: str) -> None:
+        """``name``'s renewal task has run: beat may send the next one."""
+        settings = self.accounts.get(name)
+        if settings is not None:
+            release_renewal(settings, self.redis_for(settings.redis_url))
 
     def default_name(self) -> str:
         if len(self.accounts) == 1:

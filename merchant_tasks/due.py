@@ -13,6 +13,12 @@ over the advisory window, so their exchanges are spread too instead of one burst
 renewal task renews through ``TokenManager.renew()``, which exchanges only when the token
 is no longer fresh (see docs/design.md): the spread decides when beat asks, never whether
 a renewal is single-flight.
+
+Beat sends an account's renewal task only if none is pending: a claim key per account
+(``<namespace>:renewal-sent``, SET NX, one pipeline for all due accounts) lives until the
+task has run (it deletes the claim) or, for a task lost on the way, until the advisory
+window is over. So a backlog after a cold start is never flooded with the same account's
+tasks tick after tick, and two beats do not double the tasks.
 """
 
 from __future__ import annotations
@@ -78,6 +84,46 @@ def due_accounts(
     for url, entries in by_server.items():
         due += _due_on_server(redis_for(url), entries)
     return due
+
+
+def claim_renewals(
+    names: list[str],
+    accounts: Mapping[str, Settings],
+    redis_for: Callable[[str], redis.Redis],
+) -> list[str]:
+    """The due accounts beat may send a renewal task for: those without one pending.
+
+    One pipeline per Redis server; each claim expires after ``claim_ttl``.
+    """
+    by_server: dict[str, list[str]] = {}
+    for name in names:
+        by_server.setdefault(accounts[name].redis_url, []).append(name)
+    claimed: list[str] = []
+    for url, server_names in by_server.items():
+        pipe = redis_for(url).pipeline(transaction=False)
+        for name in server_names:
+            settings = accounts[name]
+            pipe.set(claim_key(settings), b"1", nx=True, px=int(claim_ttl(settings) * 1000))
+        with _unavailable_as_error():
+            replies = pipe.execute()
+        claimed += [name for name, won in zip(server_names, replies, strict=True) if won]
+    return claimed
+
+
+def release_renewal(settings: Settings, client: redis.Redis) -> None:
+    """The renewal task has run: beat may send the next one."""
+    with _unavailable_as_error():
+        client.delete(claim_key(settings))
+
+
+def claim_key(settings: Settings) -> str:
+    return f"{namespace_of(settings)}:renewal-sent"
+
+
+def claim_ttl(settings: Settings) -> float:
+    """How long a sent renewal task stays useful: the advisory window. After it, callers
+    renew in the mandatory window anyway, and beat may send another."""
+    return settings.renew_before - settings.renew_mandatory
 
 
 def _due_on_server(client: redis.Redis, entries: list[_Entry]) -> list[str]:

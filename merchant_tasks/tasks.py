@@ -8,6 +8,7 @@ secret in its arguments or result: the token stays in Redis and in the worker's 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ from celery.utils.time import get_exponential_backoff_interval
 from .accounts import AccountClients
 from .celery_app import RENEWAL_QUEUE, app
 from .client import MerchantClient
+from .due import claim_ttl
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected
 
 log = logging.getLogger(__name__)
@@ -104,19 +106,21 @@ def renew_token() -> None:
         log.warning("scheduled token check failed: %s", exc)  # beat ticks again soon
         return
     for name in due:
-        renew_account.apply_async(
-            (name,),
-            queue=RENEWAL_QUEUE,
-            # a renewal nobody ran before the next check is sent again by that check
-            expires=fleet.accounts[name].renew_interval,
-        )
+        settings = fleet.accounts[name]
+        # sent once while pending (see due.py); after the advisory window a renewal
+        # nobody ran is dropped and beat sends another
+        renew_account.apply_async((name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings))
 
 
 @app.task(name="merchant_tasks.renew_account", ignore_result=True)
 def renew_account(account: str) -> None:
     """Renew ``account``'s token if its advisory window has begun (sent by renew_token)."""
+    fleet = clients()
     try:
-        client(account).manager.renew()
+        fleet.get(account).manager.renew()
     except MerchantError as exc:
         # beat checks again soon, and callers renew in the mandatory window; say why here
         log.warning("scheduled token renewal of account %s failed: %s", account, exc)
+    finally:
+        with contextlib.suppress(MerchantError):  # the claim expires by itself
+            fleet.renewal_done(account)

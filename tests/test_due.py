@@ -17,7 +17,14 @@ from conftest import TEST_API_KEY, Sandbox
 from merchant_tasks import tasks
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.celery_app import RENEWAL_QUEUE
-from merchant_tasks.due import SPREAD_TICKS, due_accounts, namespace_of, renewal_point
+from merchant_tasks.due import (
+    SPREAD_TICKS,
+    claim_key,
+    claim_ttl,
+    due_accounts,
+    namespace_of,
+    renewal_point,
+)
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import free_port
 from merchant_tasks.settings import Secret, Settings
@@ -195,8 +202,29 @@ def test_beat_sends_one_renewal_task_per_due_account_on_the_renewal_queue_and_bu
     tasks.renew_token()
     assert [args for args, _ in sent] == [("shop-0",), ("shop-1",)]
     assert {options["queue"] for _, options in sent} == {RENEWAL_QUEUE}
-    assert all(options["expires"] > 0 for _, options in sent)
     assert fleet._clients == {}  # clients are made by the renewal tasks, per account
+
+
+def test_beat_sends_an_accounts_renewal_again_only_once_the_pending_one_has_run(
+    monkeypatch: pytest.MonkeyPatch,
+    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    redis_client: redis.Redis,
+    key_prefix: str,
+    redis_url: str,
+) -> None:
+    accounts = _fleet(key_prefix, redis_url, 3)
+    fleet = AccountClients(accounts)
+    monkeypatch.setattr(tasks, "_clients", fleet)
+    tasks.renew_token()
+    assert len(sent) == 3
+    tasks.renew_token()  # a second beat, or the next tick while the tasks wait in the queue
+    assert len(sent) == 3
+    ttl = redis_client.pttl(claim_key(accounts["shop-0"]))
+    assert 0 < ttl <= claim_ttl(accounts["shop-0"]) * 1000
+    assert sent[0][1]["expires"] == claim_ttl(accounts["shop-0"])
+    fleet.renewal_done("shop-0")  # as renew_account does when it has run, even failing
+    tasks.renew_token()
+    assert [args for args, _ in sent[3:]] == [("shop-0",)]
 
 
 def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
@@ -236,4 +264,5 @@ def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
         tasks.renew_account("good")
     assert "scheduled token renewal of account bad failed" in caplog.text
     assert redis_client.exists(f"{namespace_of(good)}:token")
+    assert not redis_client.exists(claim_key(bad), claim_key(good))  # beat may send again
     assert sandbox.exchanges()["ok"] == 1

@@ -3,7 +3,8 @@
 Keys, under ``<prefix>:<environment>:<api key>:``
 
 - ``token``      the current token as JSON (value, issue and expiry times, generation, who
-                 renewed and why); its TTL is the token's time left, so it expires with it
+                 renewed and why); its TTL is the token's time left, so it expires with it;
+                 the value is sealed when a codec is given (``sealing.py``)
 - ``generation`` a counter that only grows; a write names the generation it replaces and
                  is refused if another write came first, so an older token never
                  overwrites a newer one

@@ -125,6 +125,10 @@ def _call_accounts_source(value: str, env: Mapping[str, str]) -> dict[str, Setti
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigurationError(f"{where}: cannot import {module_name!r} ({exc})") from None
+    except Exception as exc:  # its module-level code failed: only the type, as below
+        raise ConfigurationError(
+            f"{where}: importing {module_name!r} raised {type(exc).__name__}"
+        ) from exc
     source = getattr(module, attribute, None)
     if not callable(source):
         raise ConfigurationError(f"{where}: {module_name!r} has no function {attribute!r}")

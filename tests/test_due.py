@@ -27,7 +27,7 @@ from merchant_tasks.due import (
 )
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import free_port
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import TOKEN_LIFETIME, Secret, Settings
 from merchant_tasks.token import Token
 
 ACCOUNTS = 1000
@@ -68,12 +68,16 @@ def _fleet(key_prefix: str, redis_url: str, count: int) -> dict[str, Settings]:
     return {f"shop-{n}": _account(key_prefix, n, redis_url) for n in range(count)}
 
 
-def _store_token(client: redis.Redis, settings: Settings, time_left: float) -> None:
-    """Store a token with ``time_left`` seconds to live (by Redis's clock)."""
+def _store_tokens(client: redis.Redis, time_left: float, *accounts: Settings) -> None:
+    """Store a token with ``time_left`` seconds to live (by Redis's clock) for each account,
+    in one pipeline."""
     seconds, micros = client.time()
     now = seconds + micros / 1e6
     token = Token("v", now - 60, now + time_left, 1)
-    client.set(f"{namespace_of(settings)}:token", token.to_json(), px=int(time_left * 1000))
+    pipe = client.pipeline(transaction=False)
+    for settings in accounts:
+        pipe.set(f"{namespace_of(settings)}:token", token.to_json(), px=int(time_left * 1000))
+    pipe.execute()
 
 
 # -- the renewal point ---------------------------------------------------------------------
@@ -116,8 +120,7 @@ def test_a_thousand_accounts_with_nothing_due_cost_one_round_trip(
     counting_redis: redis.Redis, key_prefix: str, redis_url: str
 ) -> None:
     accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
-    for settings in accounts.values():
-        _store_token(counting_redis, settings, settings.token_lifetime - 60)
+    _store_tokens(counting_redis, TOKEN_LIFETIME - 60, *accounts.values())
     before = CountingConnection.sent
     assert due_accounts(accounts, lambda url: counting_redis) == []
     assert CountingConnection.sent - before == 1
@@ -128,10 +131,10 @@ def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_n
 ) -> None:
     accounts = _fleet(key_prefix, redis_url, 6)
     s = list(accounts.values())
-    _store_token(redis_client, s[0], s[0].token_lifetime - 60)  # fresh
-    _store_token(redis_client, s[1], renewal_point(s[1]) + 5)  # just before its point
-    _store_token(redis_client, s[2], renewal_point(s[2]) - 5)  # just past it
-    _store_token(redis_client, s[3], s[3].renew_mandatory / 2)  # in the mandatory window
+    _store_tokens(redis_client, TOKEN_LIFETIME - 60, s[0])  # fresh
+    _store_tokens(redis_client, renewal_point(s[1]) + 5, s[1])  # just before its point
+    _store_tokens(redis_client, renewal_point(s[2]) - 5, s[2])  # just past it
+    _store_tokens(redis_client, s[3].renew_mandatory / 2, s[3])  # in the mandatory window
     redis_client.set(f"{namespace_of(s[4])}:token", b"not json", px=60_000)
     # s[5]: nothing stored
     assert due_accounts(accounts, lambda url: redis_client) == [
@@ -140,6 +143,25 @@ def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_n
         "shop-4",
         "shop-5",
     ]
+
+
+def test_tokens_issued_together_fall_due_over_the_window_not_at_once(
+    redis_client: redis.Redis, key_prefix: str, redis_url: str
+) -> None:
+    """After a cold start every token has the same time left: a quarter of the way into
+    the spread, about a quarter of the accounts are due; none before it, all after."""
+    accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
+    first = next(iter(accounts.values()))
+    top = first.renew_before
+    bottom = first.renew_mandatory + SPREAD_TICKS * first.renew_interval
+
+    def due_with_time_left(time_left: float) -> int:
+        _store_tokens(redis_client, time_left, *accounts.values())
+        return len(due_accounts(accounts, lambda url: redis_client))
+
+    assert due_with_time_left(top + 10) == 0
+    assert 0.15 * ACCOUNTS < due_with_time_left(top - (top - bottom) / 4) < 0.35 * ACCOUNTS
+    assert due_with_time_left(bottom - 10) == ACCOUNTS
 
 
 def test_accounts_on_two_redis_servers_cost_one_round_trip_per_server(
@@ -194,9 +216,7 @@ def test_beat_sends_one_renewal_task_per_due_account_on_the_renewal_queue_and_bu
     redis_url: str,
 ) -> None:
     accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
-    fresh = list(accounts.values())[2:]
-    for settings in fresh:
-        _store_token(redis_client, settings, settings.token_lifetime - 60)
+    _store_tokens(redis_client, TOKEN_LIFETIME - 60, *list(accounts.values())[2:])
     fleet = AccountClients(accounts)
     monkeypatch.setattr(tasks, "_clients", fleet)
     tasks.renew_token()

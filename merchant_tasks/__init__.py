@@ -22,6 +22,7 @@ from .exceptions import (
     TokenEndpointUnavailable,
     TokenExchangeError,
     TokenRejected,
+    TokenUnreadable,
 )
 from .settings import Settings
 
@@ -41,6 +42,7 @@ __all__ = [
     "TokenEndpointUnavailable",
     "TokenExchangeError",
     "TokenRejected",
+    "TokenUnreadable",
 ]
 
 

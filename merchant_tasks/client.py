@@ -39,6 +39,7 @@ from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRej
 from .exchange import TOKEN_PATH, TokenExchange, parse_retry_after
 from .redis_topology import StoreClient, redis_for
 from .renewal import TokenManager
+from .sealing import codec_for
 from .settings import Settings
 from .store import TokenStore
 from .token import Token, fingerprint
@@ -144,6 +145,7 @@ class MerchantClient:
                 settings.api_key,
                 hash_tag=settings.redis_cluster,
             ),
+            codec_for(settings.token_key_file, settings.token_key_previous_file),
         )
         manager = TokenManager(
             store,

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from .exceptions import ConfigurationError
 from .redis_topology import DEFAULT_SENTINEL_MASTER, is_sentinel_url, parse_sentinel_url
+from .sealing import codec_for
 
 ENVIRONMENTS = ("sandbox", "production")
 SANDBOX_DEFAULT_BASE_URL = "http://127.0.0.1:8480"  # the local emulator, `merchant-tasks sandbox`
@@ -86,6 +87,8 @@ class Settings:
     redis_sentinel_master: str = DEFAULT_SENTINEL_MASTER
     redis_sentinel_password: str | None = field(default=None, repr=False)
     redis_cluster: bool = False
+    token_key_file: str | None = None  # seals the token at rest (sealing.py)
+    token_key_previous_file: str | None = None  # still opens tokens while rotating
 
     def __post_init__(self) -> None:
         if self.environment not in ENVIRONMENTS:
@@ -178,6 +181,7 @@ class Settings:
             or DEFAULT_SENTINEL_MASTER,
             redis_sentinel_password=env.get("MERCHANT_REDIS_SENTINEL_PASSWORD") or None,
             redis_cluster=env.flag("MERCHANT_REDIS_CLUSTER"),
+            **env.token_keys(),
         )
 
 
@@ -222,6 +226,13 @@ class _Environment:
                 "MERCHANT_API_SECRET or MERCHANT_API_SECRET_FILE is required (the API Secret)"
             )
         return Secret(value)
+
+    def token_keys(self) -> dict[str, str | None]:
+        """The token key files, checked now (readable, 32 bytes, cryptography installed)."""
+        key_file = self._environ.get("MERCHANT_TOKEN_KEY_FILE") or None
+        previous_file = self._environ.get("MERCHANT_TOKEN_KEY_PREVIOUS_FILE") or None
+        codec_for(key_file, previous_file)
+        return {"token_key_file": key_file, "token_key_previous_file": previous_file}
 
     def seconds(self, name: str, default: float) -> float:
         raw = self.get(name)

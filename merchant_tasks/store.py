@@ -3,7 +3,8 @@
 Keys, under ``<prefix>:<environment>:<api key>:``
 
 - ``token``      the current token as JSON (value, issue and expiry times, generation, who
-                 renewed and why); its TTL is the token's time left, so it expires with it
+                 renewed and why); its TTL is the token's time left, so it expires with it;
+                 the value is sealed when a codec is given (``sealing.py``)
 - ``generation`` a counter that only grows; a write names the generation it replaces and
                  is refused if another write came first, so an older token never
                  overwrites a newer one
@@ -25,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 import redis
@@ -34,6 +35,7 @@ from redis.lock import Lock
 
 from .exceptions import StoreUnavailable
 from .redis_topology import StoreClient
+from .sealing import PLAIN_TEXT, TokenCodec
 from .token import Token
 
 CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
@@ -110,9 +112,10 @@ class RedisClock:
 class TokenStore:
     """Reads and writes one account's token, lock, breaker and counters in Redis."""
 
-    def __init__(self, client: StoreClient, namespace: str) -> None:
+    def __init__(self, client: StoreClient, namespace: str, codec: TokenCodec = PLAIN_TEXT) -> None:
         self.redis = client
         self.namespace = namespace
+        self.codec = codec  # how the token value is kept at rest (sealing.py)
         self.token_key = f"{namespace}:token"
         self.generation_key = f"{namespace}:generation"
         self.lock_key = f"{namespace}:lock"
@@ -161,6 +164,7 @@ class TokenStore:
             token = parsed[1]
         else:
             token = Token.from_json(raw)
+            token = replace(token, value=self.codec.open(token.value, self.namespace))
             with self._parsed_lock:
                 self._parsed = (raw, token)
         if token.generation < self._seen_generation:
@@ -190,7 +194,7 @@ class TokenStore:
                     keys=[self.token_key, self.generation_key],
                     args=[
                         token.generation - 1,
-                        token.to_json(),
+                        self._stored_form(token),
                         repr(token.expires_at),
                         self._seen_generation,
                     ],
@@ -204,6 +208,9 @@ class TokenStore:
     def _see(self, generation: int) -> None:
         with self._parsed_lock:
             self._seen_generation = max(self._seen_generation, generation)
+
+    def _stored_form(self, token: Token) -> str:
+        return replace(token, value=self.codec.seal(token.value, self.namespace)).to_json()
 
     def lock(self, ttl: float) -> Lock:
         """The renewal lock (redis-py's: owner token, TTL, release only by its owner)."""

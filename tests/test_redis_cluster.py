@@ -172,8 +172,12 @@ def test_accounts_on_different_nodes_call_renew_after_401_and_lock_through_the_c
             "MERCHANT_KEY_PREFIX": key_prefix,
         }
     )
+    # beat's fleet-wide check reads and claims across the nodes in one pipeline each
+    assert sorted(fleet.due()) == sorted(ACCOUNTS)  # no token yet: every account is due
     for api_key in ACCOUNTS:
+        fleet.renewal_done(api_key)
         assert fleet.get(api_key).request("GET", PING) == {"ok": True}
+    assert fleet.due() == []
 
     # a revoke-all on every account at once: each storm costs one exchange (the redis-py
     # lock and the save script run on the cluster client), every call succeeds

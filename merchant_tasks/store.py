@@ -1,6 +1,7 @@
 """The token store: Redis keys for one account (environment and API key).
 
-Keys, under ``<prefix>:<environment>:<api key>:``
+Keys, under ``<prefix>:<environment>:<api key>:`` (``<prefix>:{<environment>:<api key>}:``
+on a Redis Cluster: the hash tag keeps them in one slot, as the save script and the lock need)
 
 - ``token``      the current token as JSON (value, issue and expiry times, generation, who
                  renewed and why); its TTL is the token's time left, so it expires with it;

@@ -1,0 +1,113 @@
+"""Every worker pool Celery users pick, with a real worker, the emulator and a 401 storm.
+
+Each test runs ``celery -A merchant_tasks worker -P <pool> -c N`` against a redis-server of
+its own, creates a few hundred payments through ``call_api`` and revokes every token
+midway. Every payment must be created exactly once, the storm must cost one exchange, the
+worker must never fail to acknowledge a message, and after a warm shutdown nothing may be
+left to deliver again (a failed ack leaves its message behind, and the next worker would
+create that payment a second time).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_fleet import (
+    LONG_LIFETIME,
+    LONG_RENEW_BEFORE,
+    LONG_RENEW_INTERVAL,
+    LONG_RENEW_MANDATORY,
+    Fleet,
+    running_fleet,
+)
+from conftest import Sandbox
+from merchant_tasks.local import wait_until
+
+pytestmark = pytest.mark.integration
+
+PAYMENTS = "/open-api/v1/payments"
+CALLS = 600  # the reported failure: 600 calls, gevent, 50 at once
+REVOKE_AFTER = 200  # payments created before every token is revoked
+STORM_TIMEOUT = 300.0  # all the payments on a busy 2-core machine
+ACK_FAILURES = ("Couldn't ack", "MaxConnectionsError", "Too many connections")
+
+needs_gevent = pytest.mark.skipif(
+    importlib.util.find_spec("gevent") is None, reason="gevent is an extra: pip install .[gevent]"
+)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
+    with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
+        fleet.windows(
+            LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL
+        )
+        yield fleet
+
+
+def _payments_created(sandbox: Sandbox) -> int:
+    counts = sandbox.app.counters()["endpoints"].get(f"POST {PAYMENTS}", {})
+    return int(counts.get("ok", 0))
+
+
+def _storm(fleet: Fleet, sandbox: Sandbox) -> list[Any]:
+    """Enqueue CALLS payments, revoke every token once REVOKE_AFTER exist; the answers."""
+    fleet.wait_ready()
+    results = [fleet.call("POST", PAYMENTS, json={"amount": n + 1}) for n in range(CALLS)]
+    wait_until(
+        lambda: _payments_created(sandbox) >= REVOKE_AFTER,
+        f"{REVOKE_AFTER} payments before the revoke-all",
+        STORM_TIMEOUT,
+    )
+    sandbox.app.revoke_all()
+    return [fleet.get(result, STORM_TIMEOUT) for result in results]
+
+
+def _assert_each_payment_once_one_exchange_no_failed_ack(
+    fleet: Fleet, sandbox: Sandbox, answers: list[Any]
+) -> None:
+    assert [answer["amount"] for answer in answers] == [n + 1 for n in range(CALLS)]
+    assert len({answer["id"] for answer in answers}) == CALLS
+    assert sandbox.calls()["unauthorized"] >= 1  # the storm did meet the revoked token
+    assert sandbox.exchanges()["ok"] == 2  # the first token, and one for the storm
+    assert fleet.store().counters().get("exchanges:forced:ok", 0) == 1
+
+    broker = fleet.store().redis
+    fleet.stop()  # a warm shutdown: a message whose ack failed is put back on the queue now
+    log = fleet.logs()["worker-w.log"]
+    assert "succeeded in" in log
+    failures = [line for line in log.splitlines() if any(f in line for f in ACK_FAILURES)]
+    assert not failures, failures[:5]
+    assert broker.llen("celery") == 0, "calls were put back to be delivered again"
+    assert broker.hlen("unacked") == 0
+    assert _payments_created(sandbox) == CALLS
+
+
+def test_prefork_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
+    fleet: Fleet, sandbox: Sandbox
+) -> None:
+    fleet.start_worker("w", concurrency=4, pool="prefork")
+    answers = _storm(fleet, sandbox)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers)
+
+
+def test_threads_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
+    fleet: Fleet, sandbox: Sandbox
+) -> None:
+    fleet.start_worker("w", concurrency=50, pool="threads")
+    answers = _storm(fleet, sandbox)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers)
+
+
+@needs_gevent
+def test_gevent_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
+    fleet: Fleet, sandbox: Sandbox
+) -> None:
+    fleet.start_worker("w", concurrency=50, pool="gevent")
+    answers = _storm(fleet, sandbox)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers)

@@ -1,8 +1,10 @@
 """Celery tasks: thin wrappers over the client and the token manager.
 
-``call_api`` decides only how Celery should retry what the client raised; ``renew_token``
-asks the manager to renew if the advisory window has begun. Neither sees a token or the
-secret in its arguments or result: the token stays in Redis and in the worker's memory.
+``call_api`` decides how Celery should retry what the client raised, and answers a
+redelivery of a call that already succeeded from its completion record (``completions``)
+instead of calling the API again; ``renew_token`` asks the manager to renew if the advisory
+window has begun. Neither sees a token or the secret in its arguments or result: the token
+stays in Redis and in the worker's memory.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 
 from .accounts import AccountClients
-from .celery_app import app
+from .celery_app import VISIBILITY_TIMEOUT, app
 from .client import MerchantClient
-from .exceptions import CredentialsRejected, MerchantError, TokenRejected
+from .completions import RECORD_TTL_FACTOR, REDELIVERED_COUNTER, CompletionRecords
+from .exceptions import CredentialsRejected, MerchantError, StoreUnavailable, TokenRejected
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,7 @@ TRANSIENT_BACKOFF_FACTOR = 2  # seconds; doubles per retry, full jitter
 COUNTDOWN_MAX = 300  # far below the broker's visibility timeout (3600 s), so no redelivery
 REJECTED_RETRY_PACE = 60  # seconds between retries while the credentials are refused
 REJECTED_RETRY_WINDOW = 900  # default of MERCHANT_REJECTED_RETRY_WINDOW: time to rotate
+IDEMPOTENCY_HEADER = "Idempotency-Key"  # the header most payment APIs read (IETF draft name)
 
 _clients: AccountClients | None = None
 _clients_lock = threading.Lock()
@@ -54,6 +58,14 @@ def _forget_parent_clients(**_: Any) -> None:
     _clients = None
 
 
+def completion_records(api: MerchantClient) -> CompletionRecords:
+    """The completion records of ``api``'s account, kept past the broker's visibility timeout."""
+    options = app.conf.broker_transport_options or {}
+    visibility_timeout = float(options.get("visibility_timeout", VISIBILITY_TIMEOUT))
+    store = api.manager.store
+    return CompletionRecords(store.redis, store.namespace, RECORD_TTL_FACTOR * visibility_timeout)
+
+
 @app.task(bind=True, name="merchant_tasks.call_api")
 def call_api(
     self: Any,
@@ -62,10 +74,30 @@ def call_api(
     json: Any = None,
     params: dict[str, Any] | None = None,
     account: str | None = None,
+    idempotency_key: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Any:
-    """Call the merchant API as ``account`` and return the decoded JSON body."""
+    """Call the merchant API as ``account`` and return the decoded JSON body.
+
+    A redelivery of a call that already succeeded returns that call's result without
+    calling the API. ``idempotency_key`` is sent as the ``Idempotency-Key`` header (give the
+    same key to every attempt of one operation, e.g. the order id); ``headers`` are more
+    request headers (never credentials: they show in Flower like every argument).
+    """
+    task_id: str | None = self.request.id
     try:
-        return client(account).request(method, path, json=json, params=params)
+        api = client(account)
+        records = completion_records(api)
+        done = records.find(task_id) if task_id else None
+        if done is not None:
+            api.manager.store.count(REDELIVERED_COUNTER)
+            log.warning(
+                "call %s already succeeded: its result is returned, the API not called", task_id
+            )
+            return done.result
+        if idempotency_key is not None:
+            headers = {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
+        result = api.request(method, path, json=json, params=params, headers=headers)
     except (CredentialsRejected, TokenRejected) as exc:
         # the secret may be rotated meanwhile: retry slowly for a while, then fail clearly
         window = float(os.environ.get("MERCHANT_REJECTED_RETRY_WINDOW", REJECTED_RETRY_WINDOW))
@@ -86,6 +118,22 @@ def call_api(
             countdown=min(COUNTDOWN_MAX, max(1, countdown, retry_after)),
             max_retries=TRANSIENT_MAX_RETRIES,
         ) from None
+    if task_id:
+        _record_completion(records, task_id, result)
+    return result
+
+
+def _record_completion(records: CompletionRecords, task_id: str, result: Any) -> None:
+    """Write the record before the task returns (and so before its message is acked)."""
+    try:
+        records.record(task_id, result)
+    except StoreUnavailable as exc:
+        # the call did succeed: report it, and accept that a redelivery would repeat it
+        log.warning(
+            "completion record of call %s not written (%s): a redelivery would call the API again",
+            task_id,
+            exc,
+        )
 
 
 @app.task(name="merchant_tasks.renew_token", ignore_result=True)

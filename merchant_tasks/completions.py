@@ -18,12 +18,15 @@ key that the API understands closes those: ``call_api(..., idempotency_key=...)`
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis
-
+from .exceptions import StoreUnavailable
+from .store import TokenStore
 from .store import _unavailable_as_error as unavailable_as_error
+
+log = logging.getLogger(__name__)
 
 RECORD_TTL_FACTOR = 2  # records live twice the visibility timeout: a lost ack's redelivery
 # comes within one timeout plus kombu's restore sweep (seconds to a few minutes)
@@ -38,30 +41,49 @@ class Completed:
 
 
 class CompletionRecords:
-    """One account's completion records, in the token store's Redis under its namespace."""
+    """One account's completion records, in its token store's Redis and namespace.
 
-    def __init__(self, client: redis.Redis, namespace: str, ttl: float) -> None:
-        self.redis = client
-        self.namespace = namespace
+    Both methods are best effort: with the store unreachable a call goes ahead (its token
+    may still come from the process's copy) and the guarantee falls back to at least once.
+    """
+
+    def __init__(self, store: TokenStore, ttl: float) -> None:
+        self.store = store
         self.ttl = ttl
 
     def __repr__(self) -> str:
-        return f"CompletionRecords(namespace={self.namespace!r})"
+        return f"CompletionRecords(namespace={self.store.namespace!r})"
 
     def key(self, task_id: str) -> str:
-        return f"{self.namespace}:completed:{task_id}"
+        return f"{self.store.namespace}:completed:{task_id}"
 
-    def find(self, task_id: str) -> Completed | None:
-        """The record of ``task_id``'s successful run, if there was one. One GET."""
-        with unavailable_as_error():
-            raw = self.redis.get(self.key(task_id))
-        if raw is None:
+    def earlier_run(self, task_id: str) -> Completed | None:
+        """The successful earlier run of ``task_id``, counted as a redelivery, or None."""
+        try:
+            with unavailable_as_error():
+                raw = self.store.redis.get(self.key(task_id))
+            if raw is None:
+                return None
+            self.store.count(REDELIVERED_COUNTER)
+        except StoreUnavailable as exc:
+            log.warning("no completion record of call %s could be read (%s)", task_id, exc)
             return None
+        log.warning(
+            "call %s already succeeded: its result is returned, the API not called", task_id
+        )
         return Completed(json.loads(cast(bytes, raw))["result"])
 
     def record(self, task_id: str, result: Any) -> None:
         """Remember that ``task_id`` succeeded with ``result`` (the API's decoded JSON)."""
-        with unavailable_as_error():
-            self.redis.set(
-                self.key(task_id), json.dumps({"result": result}), px=int(self.ttl * 1000)
+        try:
+            with unavailable_as_error():
+                self.store.redis.set(
+                    self.key(task_id), json.dumps({"result": result}), px=int(self.ttl * 1000)
+                )
+        except StoreUnavailable as exc:
+            log.warning(
+                "completion record of call %s not written (%s): a redelivery would call the "
+                "API again",
+                task_id,
+                exc,
             )

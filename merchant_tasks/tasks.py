@@ -20,8 +20,8 @@ from celery.utils.time import get_exponential_backoff_interval
 from .accounts import AccountClients
 from .celery_app import VISIBILITY_TIMEOUT, app
 from .client import MerchantClient
-from .completions import RECORD_TTL_FACTOR, REDELIVERED_COUNTER, CompletionRecords
-from .exceptions import CredentialsRejected, MerchantError, StoreUnavailable, TokenRejected
+from .completions import RECORD_TTL_FACTOR, CompletionRecords
+from .exceptions import CredentialsRejected, MerchantError, TokenRejected
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ def completion_records(api: MerchantClient) -> CompletionRecords:
     """The completion records of ``api``'s account, kept past the broker's visibility timeout."""
     options = app.conf.broker_transport_options or {}
     visibility_timeout = float(options.get("visibility_timeout", VISIBILITY_TIMEOUT))
-    store = api.manager.store
-    return CompletionRecords(store.redis, store.namespace, RECORD_TTL_FACTOR * visibility_timeout)
+    return CompletionRecords(api.manager.store, RECORD_TTL_FACTOR * visibility_timeout)
 
 
 @app.task(bind=True, name="merchant_tasks.call_api")
@@ -88,13 +87,9 @@ def call_api(
     try:
         api = client(account)
         records = completion_records(api)
-        done = records.find(task_id) if task_id else None
-        if done is not None:
-            api.manager.store.count(REDELIVERED_COUNTER)
-            log.warning(
-                "call %s already succeeded: its result is returned, the API not called", task_id
-            )
-            return done.result
+        earlier = records.earlier_run(task_id) if task_id else None
+        if earlier is not None:
+            return earlier.result
         if idempotency_key is not None:
             headers = {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
         result = api.request(method, path, json=json, params=params, headers=headers)
@@ -119,21 +114,8 @@ def call_api(
             max_retries=TRANSIENT_MAX_RETRIES,
         ) from None
     if task_id:
-        _record_completion(records, task_id, result)
+        records.record(task_id, result)  # before the task returns, so before the ack
     return result
-
-
-def _record_completion(records: CompletionRecords, task_id: str, result: Any) -> None:
-    """Write the record before the task returns (and so before its message is acked)."""
-    try:
-        records.record(task_id, result)
-    except StoreUnavailable as exc:
-        # the call did succeed: report it, and accept that a redelivery would repeat it
-        log.warning(
-            "completion record of call %s not written (%s): a redelivery would call the API again",
-            task_id,
-            exc,
-        )
 
 
 @app.task(name="merchant_tasks.renew_token", ignore_result=True)

@@ -44,9 +44,7 @@ needs_gevent = pytest.mark.skipif(
 @pytest.fixture
 def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
     with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
-        fleet.windows(
-            LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL
-        )
+        fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
         yield fleet
 
 

@@ -289,6 +289,11 @@ class SandboxApp:
             active = sum(not t.revoked and now < t.expires_at for t in self._tokens.values())
             return {**copy.deepcopy(self._counters), "active_tokens": active}
 
+    def payments(self) -> list[dict[str, Any]]:
+        """Every payment created, oldest first."""
+        with self._lock:
+            return copy.deepcopy(list(self._payments.values()))
+
     def issued_tokens(self) -> list[str]:
         """Every token ever issued, for leak searches."""
         with self._lock:

@@ -11,11 +11,14 @@ create that payment a second time).
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from celery import Celery
 
 from celery_fleet import (
     LONG_LIFETIME,
@@ -26,9 +29,9 @@ from celery_fleet import (
     running_fleet,
 )
 from conftest import Sandbox
+from merchant_tasks.celery_app import VISIBILITY_TIMEOUT, package_defaults
 from merchant_tasks.local import wait_until
-
-pytestmark = pytest.mark.integration
+from merchant_tasks.worker_pools import CONSUMER_CONNECTIONS, size_pools, worker_concurrency
 
 PAYMENTS = "/open-api/v1/payments"
 CALLS = 600  # the reported failure: 600 calls, gevent, 50 at once
@@ -39,6 +42,64 @@ ACK_FAILURES = ("Couldn't ack", "MaxConnectionsError", "Too many connections")
 needs_gevent = pytest.mark.skipif(
     importlib.util.find_spec("gevent") is None, reason="gevent is an extra: pip install .[gevent]"
 )
+
+
+# -- sizing, at worker start -----------------------------------------------------------------
+
+
+def _conf(**overrides: Any) -> Any:
+    app = Celery("sizing", set_as_current=False)
+    app.conf.update({**package_defaults({}), **overrides})
+    return app.conf
+
+
+def test_a_worker_of_50_gets_broker_pools_of_50_plus_the_consumers_own_connections() -> None:
+    conf = _conf()
+    sizes = size_pools(conf, 50)
+    assert sizes.connections == 50 + CONSUMER_CONNECTIONS
+    assert conf.broker_transport_options == {
+        "visibility_timeout": VISIBILITY_TIMEOUT,  # kept
+        "max_connections": 60,
+    }
+    assert conf.broker_pool_limit == 60
+    assert conf.redis_max_connections is None  # redis-py's default of 100 is enough
+
+
+def test_a_worker_of_200_gets_a_result_backend_pool_of_210() -> None:
+    conf = _conf()
+    size_pools(conf, 200)
+    assert conf.redis_max_connections == 210
+    assert conf.broker_transport_options["max_connections"] == 210
+
+
+def test_larger_or_unlimited_pools_are_left_alone() -> None:
+    conf = _conf(
+        broker_transport_options={"max_connections": 500},
+        redis_max_connections=400,
+        broker_pool_limit=None,
+    )
+    assert size_pools(conf, 50).raised == ()
+    assert conf.broker_transport_options == {"max_connections": 500}
+    assert conf.redis_max_connections == 400
+    assert conf.broker_pool_limit is None
+
+
+def test_a_cap_set_too_small_is_raised_with_a_warning_naming_the_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    conf = _conf(broker_transport_options={"max_connections": 10, "visibility_timeout": 60})
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker_pools"):
+        size_pools(conf, 50)
+    assert conf.broker_transport_options == {"max_connections": 60, "visibility_timeout": 60}
+    assert "broker_transport_options allows 10 connections" in caplog.text
+
+
+def test_the_concurrency_is_the_autoscale_maximum_when_larger() -> None:
+    assert worker_concurrency(SimpleNamespace(concurrency=4, max_concurrency=None)) == 4
+    assert worker_concurrency(SimpleNamespace(concurrency=4, max_concurrency=40)) == 40
+
+
+# -- real workers --------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -86,6 +147,7 @@ def _assert_each_payment_once_one_exchange_no_failed_ack(
     assert _payments_created(sandbox) == CALLS
 
 
+@pytest.mark.integration
 def test_prefork_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
@@ -94,6 +156,7 @@ def test_prefork_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
     _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers)
 
 
+@pytest.mark.integration
 def test_threads_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
@@ -102,6 +165,7 @@ def test_threads_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
     _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers)
 
 
+@pytest.mark.integration
 @needs_gevent
 def test_gevent_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
     fleet: Fleet, sandbox: Sandbox

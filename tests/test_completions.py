@@ -7,8 +7,13 @@ import logging
 
 import pytest
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from merchant_tasks.completions import REDELIVERED_COUNTER, CompletionRecords
+from merchant_tasks.metrics import FleetCollector
+from merchant_tasks.status import AccountStatus, format_status
 from merchant_tasks.store import TokenStore
 
 VISIBILITY_TIMEOUT = 3600.0
@@ -59,7 +64,8 @@ def test_a_record_lives_twice_the_visibility_timeout_under_the_accounts_namespac
 def test_with_redis_unreachable_the_call_goes_ahead_and_the_lost_record_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    dead = redis.Redis(port=1, socket_connect_timeout=0.2)  # nothing listens on port 1
+    # nothing listens on port 1; no reconnection attempts, so the test is quick
+    dead = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     records = CompletionRecords(TokenStore(dead, "mt-test:sandbox:k"), TTL)
     with caplog.at_level(logging.WARNING, logger="merchant_tasks.completions"):
         assert records.earlier_run("task-1") is None
@@ -67,3 +73,22 @@ def test_with_redis_unreachable_the_call_goes_ahead_and_the_lost_record_is_logge
     assert "no completion record of call task-1 could be read" in caplog.text
     assert "a redelivery would call the API again" in caplog.text
     dead.close()
+
+
+def test_status_and_metrics_show_the_redelivered_calls_answered_from_their_record() -> None:
+    status = AccountStatus(
+        account="default",
+        environment="sandbox",
+        api_key="k",
+        now=0.0,
+        state="missing",
+        counters={REDELIVERED_COUNTER: 3},
+    )
+    assert "redelivered_completed_calls=3" in format_status(status)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(lambda: {"default": status}))
+    text = generate_latest(registry).decode()
+    assert (
+        'merchant_tasks_redelivered_completed_calls_total{account="default",'
+        'environment="sandbox"} 3.0'
+    ) in text

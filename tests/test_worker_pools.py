@@ -5,7 +5,8 @@ its own, creates a few hundred payments through ``call_api`` and revokes every t
 midway. Every payment must be created exactly once, the storm must cost one exchange, the
 worker must never fail to acknowledge a message, and after a warm shutdown nothing may be
 left to deliver again (a failed ack leaves its message behind, and the next worker would
-create that payment a second time).
+create that payment a second time). Unit tests first: how the worker's connection pools
+are sized for its concurrency at start.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def _storm(fleet: Fleet, sandbox: Sandbox) -> list[Any]:
 
 
 def _assert_each_payment_once_one_exchange_no_failed_ack(
-    fleet: Fleet, sandbox: Sandbox, answers: list[Any]
+    fleet: Fleet, sandbox: Sandbox, answers: list[Any], concurrency: int
 ) -> None:
     assert [answer["amount"] for answer in answers] == [n + 1 for n in range(CALLS)]
     assert len({answer["id"] for answer in answers}) == CALLS
@@ -142,6 +143,7 @@ def _assert_each_payment_once_one_exchange_no_failed_ack(
     fleet.stop()  # a warm shutdown: a message whose ack failed is put back on the queue now
     log = fleet.logs()["worker-w.log"]
     assert "succeeded in" in log
+    assert f"connection pools sized for {concurrency} tasks at once" in log
     failures = [line for line in log.splitlines() if any(f in line for f in ACK_FAILURES)]
     assert not failures, failures[:5]
     assert broker.llen("celery") == 0, "calls were put back to be delivered again"
@@ -155,7 +157,7 @@ def test_prefork_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
 ) -> None:
     fleet.start_worker("w", concurrency=4, pool="prefork")
     answers = _storm(fleet, sandbox)
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 4)
 
 
 @pytest.mark.integration
@@ -164,7 +166,7 @@ def test_threads_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
 ) -> None:
     fleet.start_worker("w", concurrency=50, pool="threads")
     answers = _storm(fleet, sandbox)
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 50)
 
 
 @pytest.mark.integration
@@ -174,4 +176,4 @@ def test_gevent_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
 ) -> None:
     fleet.start_worker("w", concurrency=50, pool="gevent")
     answers = _storm(fleet, sandbox)
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 50)

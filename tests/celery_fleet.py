@@ -148,6 +148,20 @@ class Fleet:
             cwd or self.workdir,
         )
 
+    def short_visibility_dir(self, seconds: int) -> Path:
+        """A working directory whose celeryconfig.py makes the broker redeliver a message
+        left unacknowledged for ``seconds``, sweeping for such messages every second."""
+        config_dir = self.tmp_path / "short-visibility"
+        config_dir.mkdir()
+        (config_dir / "celeryconfig.py").write_text(
+            "broker_transport_options = {\n"
+            f"    'visibility_timeout': {seconds},\n"
+            "    'unacked_restore_interval': 1,\n"
+            "    'unacked_restore_throttle': 1,\n"
+            "}\n"
+        )
+        return config_dir
+
     def start_beat(self, label: str) -> Child:
         schedule = self.tmp_path / f"{self.marker}-{label}-schedule"
         return self._spawn(

@@ -194,15 +194,7 @@ def test_a_worker_killed_mid_task_has_its_call_rerun_by_another_worker(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
     fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
-    config_dir = fleet.tmp_path / "short-visibility"
-    config_dir.mkdir()
-    (config_dir / "celeryconfig.py").write_text(
-        "broker_transport_options = {\n"
-        f"    'visibility_timeout': {KILL_VISIBILITY_TIMEOUT},\n"
-        "    'unacked_restore_interval': 1,  # sweep for abandoned messages every second\n"
-        "    'unacked_restore_throttle': 1,\n"
-        "}\n"
-    )
+    config_dir = fleet.short_visibility_dir(KILL_VISIBILITY_TIMEOUT)
     workers = {
         label: fleet.start_worker(label, concurrency=1, cwd=config_dir) for label in ("a", "b")
     }

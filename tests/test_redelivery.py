@@ -47,18 +47,20 @@ def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) 
         yield fleet
 
 
-def _short_visibility(fleet: Fleet) -> Path:
-    """A working directory whose celeryconfig.py makes the broker redeliver quickly."""
-    config_dir = fleet.tmp_path / "short-visibility"
-    config_dir.mkdir()
-    (config_dir / "celeryconfig.py").write_text(
-        "broker_transport_options = {\n"
-        f"    'visibility_timeout': {VISIBILITY_TIMEOUT},\n"
-        "    'unacked_restore_interval': 1,  # sweep for abandoned messages every second\n"
-        "    'unacked_restore_throttle': 1,\n"
-        "}\n"
-    )
-    return config_dir
+def _two_workers_and_a_slow_api(fleet: Fleet, sandbox: Sandbox) -> dict[str, Child]:
+    """Workers "a" and "b" (prefork, one child each) that redeliver quickly, both consuming,
+    and an API that takes API_LATENCY per call."""
+    config_dir = fleet.short_visibility_dir(VISIBILITY_TIMEOUT)
+    workers = {label: fleet.start_worker(label, 1, cwd=config_dir) for label in ("a", "b")}
+    fleet.wait_ready()
+    fleet.wait_for_nodes(2)
+    sandbox.app.configure({"api_latency": API_LATENCY})
+    return workers
+
+
+def _label(node: str) -> str:
+    """The worker label in a node name such as ``mt-it-1234-a@host``."""
+    return node.split("@")[0].rsplit("-", 1)[1]
 
 
 def _redelivered(fleet: Fleet) -> int:
@@ -88,11 +90,7 @@ def test_a_call_delivered_again_after_it_succeeded_returns_its_result_without_ca
 def test_a_worker_killed_while_the_api_processes_a_call_leaves_it_to_the_idempotency_key(
     fleet: Fleet, sandbox: Sandbox, idempotency_key: str | None
 ) -> None:
-    config_dir = _short_visibility(fleet)
-    workers = {label: fleet.start_worker(label, 1, cwd=config_dir) for label in ("a", "b")}
-    fleet.wait_ready()
-    fleet.wait_for_nodes(2)
-    sandbox.app.configure({"api_latency": API_LATENCY})
+    workers = _two_workers_and_a_slow_api(fleet, sandbox)
     options: dict[str, Any] = (
         {} if idempotency_key is None else {"idempotency_key": idempotency_key}
     )
@@ -100,7 +98,7 @@ def test_a_worker_killed_while_the_api_processes_a_call_leaves_it_to_the_idempot
     result = fleet.call("POST", PAYMENTS, json={"amount": 990}, **options)
     node, _ = running_on(fleet, result)
     wait_until(lambda: sandbox.app.arrived(PAYMENTS) == 1, "the call reaching the API", 20.0)
-    victim = workers[node.split("@")[0].rsplit("-", 1)[1]]
+    victim = workers[_label(node)]
     os.killpg(victim.process.pid, signal.SIGKILL)  # the API goes on and creates the payment
     victim.process.wait()
 
@@ -118,15 +116,11 @@ def test_a_worker_killed_while_the_api_processes_a_call_leaves_it_to_the_idempot
 def test_a_call_run_but_never_acked_is_redelivered_after_the_visibility_timeout_and_not_rerun(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
-    config_dir = _short_visibility(fleet)
-    workers = {label: fleet.start_worker(label, 1, cwd=config_dir) for label in ("a", "b")}
-    fleet.wait_ready()
-    fleet.wait_for_nodes(2)
-    sandbox.app.configure({"api_latency": API_LATENCY})
+    workers = _two_workers_and_a_slow_api(fleet, sandbox)
 
     result = fleet.call("POST", PAYMENTS, json={"amount": 321})
     node, child_pid = running_on(fleet, result)
-    label = node.split("@")[0].rsplit("-", 1)[1]
+    label = _label(node)
     stopped, survivor = workers[label], workers["b" if label == "a" else "a"]
     assert child_pid != stopped.process.pid
     # the worker's main process acknowledges; stopped, it never will. Its pool child runs on,

@@ -152,28 +152,17 @@ def _assert_each_payment_once_one_exchange_no_failed_ack(
 
 
 @pytest.mark.integration
-def test_prefork_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
-    fleet: Fleet, sandbox: Sandbox
+@pytest.mark.parametrize(
+    ("pool", "concurrency"),
+    [
+        pytest.param("prefork", 4, id="prefork"),
+        pytest.param("threads", 50, id="threads"),
+        pytest.param("gevent", 50, id="gevent", marks=needs_gevent),
+    ],
+)
+def test_each_pool_survives_a_401_storm_with_each_call_once_one_exchange_and_no_failed_ack(
+    fleet: Fleet, sandbox: Sandbox, pool: str, concurrency: int
 ) -> None:
-    fleet.start_worker("w", concurrency=4, pool="prefork")
+    fleet.start_worker("w", concurrency=concurrency, pool=pool)
     answers = _storm(fleet, sandbox)
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 4)
-
-
-@pytest.mark.integration
-def test_threads_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
-    fleet: Fleet, sandbox: Sandbox
-) -> None:
-    fleet.start_worker("w", concurrency=50, pool="threads")
-    answers = _storm(fleet, sandbox)
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 50)
-
-
-@pytest.mark.integration
-@needs_gevent
-def test_gevent_pool_survives_a_401_storm_with_each_call_once_and_one_exchange(
-    fleet: Fleet, sandbox: Sandbox
-) -> None:
-    fleet.start_worker("w", concurrency=50, pool="gevent")
-    answers = _storm(fleet, sandbox)
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 50)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, concurrency)

@@ -25,6 +25,7 @@ CONSUMER_CONNECTIONS = 10  # beyond one per task: the consumer's fetch, restores
 KOMBU_CHANNEL_CAP = 10  # kombu's Redis channel pool when max_connections is not set
 REDIS_PY_POOL_CAP = 100  # redis-py's ConnectionPool when max_connections is not set
 BROKER_POOL_LIMIT_DEFAULT = 10  # Celery's broker_pool_limit
+_BROKER_CAP = "broker_transport_options['max_connections']"
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,10 @@ def size_pools(conf: Any, concurrency: int) -> PoolSizes:
     raised: list[str] = []
     options = dict(conf.broker_transport_options or {})
     if (options.get("max_connections") or KOMBU_CHANNEL_CAP) < needed:
-        _warn_if_set(options.get("max_connections"), "broker_transport_options", needed)
+        _warn_if_set(options.get("max_connections"), _BROKER_CAP, needed)
         options["max_connections"] = needed
         conf.broker_transport_options = options
-        raised.append("broker_transport_options['max_connections']")
+        raised.append(_BROKER_CAP)
     if (conf.redis_max_connections or REDIS_PY_POOL_CAP) < needed:
         _warn_if_set(conf.redis_max_connections, "redis_max_connections", needed)
         conf.redis_max_connections = needed

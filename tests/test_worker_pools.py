@@ -93,7 +93,7 @@ def test_a_cap_set_too_small_is_raised_with_a_warning_naming_the_setting(
     with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker_pools"):
         size_pools(conf, 50)
     assert conf.broker_transport_options == {"max_connections": 60, "visibility_timeout": 60}
-    assert "broker_transport_options allows 10 connections" in caplog.text
+    assert "broker_transport_options['max_connections'] allows 10 connections" in caplog.text
 
 
 def test_the_concurrency_is_the_autoscale_maximum_when_larger() -> None:
@@ -166,3 +166,20 @@ def test_each_pool_survives_a_401_storm_with_each_call_once_one_exchange_and_no_
     fleet.start_worker("w", concurrency=concurrency, pool=pool)
     answers = _storm(fleet, sandbox)
     _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, concurrency)
+
+
+@pytest.mark.integration
+@needs_gevent
+def test_a_broker_pool_capped_in_celeryconfig_is_raised_at_start_and_no_ack_fails(
+    fleet: Fleet, sandbox: Sandbox
+) -> None:
+    config_dir = fleet.tmp_path / "capped"
+    config_dir.mkdir()
+    (config_dir / "celeryconfig.py").write_text(
+        "broker_transport_options = {'max_connections': 10}  # too few for -c 50\n"
+    )
+    fleet.start_worker("w", concurrency=50, pool="gevent", cwd=config_dir)
+    answers = _storm(fleet, sandbox)
+    log = fleet.logs()["worker-w.log"]
+    assert "broker_transport_options['max_connections'] allows 10 connections" in log
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 50)

@@ -23,6 +23,7 @@ from .exceptions import (
     TokenEndpointUnavailable,
     TokenExchangeError,
     TokenRejected,
+    TokenUnreadable,
 )
 from .settings import Settings
 
@@ -42,6 +43,7 @@ __all__ = [
     "TokenEndpointUnavailable",
     "TokenExchangeError",
     "TokenRejected",
+    "TokenUnreadable",
 ]
 
 

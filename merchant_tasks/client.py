@@ -39,6 +39,7 @@ from urllib3.exceptions import NewConnectionError
 from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
 from .exchange import TOKEN_PATH, TokenExchange, parse_retry_after
 from .renewal import TokenManager
+from .sealing import codec_for
 from .settings import Settings
 from .store import TokenStore
 from .token import Token, fingerprint
@@ -139,6 +140,7 @@ class MerchantClient:
         store = TokenStore(
             redis_client or redis_from_url(settings.redis_url),
             TokenStore.namespace_for(settings.key_prefix, settings.environment, settings.api_key),
+            codec_for(settings.token_key_file, settings.token_key_previous_file),
         )
         manager = TokenManager(
             store,

@@ -2,13 +2,15 @@
 
 ``call_api`` decides how Celery should retry what the client raised, and answers a
 redelivery of a call that already succeeded from its completion record (``completions``)
-instead of calling the API again; ``renew_token`` asks the manager to renew if the advisory
-window has begun. Neither sees a token or the secret in its arguments or result: the token
+instead of calling the API again; ``renew_token`` finds the accounts due for renewal and
+sends ``renew_account`` for each, which asks the account's manager to renew if the advisory
+window has begun. None sees a token or the secret in its arguments or result: the token
 stays in Redis and in the worker's memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -18,9 +20,10 @@ from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 
 from .accounts import AccountClients
-from .celery_app import VISIBILITY_TIMEOUT, app
+from .celery_app import RENEWAL_QUEUE, VISIBILITY_TIMEOUT, app
 from .client import MerchantClient
 from .completions import RECORD_TTL_FACTOR, CompletionRecords
+from .due import claim_ttl
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected
 
 log = logging.getLogger(__name__)
@@ -120,14 +123,34 @@ def call_api(
 
 @app.task(name="merchant_tasks.renew_token", ignore_result=True)
 def renew_token() -> None:
-    """Beat's check of every account: renew where the advisory window has begun.
+    """Beat's check of every account: one renewal task per account that is due.
 
-    One GET per account when nothing is due.
+    One pipelined round trip per Redis server, and no client built, when nothing is due
+    (``due.py``); each due account is renewed by its own task, so a slow or failing
+    account never delays another.
     """
     fleet = clients()
-    for name in fleet.accounts:
-        try:
-            fleet.get(name).manager.renew()
-        except MerchantError as exc:
-            # beat ticks again soon, and callers renew in the mandatory window; say why here
-            log.warning("scheduled token renewal of account %s failed: %s", name, exc)
+    try:
+        due = fleet.due()
+    except MerchantError as exc:
+        log.warning("scheduled token check failed: %s", exc)  # beat ticks again soon
+        return
+    for name in due:
+        settings = fleet.accounts[name]
+        # sent once while pending (see due.py); after the advisory window a renewal
+        # nobody ran is dropped and beat sends another
+        renew_account.apply_async((name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings))
+
+
+@app.task(name="merchant_tasks.renew_account", ignore_result=True)
+def renew_account(account: str) -> None:
+    """Renew ``account``'s token if its advisory window has begun (sent by renew_token)."""
+    fleet = clients()
+    try:
+        fleet.get(account).manager.renew()
+    except MerchantError as exc:
+        # beat checks again soon, and callers renew in the mandatory window; say why here
+        log.warning("scheduled token renewal of account %s failed: %s", account, exc)
+    finally:
+        with contextlib.suppress(MerchantError):  # the claim expires by itself
+            fleet.renewal_done(account)

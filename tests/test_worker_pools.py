@@ -179,10 +179,17 @@ def test_a_broker_pool_capped_in_celeryconfig_is_raised_at_start_and_no_ack_fail
     config_dir = fleet.tmp_path / "capped"
     config_dir.mkdir()
     (config_dir / "celeryconfig.py").write_text(
+        "import logging\n"
+        "from celery.signals import worker_ready\n"
         "broker_transport_options = {'max_connections': 10}  # too few for -c 50\n"
+        "def _report(sender, **_):  # the pool the consumer's channel really has\n"
+        "    cap = sender.task_consumer.channel.max_connections\n"
+        "    logging.getLogger('probe').warning('consumer channel pool: %s', cap)\n"
+        "worker_ready.connect(_report)\n"
     )
     fleet.start_worker("w", concurrency=50, pool="gevent", cwd=config_dir)
     answers = _storm(fleet, sandbox)
     log = fleet.logs()["worker-w.log"]
     assert "broker_transport_options['max_connections'] allows 10 connections" in log
+    assert "consumer channel pool: 60" in log
     _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 50)

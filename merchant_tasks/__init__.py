@@ -2,7 +2,8 @@
 
 Reading order follows the token's life: ``token`` (the value), ``exchange`` (getting one),
 ``store`` (keeping it in Redis), ``renewal`` (when and by whom it is renewed), ``client``
-(using it), then the Celery wiring (``celery_app``, ``tasks``).
+(using it), then the Celery wiring (``celery_app``, ``worker_pools``, ``completions``,
+``tasks``).
 """
 
 from __future__ import annotations

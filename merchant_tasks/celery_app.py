@@ -6,7 +6,9 @@ Configuration is layered, each layer overriding the one before:
    renewal on its own queue, JSON only);
 2. ``celeryconfig.py`` from the working directory, if importable (the repo root has the
    documented one; edit it or put your own on the path);
-3. ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND`` from the environment.
+3. ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND`` from the environment;
+4. at worker start, the broker's and result backend's connection pools are raised to fit
+   the worker's concurrency (see ``worker_pools``), whatever the pool (-P).
 
 Broker and result backend default to MERCHANT_REDIS_URL, the token store's Redis.
 """
@@ -19,12 +21,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
+from celery.signals import celeryd_after_setup
 from kombu.entity import Queue
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from .redis_topology import DEFAULT_SENTINEL_MASTER
+from .redis_topology import DEFAULT_SENTINEL_MASTER, is_kombu_redis_url, is_sentinel_url
 from .settings import DEFAULT_REDIS_URL, RENEW_INTERVAL, read_variable
+from .worker_pools import size_pools_at_worker_start
 
 CALLS_QUEUE = "celery"  # Celery's default queue: app code needs no routing to enqueue calls
 RENEWAL_QUEUE = "merchant-renewal"  # its own queue, so a backlog of calls never delays it
@@ -41,7 +45,6 @@ PUBLISH_RETRY_POLICY = {
     "interval_step": 1,
     "interval_max": 2,
 }
-REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "socket", "sentinel"})  # kombu's names
 # what only kombu's Redis transports read (visibility_timeout, sentinel_kwargs, ...): never
 # sent to another broker such as RabbitMQ
 REDIS_ONLY_TRANSPORT_OPTIONS = frozenset(kombu_redis.SentinelChannel.from_transport_options) - (
@@ -121,11 +124,10 @@ def transport_options(
     """Transport options for the broker or result backend at ``url``: ``chosen`` (from
     celeryconfig.py) over our defaults for a Redis URL; without the Redis-only ones for
     any other (RabbitMQ)."""
-    scheme = url.split("://", 1)[0].lower()
-    if scheme not in REDIS_SCHEMES:
+    if not is_kombu_redis_url(url):
         return {k: v for k, v in chosen.items() if k not in REDIS_ONLY_TRANSPORT_OPTIONS}
     defaults: dict[str, Any] = {"visibility_timeout": VISIBILITY_TIMEOUT}
-    if scheme == "sentinel":
+    if is_sentinel_url(url):
         # the token store's sentinel settings serve Celery too: one value for both
         defaults["master_name"] = (
             read_variable(environ, "MERCHANT_REDIS_SENTINEL_MASTER") or DEFAULT_SENTINEL_MASTER
@@ -138,3 +140,12 @@ def transport_options(
 
 app = Celery("merchant_tasks")
 app.conf.update(load_config())
+
+
+def _size_connection_pools(sender: str, instance: Any, **_: Any) -> None:
+    """Fit the pools to this worker's concurrency, before it opens a broker connection."""
+    if instance.app is app:
+        size_pools_at_worker_start(instance)
+
+
+celeryd_after_setup.connect(_size_connection_pools)

@@ -21,6 +21,8 @@ _SIMPLE_COUNTERS = {
     "forced_renewals": "Forced renewals after a 401 that went on to the lock.",
     "lock_waits": "Renewals that waited for another process holding the lock.",
     "fresh_token_rejected": "401s on a token freshly renewed after a 401 (no loop made).",
+    "redelivered_completed_calls": "Redelivered calls that had already succeeded: answered "
+    "from their completion record, the API not called again.",
 }
 
 

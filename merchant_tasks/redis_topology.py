@@ -36,6 +36,7 @@ DEFAULT_SENTINEL_MASTER = "mymaster"  # Redis's own example name, and Celery's d
 SENTINEL_PORT = 26379  # the port Redis assigns to Sentinel
 SENTINEL_SCHEME = "sentinel"
 URL_VARIABLE = "MERCHANT_REDIS_URL"
+KOMBU_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "socket", "sentinel"})
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class SentinelUrl:
     db: int
     username: str | None
     password: str | None  # the master's (Celery reads it from the first address too)
+
+
+def is_kombu_redis_url(url: str) -> bool:
+    """Whether a Celery broker or result backend URL is served by kombu's Redis transport."""
+    return url.split("://", 1)[0].lower() in KOMBU_REDIS_SCHEMES
 
 
 def is_sentinel_url(url: str) -> bool:

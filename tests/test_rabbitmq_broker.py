@@ -9,9 +9,7 @@ CELERY_BROKER_URL, as in production.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import uuid
@@ -22,8 +20,8 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from test_celery_integration import (
-    API_LATENCY,
+
+from celery_fleet import (
     ECHO,
     LIFETIME,
     LONG_LIFETIME,
@@ -32,10 +30,9 @@ from test_celery_integration import (
     LONG_RENEW_MANDATORY,
     RENEW_INTERVAL,
     Fleet,
-    _echo_calls,
-    _running_on,
+    echo_calls,
+    kill_the_worker_running,
 )
-
 from conftest import Sandbox
 from merchant_tasks.celery_app import REDIS_ONLY_TRANSPORT_OPTIONS, RENEWAL_QUEUE, load_config
 from merchant_tasks.local import RedisServer, wait_until
@@ -44,6 +41,7 @@ pytestmark = pytest.mark.integration
 
 RABBITMQ = ("127.0.0.1", 5672)
 RABBITMQCTL_TIMEOUT = 60.0  # seconds; the CLI starts an Erlang node for each command
+API_LATENCY = 6.0  # the emulator's delay on business calls: the worker dies during one
 KILL_DEADLINE = 60.0  # the re-run's result, after a worker vanished
 
 
@@ -191,16 +189,10 @@ def test_a_worker_sigkilled_mid_task_has_its_call_redelivered_by_rabbitmq(
     sandbox.app.configure({"api_latency": API_LATENCY})
 
     result = fleet.call("POST", ECHO, json={"order": "kill-me"})
-    node, _ = _running_on(fleet, result)
-    wait_until(lambda: sandbox.app.arrived(ECHO) == 1, "the call reaching the API", 20.0)
-    label = node.split("@")[0].rsplit("-", 1)[1]
-    victim = workers[label]
-    os.killpg(victim.process.pid, signal.SIGKILL)  # the worker and its pool child, at once
-    victim.process.wait()
+    survivor = kill_the_worker_running(fleet, workers, result)
 
     # RabbitMQ requeues an unacknowledged message when its consumer's connection closes:
     # no visibility timeout to wait for
     assert fleet.get(result, KILL_DEADLINE) == {"echo": {"order": "kill-me"}}
-    survivor = workers["b" if label == "a" else "a"]
-    assert result.id in survivor.log_text()
-    assert _echo_calls(sandbox) == 2  # received by the killed worker's child, then again
+    assert result.id in workers[survivor].log_text()
+    assert echo_calls(sandbox) == 2  # received by the killed worker's child, then again

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import redis
-from test_celery_integration import (
+
+from celery_fleet import (
     ECHO,
     LONG_LIFETIME,
     LONG_RENEW_BEFORE,
@@ -31,7 +32,6 @@ from test_celery_integration import (
     PING,
     Fleet,
 )
-
 from conftest import TEST_API_KEY, Sandbox, WatchedSandbox
 from merchant_tasks.client import MerchantClient
 from merchant_tasks.exceptions import StoreUnavailable
@@ -325,13 +325,8 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
     settings = Settings.from_env(fleet.env)
     client = MerchantClient.from_settings(settings)
     try:
-        config_dir = tmp_path / "short-visibility"
-        config_dir.mkdir()
-        (config_dir / "celeryconfig.py").write_text(
-            # a message whose acknowledgement the failover lost comes back within the test
-            f"broker_transport_options = {{'visibility_timeout': {VISIBILITY_TIMEOUT},"
-            " 'unacked_restore_interval': 1, 'unacked_restore_throttle': 1}\n"
-        )
+        # a message whose acknowledgement the failover lost comes back within the test
+        config_dir = fleet.short_visibility_dir(VISIBILITY_TIMEOUT)
         # one pool process: its calls reach the emulator in order
         fleet.start_worker("w", concurrency=1, cwd=config_dir)
         fleet.wait_ready()

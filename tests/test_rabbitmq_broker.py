@@ -43,6 +43,7 @@ RABBITMQ = ("127.0.0.1", 5672)
 RABBITMQCTL_TIMEOUT = 60.0  # seconds; the CLI starts an Erlang node for each command
 API_LATENCY = 6.0  # the emulator's delay on business calls: the worker dies during one
 KILL_DEADLINE = 60.0  # the re-run's result, after a worker vanished
+WIDE_WORKER = 20  # threads: more than kombu's Redis channel cap of 10
 
 
 def rabbitmqctl(*args: str) -> str:
@@ -147,7 +148,8 @@ def test_call_api_runs_end_to_end_with_rabbitmq_as_the_broker(
 
 
 def test_no_redis_only_transport_option_reaches_the_amqp_broker(fleet: AmqpFleet) -> None:
-    fleet.start_worker("w", concurrency=1)
+    # a worker large enough that its start sizes the connection pools to its concurrency
+    fleet.start_worker("w", concurrency=WIDE_WORKER, pool="threads")
     fleet.wait_ready()
 
     # what the running worker itself uses, asked over the broker
@@ -156,6 +158,7 @@ def test_no_redis_only_transport_option_reaches_the_amqp_broker(fleet: AmqpFleet
     worker_conf = next(iter(replies.values()))
     assert worker_conf["broker_url"].startswith("amqp://")
     assert not REDIS_ONLY_TRANSPORT_OPTIONS & set(worker_conf.get("broker_transport_options", {}))
+    assert worker_conf["broker_pool_limit"] >= WIDE_WORKER  # the sizing did run
     # the result backend is Redis and keeps its own
     assert "visibility_timeout" in worker_conf["result_backend_transport_options"]
 

@@ -310,6 +310,17 @@ class Feeder:
 # -- the failover ----------------------------------------------------------------------------
 
 
+def sentinel_fleet(
+    tmp_path: Path, sandbox: Sandbox, group: SentinelGroup, key_prefix: str, secret_file: Path
+) -> Fleet:
+    """A fleet whose token store, broker and results are all the group's, through one
+    MERCHANT_REDIS_URL; long windows, so that no scheduled renewal interferes."""
+    fleet = Fleet(tmp_path, sandbox, group.url, key_prefix, secret_file)
+    fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
+    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    return fleet
+
+
 def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_goes_back(
     tmp_path: Path,
     sandbox: Sandbox,
@@ -319,9 +330,7 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
 ) -> None:
     app = sandbox.app
     assert isinstance(app, RecordingSandbox)
-    fleet = Fleet(tmp_path, sandbox, sentinel_group.url, key_prefix, secret_file)
-    fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet = sentinel_fleet(tmp_path, sandbox, sentinel_group, key_prefix, secret_file)
     settings = Settings.from_env(fleet.env)
     client = MerchantClient.from_settings(settings)
     try:
@@ -414,9 +423,7 @@ def test_a_call_whose_retry_falls_in_the_failover_is_retried_not_dropped(
 ) -> None:
     """The master dies while a task renews the token: saving it fails with StoreUnavailable,
     and the task's retry must be published while the broker (the same Redis) is away."""
-    fleet = Fleet(tmp_path, sandbox, sentinel_group.url, key_prefix, secret_file)
-    fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet = sentinel_fleet(tmp_path, sandbox, sentinel_group, key_prefix, secret_file)
     # short HTTP timeouts make a short renewal lock: the one held when the master dies
     # outlives it on the new master until its TTL, and the retried call waits for that
     fleet.env.update({"MERCHANT_CONNECT_TIMEOUT": "0.5", "MERCHANT_READ_TIMEOUT": "1"})

@@ -128,6 +128,10 @@ class SentinelGroup:
             offset = master.info("replication")["master_repl_offset"]
             return bool(replica.info("replication").get("slave_repl_offset") == offset)
 
+    def role(self, server: RedisServer) -> str:
+        with contextlib.closing(admin(server.port, MASTER_PASSWORD)) as client:
+            return str(client.info("replication")["role"])
+
     def cut_replication(self) -> None:
         """Disconnect the replica and keep it out: what the master writes next is not copied."""
         with contextlib.closing(admin(self.master.port, MASTER_PASSWORD)) as master:
@@ -362,6 +366,17 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
                 FAILOVER_DEADLINE,
             )
             promoted = time.monotonic()
+            time.sleep(LOAD_AFTER)
+
+            # the old master comes back, empty: the sentinels make it a replica of the new
+            # one, and nobody is sent to it meanwhile
+            old_master = sentinel_group.master
+            old_master.start(ready=lambda: redis_answers(old_master.port, MASTER_PASSWORD))
+            wait_until(
+                lambda: sentinel_group.role(old_master) == "slave",
+                "the old master rejoining as a replica",
+                FAILOVER_DEADLINE,
+            )
             time.sleep(LOAD_AFTER)
         settled = promoted + 1.0  # calls started after this meet the new master only
 

@@ -36,7 +36,7 @@ from tenacity import (
 from urllib3.exceptions import NewConnectionError
 
 from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
-from .exchange import TOKEN_PATH, TokenExchange, parse_retry_after
+from .exchange import TOKEN_PATH, TokenExchange, error_code, parse_retry_after
 from .redis_topology import StoreClient, redis_for
 from .renewal import TokenManager
 from .sealing import codec_for
@@ -253,7 +253,13 @@ class MerchantClient:
                 retry_after=parse_retry_after(response.headers.get("Retry-After")),
                 resendable=status in SAFE_TO_RESEND_STATUSES or method in IDEMPOTENT_METHODS,
             )
-        raise ApiError(f"{method} {path} failed with HTTP {status}", status=status, excerpt=excerpt)
+        found = error_code(response, token.value)
+        raise ApiError(
+            f"{method} {path} failed with HTTP {status}{f' ({found[1]})' if found else ''}",
+            status=status,
+            code=found[1] if found else None,
+            excerpt=excerpt,
+        )
 
     def _renew_refused_token(self, state: RetryCallState) -> None:
         assert state.outcome is not None

@@ -158,7 +158,6 @@ def _exit_with(exc: ConfigurationError) -> None:
     raise SystemExit(EXIT_CONFIGURATION)
 
 
-@worker_init.connect
 def _check_worker_start(sender: Any = None, **_: Any) -> None:
     """Before consuming: every account's settings load, and no stale binding remains."""
     from .accounts import load_accounts  # the worker's own import: the app needs no account
@@ -174,6 +173,8 @@ def _check_worker_start(sender: Any = None, **_: Any) -> None:
     except Exception as exc:  # the broker may be down at start: Celery keeps retrying it
         log.warning("could not check the broker for stale queue bindings: %r", exc)
 
+
+worker_init.connect(_check_worker_start)
 
 app = Celery("merchant_tasks")
 try:

@@ -8,6 +8,8 @@ Reading order follows the token's life: ``token`` (the value), ``exchange`` (get
 
 from __future__ import annotations
 
+import logging
+
 from .client import MerchantClient
 from .exceptions import (
     ApiError,
@@ -45,6 +47,10 @@ __all__ = [
     "TokenRejected",
     "TokenUnreadable",
 ]
+
+# a library leaves logging to its application: without this, Python's last-resort handler
+# printed warnings to stderr next to the CLI's own message (the same error twice)
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> object:

@@ -105,8 +105,12 @@ def sandbox(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    click.echo(f"merchant API sandbox for {api_key} on http://{host}:{port} (Ctrl-C stops)")
-    server.serve_forever()
+    # the banner only once the port is bound: a busy port fails before anything is printed
+    server.serve_forever(
+        on_ready=lambda url: click.echo(
+            f"merchant API sandbox for {api_key} on {url} (Ctrl-C stops)"
+        )
+    )
 
 
 @main.command()
@@ -134,9 +138,8 @@ def status(as_json: bool) -> None:
 
     Exits 0 when every account has a usable token and no breaker is open, 1 otherwise.
     """
-    fleet = _clients()
-    with _exit_codes():
-        statuses = _statuses(fleet)
+    with _exit_codes(as_json=as_json):
+        statuses = _statuses(AccountClients.from_env())
     if as_json:
         document = {"accounts": [s.as_dict() for s in statuses.values()]}
         click.echo(json.dumps(document, indent=2, sort_keys=True))
@@ -172,11 +175,14 @@ def metrics(host: str, port: int) -> None:
 def renew(force: bool, account: str | None) -> None:
     """Renew the token if due (or now with --force) and show the stored one."""
     with _exit_codes():
-        token = _clients().get(account).manager.renew(force=force)
-    click.echo(
-        f"generation {token.generation}, fingerprint {token.fingerprint}, "
-        f"renewed by {token.renewed_by} ({token.reason})"
-    )
+        manager = _clients().get(account).manager
+        before = manager.store.generation()
+        token = manager.renew(force=force)
+    stored = f"generation {token.generation}, fingerprint {token.fingerprint}"
+    if token.generation == before:
+        click.echo(f"not due: {stored} is still fresh (renewed by {token.renewed_by})")
+    else:
+        click.echo(f"{stored}, renewed by {token.renewed_by} ({token.reason})")
 
 
 @main.command()
@@ -212,12 +218,25 @@ def _clients() -> AccountClients:
 
 
 @contextmanager
-def _exit_codes() -> Iterator[None]:
-    """Turn merchant-tasks errors into a one-line message and the documented exit code."""
+def _exit_codes(as_json: bool = False) -> Iterator[None]:
+    """Turn merchant-tasks errors into a message and the documented exit code.
+
+    The message is one line on stderr with the error's fields (status, the API's error
+    code, excerpt, retry_after) on a second line, or with ``as_json`` one JSON document on
+    stdout: ``{"error": {"type": ..., "message": ..., <fields>}}``.
+    """
     try:
         yield
     except MerchantError as exc:
-        click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+        if as_json:
+            error = {"type": type(exc).__name__, "message": str(exc), **exc.details()}
+            click.echo(json.dumps({"error": error}, indent=2, sort_keys=True))
+        else:
+            click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+            if exc.details():
+                click.echo(
+                    "  " + ", ".join(f"{k} {v!r}" for k, v in exc.details().items()), err=True
+                )
         if isinstance(exc, ConfigurationError):
             sys.exit(EXIT_CONFIGURATION)
         if isinstance(exc, StoreUnavailable):

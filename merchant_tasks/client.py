@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -231,12 +232,13 @@ class MerchantClient:
         except requests.ConnectionError as exc:
             never_sent = isinstance(exc, requests.ConnectTimeout) or _connection_refused(exc)
             raise _Transient(
-                f"connection failed: {type(exc).__name__}",
+                f"connection to {_host(self.base_url)} failed: {type(exc).__name__}",
                 resendable=never_sent or method in IDEMPOTENT_METHODS,
             ) from None
         except requests.Timeout:
             raise _Transient(
-                "timed out waiting for the answer", resendable=method in IDEMPOTENT_METHODS
+                f"timed out waiting for {_host(self.base_url)}",
+                resendable=method in IDEMPOTENT_METHODS,
             ) from None
         status = response.status_code
         log.debug("%s %s answered %d", method, path, status)
@@ -282,20 +284,36 @@ def _check_path(path: str) -> None:
     """Refuse anything that could send the token outside /open-api/v1 or to the token path.
 
     Dot segments and empty segments are refused rather than resolved: HTTP libraries
-    normalise them, so ``/open-api/v1/..`` would leave the API's root.
+    normalise them, so ``/open-api/v1/..`` would leave the API's root. Their percent-encoded
+    forms (``%2e%2e``, also encoded more than once) and encoded slashes or backslashes are
+    refused too: RFC 3986 makes ``%2e`` equal to ``.``, and servers and proxies decode them.
     """
     route = path.split("?", 1)[0]
-    segments = route[len(API_PREFIX) :].split("/")
+    segments = [_fully_decoded(s) for s in route[len(API_PREFIX) :].split("/")]
     if (
         not route.startswith(API_PREFIX)
         or "#" in path
         or "\\" in route
-        or any(segment in (".", "..") for segment in segments)
+        or any(segment in (".", "..") or "/" in segment or "\\" in segment for segment in segments)
         or "" in segments[:-1]
     ):
         raise ValueError(f"path must be under {API_PREFIX} (got {path[:80]!r})")
-    if route.rstrip("/").lower() == TOKEN_PATH:
+    if (API_PREFIX + "/".join(segments)).rstrip("/").lower() == TOKEN_PATH:
         raise ValueError("the token endpoint is called by the exchange, not by request()")
+
+
+def _fully_decoded(segment: str) -> str:
+    """A path segment percent-decoded until nothing changes (double encoding included)."""
+    decoded = unquote(segment)
+    while decoded != segment:
+        segment, decoded = decoded, unquote(decoded)
+    return decoded
+
+
+def _host(url: str) -> str:
+    """host[:port] of a URL, never the user or password it may carry."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
 
 
 def _decode(response: requests.Response, method: str, path: str) -> Any:

@@ -577,9 +577,11 @@ class SandboxServer:
         if thread is not None:
             thread.join()
 
-    def serve_forever(self) -> None:
-        """Serve in the foreground until interrupted."""
+    def serve_forever(self, on_ready: Callable[[str], object] | None = None) -> None:
+        """Serve in the foreground until interrupted; ``on_ready(url)`` once bound."""
         server = self._bind()
+        if on_ready is not None:
+            on_ready(self.url)
         with contextlib.suppress(KeyboardInterrupt):
             server.serve_forever(SHUTDOWN_POLL)
         self._server = None

@@ -219,6 +219,15 @@ def test_the_token_endpoint_cannot_be_called_through_request(
     [
         "/open-api/v1/auth/./access_token",  # urllib3 sends it to the token endpoint
         "/open-api/v1/..",  # urllib3 sends it to /open-api/
+        "/open-api/v1/%2e%2e/%2e%2e/admin",  # RFC 3986: %2e is "."; servers decode it
+        "/open-api/v1/%2E%2e/admin",
+        "/open-api/v1/.%2e/admin",
+        "/open-api/v1/%252e%252e/admin",  # encoded twice, for servers that decode twice
+        "/open-api/v1/orders/%2e",
+        "/open-api/v1/x%2f..%2f..%2fadmin",  # an encoded slash makes new segments
+        "/open-api/v1/x%2F..%2F..%2Fadmin",
+        "/open-api/v1/x%5c..%5cadmin",  # an encoded backslash, which some servers split at
+        "/open-api/v1/auth/access%5Ftoken",  # the token endpoint, encoded
     ],
 )
 def test_a_path_with_dot_segments_cannot_leave_the_api(
@@ -227,6 +236,16 @@ def test_a_path_with_dot_segments_cannot_leave_the_api(
     with pytest.raises(ValueError, match=r"/open-api/v1/|token endpoint"):
         client.request("GET", path)
     assert transport.sent == []
+
+
+@pytest.mark.parametrize(
+    "path", ["/open-api/v1/orders/a%20b", "/open-api/v1/orders/%E2%82%AC", "/open-api/v1/x.y/z"]
+)
+def test_other_percent_encoded_or_dotted_names_are_allowed(
+    client: MerchantClient, transport: FakeTransport, path: str
+) -> None:
+    transport.reply(response(200, {"ok": True}))
+    assert client.request("GET", path) == {"ok": True}
 
 
 @pytest.mark.parametrize("name", ["Authorization", "authorization", "AUTHORIZATION"])

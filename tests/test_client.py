@@ -541,3 +541,11 @@ def test_the_token_never_appears_in_debug_logs(
 def test_repr_shows_the_base_url_only(client: MerchantClient) -> None:
     client.request("GET", ORDERS)
     assert repr(client) == f"MerchantClient(base_url={BASE_URL!r})"
+
+
+def test_an_unreachable_api_is_named_by_its_host_in_the_error(
+    client: MerchantClient, transport: FakeTransport
+) -> None:
+    transport.reply(refused())
+    with pytest.raises(ApiUnavailable, match=r"connection to api\.example\.test failed"):
+        client.request("GET", ORDERS)

@@ -19,6 +19,7 @@ import click
 from .accounts import AccountClients
 from .exceptions import ConfigurationError, MerchantError, StoreUnavailable
 from .sandbox import DEFAULT_PORT, SandboxApp, SandboxConfig, SandboxServer
+from .settings import TOKEN_LIFETIME
 from .status import AccountStatus, account_status, format_status
 
 EXIT_FAILED = 1
@@ -41,7 +42,9 @@ def main() -> None:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="File holding the API secret [MERCHANT_API_SECRET_FILE].",
 )
-@click.option("--lifetime", default=7200.0, show_default=True, help="Token lifetime, seconds.")
+@click.option(
+    "--lifetime", default=float(TOKEN_LIFETIME), show_default=True, help="Token lifetime, seconds."
+)
 @click.option("--revoke-on-issue", is_flag=True, help="Issuing a token revokes earlier ones.")
 @click.option("--rate-limit", type=int, help="Token exchanges allowed per --rate-window.")
 @click.option("--rate-window", default=60.0, show_default=True, help="Seconds.")

@@ -41,7 +41,7 @@ from .exchange import TOKEN_PATH, TokenExchange, error_code, parse_retry_after
 from .redis_topology import StoreClient, redis_for
 from .renewal import TokenManager
 from .sealing import codec_for
-from .settings import Settings
+from .settings import DEFAULT_TIMEOUTS, Settings
 from .store import TokenStore
 from .token import Token, fingerprint
 
@@ -100,7 +100,7 @@ class MerchantClient:
         manager: TokenManager,
         *,
         session: requests.Session | None = None,
-        timeout: tuple[float, float] = (3.05, 10.0),
+        timeout: tuple[float, float] = DEFAULT_TIMEOUTS,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.base_url = base_url.rstrip("/")

@@ -24,7 +24,7 @@ from .exceptions import (
     MalformedTokenResponse,
     TokenEndpointUnavailable,
 )
-from .settings import Secret, Settings
+from .settings import DEFAULT_TIMEOUTS, TOKEN_LIFETIME, Secret, Settings
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ class TokenExchange:
         secret: Secret,
         *,
         session: requests.Session | None = None,
-        timeout: tuple[float, float] = (3.05, 10.0),
-        default_lifetime: float = 7200.0,
+        timeout: tuple[float, float] = DEFAULT_TIMEOUTS,
+        default_lifetime: float = TOKEN_LIFETIME,
     ) -> None:
         self.url = base_url.rstrip("/") + TOKEN_PATH
         self.api_key = api_key

@@ -71,6 +71,8 @@ from werkzeug.routing import Map, Rule
 from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
 from werkzeug.wrappers import Request, Response
 
+from .settings import TOKEN_LIFETIME
+
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
@@ -120,7 +122,7 @@ class SandboxConfig:
 
     api_key: str
     secret: str = field(repr=False)
-    lifetime: float = 7200.0
+    lifetime: float = TOKEN_LIFETIME
     revoke_on_issue: bool = False
     rate_limit: int | None = None
     rate_window: float = 60.0

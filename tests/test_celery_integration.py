@@ -23,6 +23,7 @@ import pytest
 from kombu import Exchange, Queue
 
 from celery_fleet import (
+    CALL_API,
     ECHO,
     LIFETIME,
     LONG_LIFETIME,
@@ -30,6 +31,7 @@ from celery_fleet import (
     LONG_RENEW_INTERVAL,
     LONG_RENEW_MANDATORY,
     PING,
+    READY_TIMEOUT,
     RENEW_BEFORE,
     RENEW_INTERVAL,
     RENEW_MANDATORY,

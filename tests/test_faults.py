@@ -59,7 +59,7 @@ from merchant_tasks.local import RedisServer, free_port, stop_group, wait_until
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import FRESH_TOKEN_GRACE, TokenManager
 from merchant_tasks.sandbox import API_ROOT, TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import Secret, Settings, child_env
 from merchant_tasks.store import RedisClock, TokenStore
 from merchant_tasks.token import Token, fingerprint
 
@@ -75,29 +75,6 @@ START_TIMEOUT = 60.0  # a process's start on a busy two-core machine
 
 
 # -- small helpers -----------------------------------------------------------------------
-
-
-def _process_env(settings: Settings, secret_file: Path) -> dict[str, str]:
-    """The MERCHANT_* variables of ``settings`` for a child process (secret from the file)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
-    env.update(
-        {
-            "MERCHANT_ENVIRONMENT": settings.environment,
-            "MERCHANT_API_KEY": settings.api_key,
-            "MERCHANT_API_SECRET_FILE": str(secret_file),
-            "MERCHANT_BASE_URL": settings.base_url,
-            "MERCHANT_REDIS_URL": settings.redis_url,
-            "MERCHANT_KEY_PREFIX": settings.key_prefix,
-            "MERCHANT_TOKEN_LIFETIME": f"{settings.token_lifetime:g}",
-            "MERCHANT_RENEW_BEFORE": f"{settings.renew_before:g}",
-            "MERCHANT_RENEW_MANDATORY": f"{settings.renew_mandatory:g}",
-            "MERCHANT_RENEW_INTERVAL": f"{settings.renew_interval:g}",
-            "MERCHANT_CONNECT_TIMEOUT": f"{settings.connect_timeout:g}",
-            "MERCHANT_READ_TIMEOUT": f"{settings.read_timeout:g}",
-            "MERCHANT_ALLOW_INSECURE_HTTP": "1" if settings.allow_insecure_http else "0",
-        }
-    )
-    return env
 
 
 def _store_of(settings: Settings, client: redis.Redis) -> TokenStore:
@@ -517,7 +494,7 @@ def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) 
             key_prefix=f"mt-outage-{uuid.uuid4().hex[:8]}",
             renew_interval=0.5,
         )
-        env = _process_env(settings, secret_file)
+        env = child_env(settings)
         env["FLOWER_UNAUTHENTICATED_API"] = "true"
         workdir = tmp / "run"  # no celeryconfig.py here: the package defaults
         workdir.mkdir()
@@ -796,7 +773,7 @@ def test_row3_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_
     answered 429 again), and the next one is admitted; every process then recovers.
     """
     sandbox.app.configure({"rate_limit": 1, "rate_window": 4.0})
-    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    callers.start(child_env(settings), [{}] * 3)
     client = MerchantClient.from_settings(settings, redis_client=redis_client)
     client.request("GET", PING)  # the window's one exchange
     sandbox.app.revoke_all()
@@ -848,7 +825,7 @@ def test_row6_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_
     # could give up, ample time to find it holding the lock and kill it
     account = dataclasses.replace(settings, connect_timeout=0.2, read_timeout=2.0)
     sandbox.app.configure({"token_latency": 5.0})
-    callers.start(_process_env(account, secret_file), [{"FAULT_MAX_CALLS": "1"}])
+    callers.start(child_env(account), [{"FAULT_MAX_CALLS": "1"}])
     client = MerchantClient.from_settings(account, redis_client=redis_client)
     store = client.manager.store
     callers.go()
@@ -916,7 +893,7 @@ def test_row7_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
         settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
     )
     offsets = ["-300", "300", "0"]
-    callers.start(_process_env(account, secret_file), [{"FAULT_CLOCK_OFFSET": o} for o in offsets])
+    callers.start(child_env(account), [{"FAULT_CLOCK_OFFSET": o} for o in offsets])
     store = _store_of(account, redis_client)
     callers.go()
     seen: dict[int, tuple[Token, float]] = {}  # generation -> token, Redis time first seen
@@ -989,7 +966,7 @@ def test_row8_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_nee
     60 s). After the file changes, every process recovers (bounded wait: 60 s) without a
     restart, with exactly one more exchange, and then only succeeds.
     """
-    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    callers.start(child_env(settings), [{}] * 3)
     client = MerchantClient.from_settings(settings, redis_client=redis_client)
     client.request("GET", PING)
     callers.go()
@@ -1436,7 +1413,7 @@ def test_row12_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_r
     account = dataclasses.replace(
         settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
     )
-    callers.start(_process_env(account, secret_file), [{}] * 3)
+    callers.start(child_env(account), [{}] * 3)
     started = time.monotonic()
     callers.go()
     time.sleep(7.0)

@@ -43,6 +43,7 @@ from .renewal import TokenManager
 from .sealing import codec_for
 from .settings import DEFAULT_TIMEOUTS, Settings
 from .store import TokenStore
+from .timing import TimedExchange
 from .token import Token, fingerprint
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class MerchantClient:
         )
         manager = TokenManager(
             store,
-            TokenExchange.from_settings(settings, session),
+            TimedExchange(TokenExchange.from_settings(settings, session), store),
             lambda: fingerprint(settings.secret.reveal()),
             renew_before=settings.renew_before,
             renew_mandatory=settings.renew_mandatory,

@@ -57,6 +57,7 @@ from .exceptions import (
 )
 from .exchange import IssuedToken
 from .store import BreakerRecord, RedisClock, TokenStore
+from .timing import LOCK_WAIT_SECONDS
 from .token import RenewalReason, Token, TokenState
 
 log = logging.getLogger(__name__)
@@ -302,6 +303,8 @@ class TokenManager:
         )
         token = wait_for_holder(attempt)
         assert token is not None  # the retry only ends on a token or an error
+        if waited:
+            self.store.observe(LOCK_WAIT_SECONDS, self._monotonic() - since)
         return token
 
     def _take_turn(self, blocking: bool) -> bool:

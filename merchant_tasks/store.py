@@ -23,6 +23,7 @@ hot path costs one GET and no TIME.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,8 +40,13 @@ from .redis_topology import StoreClient
 from .sealing import PLAIN_TEXT, TokenCodec
 from .token import Token
 
+log = logging.getLogger(__name__)
+
 CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
 EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last day)
+# upper bounds (seconds) of the fleet-wide histograms: an exchange takes ~0.1-1 s, a wait
+# for another process's exchange as long, up to the read timeout (10 s) and its retries
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
 # failures in a row are counted and the back-off grows; a success deletes it
 
@@ -123,6 +129,7 @@ class TokenStore:
         self.lock_key = f"{namespace}:lock"
         self.breaker_key = f"{namespace}:breaker"
         self.counters_key = f"{namespace}:counters"
+        self.histograms_key = f"{namespace}:histograms"
         self.exchange_log_key = f"{namespace}:exchanges"
         self._save = client.register_script(_SAVE_IF_GENERATION)
         self._parsed: tuple[bytes, Token] | None = None
@@ -267,6 +274,29 @@ class TokenStore:
     def counters(self) -> dict[str, int]:
         with _unavailable_as_error(self.address):
             raw = cast(dict[bytes, bytes], self.redis.hgetall(self.counters_key))
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Add one duration to the fleet-wide histogram ``name`` (buckets DURATION_BUCKETS).
+
+        Kept as ``name:le:<bound>`` counts (not cumulative; ``+Inf`` for longer ones),
+        ``name:count`` and ``name:sum_us`` (microseconds: HINCRBY only, no float command).
+        Best effort: a failure is logged, never raised, so it cannot fail what it measures.
+        """
+        bound = next((f"{b:g}" for b in DURATION_BUCKETS if seconds <= b), "+Inf")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hincrby(self.histograms_key, f"{name}:le:{bound}", 1)
+        pipe.hincrby(self.histograms_key, f"{name}:count", 1)
+        pipe.hincrby(self.histograms_key, f"{name}:sum_us", round(max(0.0, seconds) * 1e6))
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("could not record %s in Redis: %s", name, type(exc).__name__)
+
+    def histograms(self) -> dict[str, int]:
+        """The raw fields written by ``observe``."""
+        with _unavailable_as_error(self.address):
+            raw = cast(dict[bytes, bytes], self.redis.hgetall(self.histograms_key))
         return {k.decode(): int(v) for k, v in raw.items()}
 
 

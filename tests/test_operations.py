@@ -146,7 +146,6 @@ def test_one_scrape_sees_the_exchanges_of_every_process(
     assert samples[("merchant_tasks_exchanges_total", tuple(sorted(manual)))] == 2
     assert samples[("merchant_tasks_token_generation", labels)] == 2
     assert samples[("merchant_tasks_token_time_left_seconds", labels)] > 0
-    assert samples[("merchant_tasks_exchanges_last_hour", labels)] == 2
     assert samples[("merchant_tasks_breaker_open", (*labels, ("kind", "rejected")))] == 0
     assert sandbox.exchanges()["ok"] == 2
 

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
@@ -145,6 +146,33 @@ def transport_options(
         if password:
             defaults["sentinel_kwargs"] = {"password": password}
     return {**defaults, **chosen}
+
+
+def isolated_config(redis_url: str, key_prefix: str) -> dict[str, Any]:
+    """Broker and results on ``redis_url`` with every Celery key under ``key_prefix``.
+
+    For a fleet sharing a Redis with another (the demo, a test's worker): its queues,
+    bindings and results never mix with the other's.
+    """
+    defaults = package_defaults({"MERCHANT_REDIS_URL": redis_url})
+    prefixed = {"global_keyprefix": f"{key_prefix}:celery:"}
+    return {
+        "broker_url": redis_url,
+        "result_backend": redis_url,
+        **{
+            name: {**defaults[name], **prefixed}
+            for name in ("broker_transport_options", "result_backend_transport_options")
+        },
+    }
+
+
+def write_config_module(path: Path, config: Mapping[str, Any]) -> None:
+    """A celeryconfig.py holding ``config``, for children started in its directory; only
+    its owner may read it (the URLs may hold a password)."""
+    lines = ['"""Written by merchant-tasks for one run; deleted with it."""']
+    lines += [f"{name} = {value!r}" for name, value in config.items()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.chmod(0o600)
 
 
 def _started_by_celery_command() -> bool:

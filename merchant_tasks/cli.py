@@ -18,8 +18,8 @@ import click
 
 from .accounts import AccountClients
 from .exceptions import ConfigurationError, MerchantError, StoreUnavailable
-from .sandbox import DEFAULT_PORT, SandboxApp, SandboxConfig, SandboxServer
-from .settings import TOKEN_LIFETIME
+from .extras import require
+from .settings import SANDBOX_DEFAULT_PORT, TOKEN_LIFETIME
 from .status import AccountStatus, account_status, format_status
 
 EXIT_FAILED = 1
@@ -34,7 +34,7 @@ def main() -> None:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Loopback address to bind.")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int)
+@click.option("--port", default=SANDBOX_DEFAULT_PORT, show_default=True, type=int)
 @click.option("--api-key", envvar="MERCHANT_API_KEY", required=True, help="[MERCHANT_API_KEY]")
 @click.option(
     "--secret-file",
@@ -86,6 +86,10 @@ def sandbox(
     The secret comes from --secret-file or MERCHANT_API_SECRET (never a command-line
     argument, which other users of the machine could read).
     """
+    with _exit_codes():
+        require("sandbox", "merchant-tasks sandbox")
+    from .sandbox import SandboxApp, SandboxConfig, SandboxServer
+
     secret = _sandbox_secret(secret_file)
     try:
         config = SandboxConfig(
@@ -123,6 +127,8 @@ def sandbox(
 @click.option("--workers", default=2, show_default=True, help="Worker processes.")
 def demo(duration: float, rate: float, lifetime: float, workers: int) -> None:
     """Run the whole system locally: emulator, Redis, a worker and beat, with a live view."""
+    with _exit_codes():
+        require("demo", "merchant-tasks demo")
     from .demo import run_demo
 
     summary = run_demo(duration=duration, rate=rate, lifetime=lifetime, workers=workers)
@@ -156,6 +162,8 @@ def status(as_json: bool) -> None:
 @click.option("--port", default=9808, show_default=True, type=int)
 def metrics(host: str, port: int) -> None:
     """Serve Prometheus metrics for the whole fleet (read from Redis at each scrape)."""
+    with _exit_codes():
+        require("metrics", "merchant-tasks metrics")
     from prometheus_client import CollectorRegistry, start_http_server
 
     from .metrics import FleetCollector

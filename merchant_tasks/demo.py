@@ -36,7 +36,7 @@ from typing import Any, TextIO
 import redis
 from celery import Celery
 
-from .celery_app import package_defaults
+from .celery_app import isolated_config, package_defaults, write_config_module
 from .local import RedisServer, free_port, redis_answers, stop_group, wait_until
 from .sandbox import SandboxApp, SandboxConfig, SandboxServer
 from .settings import Secret, Settings, child_env
@@ -89,8 +89,8 @@ def run_demo(
         secret_file.chmod(0o600)
         renew_before = round(lifetime * 0.3, 3)
         key_prefix = f"mt-demo-{uuid.uuid4().hex[:8]}"
-        celery_config = _celery_config(redis_url, f"{key_prefix}:celery:")
-        _write_celery_config(workdir / "celeryconfig.py", celery_config)
+        celery_config = isolated_config(redis_url, key_prefix)
+        write_config_module(workdir / "celeryconfig.py", celery_config)
         settings = Settings(
             api_key=DEMO_API_KEY,
             secret=Secret(path=secret_file),
@@ -253,27 +253,6 @@ def _summary_text(summary: DemoSummary) -> str:
     ]
     lines += [f"  error: {e}" for e in summary.errors[:5]]
     return "\n".join(lines) + "\n"
-
-
-def _celery_config(redis_url: str, prefix: str) -> dict[str, Any]:
-    """The demo's Celery settings on top of the package defaults: its Redis, its own keys."""
-    defaults = package_defaults({"MERCHANT_REDIS_URL": redis_url})
-    return {
-        "broker_url": redis_url,
-        "result_backend": redis_url,
-        **{
-            name: {**defaults[name], "global_keyprefix": prefix}
-            for name in ("broker_transport_options", "result_backend_transport_options")
-        },
-    }
-
-
-def _write_celery_config(path: Path, config: dict[str, Any]) -> None:
-    """The children's celeryconfig.py; private to the run (the URL may hold a password)."""
-    lines = ['"""Written by merchant-tasks demo for one run; deleted with it."""']
-    lines += [f"{name} = {value!r}" for name, value in config.items()]
-    path.write_text("\n".join(lines) + "\n")
-    path.chmod(0o600)
 
 
 @contextlib.contextmanager

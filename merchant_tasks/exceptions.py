@@ -4,7 +4,8 @@
 MerchantError                      base; ``retryable`` says whether trying later can help;
 │                                  fields status, code, excerpt, retry_after (None/"")
 ├── ConfigurationError             a setting is missing or invalid (names the variable)
-│   └── TokenUnreadable            the stored token is sealed with a key this process lacks
+│   ├── TokenUnreadable            the stored token is sealed with a key this process lacks
+│   └── MissingExtra               an optional part is not installed (names the extra)
 ├── StoreUnavailable               Redis cannot be reached                        retryable
 ├── TokenExchangeError             the token endpoint did not give us a token
 │   ├── CredentialsRejected        the API key or secret was refused (4xx)
@@ -79,6 +80,10 @@ class ConfigurationError(MerchantError):
 class TokenUnreadable(ConfigurationError):
     """The stored token is sealed with a key this process does not have; no exchange is
     made over it. Set MERCHANT_TOKEN_KEY_FILE to the key the rest of the fleet uses."""
+
+
+class MissingExtra(ConfigurationError):
+    """A tool needs an optional dependency: ``pip install 'merchant-tasks[<extra>]'``."""
 
 
 class StoreUnavailable(MerchantError):

@@ -66,17 +66,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from werkzeug.exceptions import HTTPException, MethodNotAllowed
-from werkzeug.routing import Map, Rule
-from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
-from werkzeug.wrappers import Request, Response
+from .extras import require
+from .settings import SANDBOX_DEFAULT_PORT, TOKEN_LIFETIME
 
-from .settings import TOKEN_LIFETIME
+require("sandbox", "the emulator (merchant_tasks.sandbox)")
+
+from werkzeug.exceptions import HTTPException, MethodNotAllowed  # noqa: E402
+from werkzeug.routing import Map, Rule  # noqa: E402
+from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server  # noqa: E402
+from werkzeug.wrappers import Request, Response  # noqa: E402
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
-DEFAULT_PORT = 8480  # the default MERCHANT_BASE_URL for the sandbox is http://127.0.0.1:8480
+DEFAULT_PORT = SANDBOX_DEFAULT_PORT  # the sandbox's default MERCHANT_BASE_URL points here
 API_ROOT = "/open-api/v1"
 TOKEN_PATH = f"{API_ROOT}/auth/access_token"
 CONTROL_ROOT = "/_sandbox"

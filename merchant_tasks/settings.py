@@ -20,7 +20,8 @@ from .redis_topology import DEFAULT_SENTINEL_MASTER, is_sentinel_url, parse_sent
 from .sealing import codec_for
 
 ENVIRONMENTS = ("sandbox", "production")
-SANDBOX_DEFAULT_BASE_URL = "http://127.0.0.1:8480"  # the local emulator, `merchant-tasks sandbox`
+SANDBOX_DEFAULT_PORT = 8480  # where `merchant-tasks sandbox` serves unless told otherwise
+SANDBOX_DEFAULT_BASE_URL = f"http://127.0.0.1:{SANDBOX_DEFAULT_PORT}"  # the local emulator
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_KEY_PREFIX = "merchant-tasks"
 TOKEN_LIFETIME = 7200  # spec: a token is valid 7200 s when the response does not say

@@ -9,6 +9,7 @@ Reading order follows the token's life: ``token`` (the value), ``exchange`` (get
 from __future__ import annotations
 
 import logging
+from importlib.metadata import PackageNotFoundError, version
 
 from .client import MerchantClient
 from .exceptions import (
@@ -20,6 +21,7 @@ from .exceptions import (
     MalformedApiResponse,
     MalformedTokenResponse,
     MerchantError,
+    MissingExtra,
     RenewalTimeout,
     StoreUnavailable,
     TokenEndpointUnavailable,
@@ -28,6 +30,11 @@ from .exceptions import (
     TokenUnreadable,
 )
 from .settings import Settings
+
+try:
+    __version__ = version("merchant-tasks")
+except PackageNotFoundError:  # a source tree used without installing it
+    __version__ = "0+unknown"
 
 __all__ = [
     "ApiError",
@@ -39,6 +46,7 @@ __all__ = [
     "MalformedTokenResponse",
     "MerchantClient",
     "MerchantError",
+    "MissingExtra",
     "RenewalTimeout",
     "Settings",
     "StoreUnavailable",
@@ -46,6 +54,7 @@ __all__ = [
     "TokenExchangeError",
     "TokenRejected",
     "TokenUnreadable",
+    "__version__",
 ]
 
 # a library leaves logging to its application: without this, Python's last-resort handler

@@ -15,7 +15,6 @@ import requests
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import TEST_API_KEY, Sandbox
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.client import MerchantClient
 from merchant_tasks.local import free_port, stop_group, wait_until
@@ -32,14 +31,8 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @pytest.fixture
-def env(sandbox: Sandbox, secret_file: Path, redis_url: str, key_prefix: str) -> dict[str, str]:
-    return {
-        "MERCHANT_API_KEY": TEST_API_KEY,
-        "MERCHANT_API_SECRET_FILE": str(secret_file),
-        "MERCHANT_BASE_URL": sandbox.url,
-        "MERCHANT_REDIS_URL": redis_url,
-        "MERCHANT_KEY_PREFIX": key_prefix,
-    }
+def env(account_env: dict[str, str]) -> dict[str, str]:
+    return account_env
 
 
 def _scrape(env: dict[str, str]) -> Samples:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from conftest import TEST_SECRET, Sandbox
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.cli import EXIT_CONFIGURATION, EXIT_FAILED, EXIT_STORE_UNAVAILABLE, main
 from merchant_tasks.metrics import FleetCollector
@@ -24,14 +24,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def env(sandbox: Sandbox, secret_file: Path, redis_url: str, key_prefix: str) -> dict[str, str]:
-    return {
-        "MERCHANT_API_KEY": TEST_API_KEY,
-        "MERCHANT_API_SECRET_FILE": str(secret_file),
-        "MERCHANT_BASE_URL": sandbox.url,
-        "MERCHANT_REDIS_URL": redis_url,
-        "MERCHANT_KEY_PREFIX": key_prefix,
-    }
+def env(account_env: dict[str, str]) -> dict[str, str]:
+    return account_env
 
 
 def _run(env: dict[str, str], *args: str) -> tuple[int, str, str]:

@@ -4,8 +4,8 @@ Configuration is layered, each layer overriding the one before:
 
 1. the package defaults below (safe for production: late acknowledgement, prefetch 1,
    renewal on its own queue, JSON only);
-2. ``celeryconfig.py`` from the working directory, if importable (the repo root has the
-   documented one; edit it or put your own on the path);
+2. ``celeryconfig.py`` from the working directory, if importable (``deploy/celeryconfig.py``
+   is the container image's, and an example);
 3. ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND`` from the environment;
 4. at worker start, the broker's and result backend's connection pools are raised to fit
    the worker's concurrency (see ``worker_pools``), whatever the pool (-P).

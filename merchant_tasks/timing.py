@@ -1,8 +1,9 @@
 """Durations the fleet's histograms are made of, measured where they happen.
 
 ``TimedExchange`` wraps the token exchange so each attempt's latency lands in the store's
-``exchange_seconds`` histogram whatever its outcome; the renewal records its own
-``lock_wait_seconds`` (time spent waiting for another process's exchange).
+``exchange_seconds`` histogram whatever its outcome; the renewal records
+``lock_wait_seconds``: from finding the lock held by another process to having a token
+(the other's, or its own exchange's once the lock was free).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from .exchange import IssuedToken
 from .store import TokenStore
 
 EXCHANGE_SECONDS = "exchange_seconds"  # one token exchange attempt, any outcome
-LOCK_WAIT_SECONDS = "lock_wait_seconds"  # a renewal waiting for another process's exchange
+LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding the lock held to having a token
 HISTOGRAMS = {
     EXCHANGE_SECONDS: "Seconds one token exchange attempt took, any outcome.",
-    LOCK_WAIT_SECONDS: "Seconds a renewal waited for another process holding the lock.",
+    LOCK_WAIT_SECONDS: "Seconds from a renewal finding the lock held to its having a token.",
 }
 
 

@@ -34,7 +34,9 @@ from kombu.transport import virtual
 
 from .exceptions import ConfigurationError
 from .redis_topology import DEFAULT_SENTINEL_MASTER, is_kombu_redis_url, is_sentinel_url
-from .routing import CALLS_QUEUE, RENEWAL_QUEUE, remove_stale_bindings, task_queues
+from .routing import CALLS_QUEUE as CALLS_QUEUE  # re-exported: the queues' names
+from .routing import RENEWAL_QUEUE as RENEWAL_QUEUE
+from .routing import remove_stale_bindings, task_queues
 from .settings import FleetSettings, read_variable
 from .worker_pools import size_pools_at_worker_start
 

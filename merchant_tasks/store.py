@@ -312,11 +312,12 @@ def redis_address(client: redis.Redis) -> str:
 
 
 @contextmanager
-def _unavailable_as_error(address: str) -> Iterator[None]:
+def _unavailable_as_error(address: str | None = None) -> Iterator[None]:
+    """Redis's connection errors as StoreUnavailable, naming ``address`` (host:port)."""
+    where = f"Redis at {address}" if address else "Redis"
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException) as exc:
         raise StoreUnavailable(
-            f"token store (Redis at {address}) unavailable: {type(exc).__name__}; "
-            "check MERCHANT_REDIS_URL"
+            f"token store ({where}) unavailable: {type(exc).__name__}; check MERCHANT_REDIS_URL"
         ) from exc

@@ -245,6 +245,10 @@ class Settings:
         }
         if self.redis_sentinel_password is not None:
             env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = self.redis_sentinel_password
+        if self.token_key_file is not None:
+            env["MERCHANT_TOKEN_KEY_FILE"] = self.token_key_file
+        if self.token_key_previous_file is not None:
+            env["MERCHANT_TOKEN_KEY_PREVIOUS_FILE"] = self.token_key_previous_file
         if self.secret.path is not None:
             env["MERCHANT_API_SECRET_FILE"] = str(self.secret.path)
         else:

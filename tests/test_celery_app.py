@@ -205,8 +205,6 @@ def test_a_worker_without_any_account_stops_at_start_with_the_configuration_mess
     )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr + done.stdout
-    assert done.stderr.strip().splitlines()[-1] == (
-        "error: ConfigurationError: no account configured: set MERCHANT_API_KEY (one account) "
-        "or MERCHANT_ACCOUNTS_FILE (several)"
-    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ConfigurationError: no account configured: set MERCHANT_API_KEY")
     assert "ready" not in done.stdout + done.stderr

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
+import os
 import pickle
 from pathlib import Path
 
@@ -465,6 +467,10 @@ def _fields_except_secret(settings: Settings) -> dict[str, object]:
 
 def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> None:
     # every field away from its default, so a field to_env forgets shows as a difference
+    keys = []
+    for name in ("token-key", "previous-token-key"):
+        keys.append(secret_path.with_name(name))
+        keys[-1].write_text(base64.urlsafe_b64encode(os.urandom(32)).decode())
     settings = Settings(
         api_key="other-key",
         secret=Secret(path=secret_path),
@@ -479,6 +485,8 @@ def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> Non
         connect_timeout=1.5,
         read_timeout=20.0,
         allow_insecure_http=True,
+        token_key_file=str(keys[0]),
+        token_key_previous_file=str(keys[1]),
     )
     defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
     changed = {k for k, v in _fields_except_secret(settings).items() if v != defaults[k]}

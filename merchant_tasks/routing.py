@@ -23,6 +23,7 @@ CALLS_QUEUE = "celery"  # Celery's default queue: app code needs no routing to e
 RENEWAL_QUEUE = "merchant-renewal"  # its own queue, so a backlog of calls never delays it
 # (queue, exchange, routing key) bindings that older releases made and that must go
 STALE_BINDINGS = ((RENEWAL_QUEUE, CALLS_QUEUE, CALLS_QUEUE),)
+CONNECT_RETRIES = 2  # at worker start: a broker still down is the consumer's to wait for
 
 
 def own_queue(name: str) -> Queue:
@@ -38,6 +39,7 @@ def task_queues() -> tuple[Queue, ...]:
 def remove_stale_bindings(app: Any) -> None:
     """Unbind what older releases bound, so no message is delivered to two queues."""
     with app.connection_for_write() as connection:
+        connection.ensure_connection(max_retries=CONNECT_RETRIES)
         channel = connection.default_channel
         for queue, exchange, routing_key in STALE_BINDINGS:
             if hasattr(channel, "keyprefix_queue"):  # kombu's Redis transport

@@ -70,7 +70,7 @@ from harness import (
 )
 
 from merchant_tasks.client import MerchantClient
-from merchant_tasks.settings import Secret, Settings, child_env
+from merchant_tasks.settings import DEFAULT_KEY_PREFIX, Secret, Settings, child_env
 
 API_KEY = "bench-app-id"
 PING = "/open-api/v1/ping"
@@ -182,10 +182,12 @@ class Bench:
             **fields,
         )
 
-    def env(self, settings: Settings, **extra: str) -> dict[str, str]:
-        """The children's environment: ``settings.to_env()``, nothing inherited of ours."""
+    def env(self, settings: Settings | None = None, **extra: str) -> dict[str, str]:
+        """The children's environment: ``settings.to_env()`` (the emulator's account with
+        the default key prefix when None), ``extra`` on top, nothing inherited of ours."""
         base = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
-        return {**child_env(settings, base), "PYTHONUNBUFFERED": "1", **extra}
+        account = settings or self.settings(DEFAULT_KEY_PREFIX)
+        return {**child_env(account, base), "PYTHONUNBUFFERED": "1", **extra}
 
     def client(self, prefix: str, base_url: str | None = None) -> MerchantClient:
         """A MerchantClient in this process, default windows, its own key prefix."""

@@ -59,7 +59,10 @@ class MerchantError(Exception):
         return self.message
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={value!r}" for name, value in self.details().items())
+        # no excerpt: repr reaches logs, Celery's task events and Flower, which hold no free
+        # text from a body (it could echo what was sent); ``excerpt`` is for the caller
+        shown = {k: v for k, v in self.details().items() if k != "excerpt"}
+        fields = ", ".join(f"{name}={value!r}" for name, value in shown.items())
         return f"{type(self).__name__}({self.message!r}{', ' if fields else ''}{fields})"
 
     def details(self) -> dict[str, object]:

@@ -70,8 +70,8 @@ def test_every_error_survives_pickle_with_its_fields(cls: type[MerchantError]) -
     assert (type(back), str(back), back.details()) == (cls, "what happened", FIELDS)
 
 
-def test_repr_shows_the_message_and_only_the_fields_that_are_set() -> None:
-    error = ApiUnavailable("gave up", status=503, retry_after=2.0)
+def test_repr_shows_the_message_and_the_fields_that_are_set_but_never_the_excerpt() -> None:
+    error = ApiUnavailable("gave up", status=503, excerpt="free text of the body", retry_after=2.0)
     assert repr(error) == "ApiUnavailable('gave up', status=503, retry_after=2.0)"
     assert repr(MerchantError("plain")) == "MerchantError('plain')"
 

@@ -3,7 +3,7 @@
 A worker needs only the core (celery with Redis, redis, requests, tenacity, click). The
 tools are extras: ``sandbox`` (the emulator: werkzeug), ``metrics`` (prometheus-client),
 ``flower``, ``demo`` (the emulator and an embedded Redis), ``encryption`` (tokens
-sealed at rest), ``all``. A tool whose extra is
+sealed at rest), ``gevent`` (the gevent worker pool), ``all``. A tool whose extra is
 missing stops with ``MissingExtra`` naming the pip command, not an ImportError.
 """
 
@@ -20,6 +20,7 @@ EXTRAS = {
     "flower": ("flower",),
     "demo": ("werkzeug", "fakeredis", "lupa"),
     "encryption": ("cryptography",),
+    "gevent": ("gevent",),
 }
 
 

@@ -425,3 +425,16 @@ def test_rejected_credentials_come_back_from_a_real_worker_with_status_and_code(
     assert 400 <= error.status < 500
     assert error.code
     assert "MERCHANT_API_SECRET" in str(error)
+
+
+def test_a_worker_given_the_redis_url_as_a_file_uses_it_for_broker_and_results(
+    fleet: Fleet, sandbox: Sandbox, tmp_path: Path
+) -> None:
+    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    url_file = tmp_path / "redis-url"
+    url_file.write_text(fleet.redis_url + "\n")
+    del fleet.env["MERCHANT_REDIS_URL"]
+    fleet.env["MERCHANT_REDIS_URL_FILE"] = str(url_file)
+    fleet.start_worker("w", concurrency=1)
+    fleet.wait_ready()  # the test's app sends to the private Redis and reads results there
+    assert sandbox.calls()["ok"] == 1

@@ -36,12 +36,14 @@ def task_queues() -> tuple[Queue, ...]:
     return (own_queue(CALLS_QUEUE), own_queue(RENEWAL_QUEUE))
 
 
-def remove_stale_bindings(app: Any) -> None:
+def remove_stale_bindings(
+    app: Any, bindings: tuple[tuple[str, str, str], ...] = STALE_BINDINGS
+) -> None:
     """Unbind what older releases bound, so no message is delivered to two queues."""
     with app.connection_for_write() as connection:
         connection.ensure_connection(max_retries=CONNECT_RETRIES)
         channel = connection.default_channel
-        for queue, exchange, routing_key in STALE_BINDINGS:
+        for queue, exchange, routing_key in bindings:
             if hasattr(channel, "keyprefix_queue"):  # kombu's Redis transport
                 # its queue_unbind changes only an in-memory copy of the binding table
                 member = channel.sep.join([routing_key, "", queue])

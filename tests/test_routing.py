@@ -46,7 +46,8 @@ def test_an_old_binding_is_removed_from_rabbitmq_and_messages_stop_reaching_that
     tag = uuid.uuid4().hex[:10]
     exchange = Exchange(f"mt-test-x-{tag}", type="direct")  # outlives its last binding
     queue = Queue(f"mt-test-q-{tag}", exchange, routing_key=f"rk-{tag}", auto_delete=True)
-    with Connection(RABBITMQ_URL) as connection:
+    # with publisher confirms, a publish returns once the broker has routed the message
+    with Connection(RABBITMQ_URL, transport_options={"confirm_publish": True}) as connection:
         queue.bind(connection.default_channel).declare()
         try:
             producer = connection.Producer()

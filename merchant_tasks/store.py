@@ -300,7 +300,7 @@ class TokenStore:
         return {k.decode(): int(v) for k, v in raw.items()}
 
 
-def redis_address(client: redis.Redis) -> str:
+def redis_address(client: object) -> str:
     """Where a client connects (host:port or socket path), never its user or password."""
     pool = getattr(client, "connection_pool", None)  # a cluster client has one per node
     kwargs = getattr(pool, "connection_kwargs", None)

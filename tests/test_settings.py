@@ -487,6 +487,9 @@ def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> Non
         allow_insecure_http=True,
         token_key_file=str(keys[0]),
         token_key_previous_file=str(keys[1]),
+        redis_sentinel_master="payments",
+        redis_sentinel_password="sentinel-pw",
+        redis_cluster=True,
     )
     defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
     changed = {k for k, v in _fields_except_secret(settings).items() if v != defaults[k]}

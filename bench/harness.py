@@ -9,21 +9,17 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import redis
 import requests
 
-from merchant_tasks.local import free_port, redis_server_command
+from merchant_tasks import local
+from merchant_tasks.local import Child, free_port, redis_answers, redis_server_command, spawn
 
 BENCH_DIR = Path(__file__).resolve().parent
 STOP_TIMEOUT = 10.0  # seconds a child group gets after SIGTERM before SIGKILL
@@ -34,74 +30,12 @@ class ScenarioError(RuntimeError):
     """A scenario could not run (as opposed to: it ran and missed a goal)."""
 
 
-@dataclass
-class Child:
-    """A child process leading its own process group, with its output in a log file."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> None:
-        """SIGTERM the whole group, wait, then SIGKILL whatever is left of it."""
-        pgid = self.process.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=STOP_TIMEOUT)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)  # prefork children, if any survived
-        self.process.wait(timeout=STOP_TIMEOUT)
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.process.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # pragma: no cover - not ours any more
-            return False
-        return True
-
-
-def spawn(
-    name: str,
-    argv: Sequence[str],
-    log_path: Path,
-    *,
-    env: Mapping[str, str] | None = None,
-    cwd: Path | None = None,
-    stdout_pipe: bool = False,
-) -> Child:
-    """Start ``argv`` in a new session; stderr (and stdout unless piped) go to ``log_path``."""
-    log = log_path.open("wb")
-    try:
-        process = subprocess.Popen(
-            list(argv),
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if stdout_pipe else log,
-            stderr=log,
-            start_new_session=True,
-        )
-    finally:
-        log.close()  # the child holds its own descriptor
-    return Child(name, process, log_path)
-
-
 def wait_until(ready: Callable[[], bool], what: str, timeout: float = START_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            raise ScenarioError(f"{what} did not become ready within {timeout:g} s")
-        time.sleep(0.05)
+    """``merchant_tasks.local.wait_until``, its time-out a ScenarioError."""
+    try:
+        local.wait_until(ready, what, timeout)
+    except TimeoutError as exc:
+        raise ScenarioError(str(exc)) from None
 
 
 @contextlib.contextmanager
@@ -112,24 +46,12 @@ def private_redis(workdir: Path) -> Iterator[tuple[str, Child]]:
         argv = redis_server_command(port, workdir, "--loglevel", "warning")
     except FileNotFoundError as exc:
         raise ScenarioError(str(exc)) from None
-    child = spawn(
-        "redis-server",
-        argv,
-        workdir / "redis.log",
-    )
+    child = spawn("redis-server", argv, workdir / "redis.log")
     try:
-        probe = redis.Redis(port=port, socket_connect_timeout=0.2)
-
-        def answers() -> bool:
-            if child.process.poll() is not None:
-                raise ScenarioError(f"redis-server exited: {child.log_tail()}")
-            try:
-                return bool(probe.ping())
-            except redis.RedisError:
-                return False
-
-        wait_until(answers, "the private redis-server")
-        probe.close()
+        try:
+            child.wait_ready(lambda: redis_answers(port), "the private redis-server", START_TIMEOUT)
+        except (RuntimeError, TimeoutError) as exc:
+            raise ScenarioError(str(exc)) from None
         yield f"redis://127.0.0.1:{port}/0", child
     finally:
         child.stop()

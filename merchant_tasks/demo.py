@@ -22,7 +22,6 @@ import math
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,7 +36,7 @@ import redis
 from celery import Celery
 
 from .celery_app import isolated_config, package_defaults, write_config_module
-from .local import RedisServer, free_port, redis_answers, stop_group, wait_until
+from .local import RedisServer, free_port, redis_answers, running, wait_until
 from .sandbox import SandboxApp, SandboxConfig, SandboxServer
 from .settings import Secret, Settings, child_env
 from .store import TokenStore
@@ -111,7 +110,8 @@ def run_demo(
         os.environ.update(settings.to_env())
         celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
         stack.enter_context(
-            _child(
+            running(
+                "worker",
                 [
                     *celery,
                     "worker",
@@ -122,17 +122,18 @@ def run_demo(
                     "-n",
                     f"demo-{uuid.uuid4().hex[:6]}@%h",
                 ],
-                env,
-                workdir,
-                "worker.log",
+                workdir / "worker.log",
+                env=env,
+                cwd=workdir,
             )
         )
         stack.enter_context(
-            _child(
+            running(
+                "beat",
                 [*celery, "beat", "--loglevel=WARNING", "-s", str(workdir / "beat-schedule")],
-                env,
-                workdir,
-                "beat.log",
+                workdir / "beat.log",
+                env=env,
+                cwd=workdir,
             )
         )
         store = TokenStore(
@@ -282,23 +283,3 @@ def _redis_for_demo(workdir: Path) -> Iterator[tuple[str, str]]:
     finally:
         fake.shutdown()
         fake.server_close()
-
-
-@contextlib.contextmanager
-def _child(
-    argv: list[str], env: dict[str, str], workdir: Path, log_name: str
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A child process in ``workdir`` and its own session, stopped with all its children."""
-    with (workdir / log_name).open("wb") as log:
-        process = subprocess.Popen(  # noqa: S603
-            argv,
-            env=env,
-            cwd=workdir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            yield process
-        finally:
-            stop_group(process)

@@ -1,7 +1,10 @@
 """Local child processes for the demo (and the tests and benchmarks that reuse them).
 
-A private ``redis-server`` on a free loopback port, and child process groups that are
-stopped whole, so that nothing started here outlives its owner.
+One way to run a child: ``spawn`` starts it in its own session (so it leads its own process
+group) with its output in a log file, ``Child.wait_ready`` waits until it answers, and
+``Child.stop`` stops the whole group, so that nothing started here outlives its owner.
+``running`` does all three around a ``with`` block. ``RedisServer`` is a private
+``redis-server`` on a free loopback port, run that way.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -51,6 +55,96 @@ def stop_group(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT) 
     process.wait()
 
 
+@dataclass
+class Child:
+    """A child process leading its own process group, with its output in a log file."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 15) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def wait_ready(
+        self, ready: Callable[[], bool], what: str = "", timeout: float = START_TIMEOUT
+    ) -> None:
+        """``wait_until(ready)``, failing at once (with the log's tail) if the child exits."""
+
+        def answers() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; its log ends:\n{self.log_tail()}")
+            return ready()
+
+        wait_until(answers, what or self.name, timeout)
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.process.pid, 0)
+        except (ProcessLookupError, PermissionError):  # gone, or the id is not ours any more
+            return False
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (no shutdown, no save) and reap the leader."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        stop_group(self.process, timeout)
+
+
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    log: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    stdout_pipe: bool = False,
+) -> Child:
+    """Start ``argv`` in a new session; stderr (and stdout unless piped) go to ``log``."""
+    with log.open("wb") as out:  # the child holds its own descriptor
+        process = subprocess.Popen(  # noqa: S603 - our own argv
+            list(argv),
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if stdout_pipe else out,
+            stderr=out,
+            start_new_session=True,
+        )
+    return Child(name, process, log)
+
+
+@contextlib.contextmanager
+def running(
+    name: str,
+    argv: Sequence[str],
+    log: Path,
+    ready: Callable[[], bool] | None = None,
+    *,
+    timeout: float = START_TIMEOUT,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Iterator[Child]:
+    """A child for the ``with`` block: spawned, waited for until ``ready``, stopped whole."""
+    child = spawn(name, argv, log, env=env, cwd=cwd)
+    try:
+        if ready is not None:
+            child.wait_ready(ready, name, timeout)
+        yield child
+    finally:
+        child.stop()
+
+
 def redis_server_command(port: int, workdir: Path, *options: str) -> list[str]:
     """argv of a redis-server on 127.0.0.1:``port`` that persists nothing (``options`` win)."""
     binary = shutil.which("redis-server")
@@ -85,7 +179,7 @@ class RedisServer:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.argv = redis_server_command(self.port, workdir, *options)
-        self.process: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
 
     @property
     def url(self) -> str:
@@ -93,24 +187,22 @@ class RedisServer:
 
     def start(self, ready: Callable[[], bool] | None = None) -> RedisServer:
         """Start it and wait until it answers (or until ``ready`` holds)."""
-        with (self.workdir / "redis-server.log").open("ab") as log:
-            self.process = subprocess.Popen(  # noqa: S603 - our own argv
-                self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        wait_until(ready or (lambda: redis_answers(self.port)), "the private redis-server")
+        self.child = spawn("redis-server", self.argv, self.workdir / "redis-server.log")
+        self.child.wait_ready(
+            ready or (lambda: redis_answers(self.port)), "the private redis-server"
+        )
         return self
 
     def kill(self) -> None:
         """SIGKILL: no shutdown, no save; only what was fsynced survives."""
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        self.process = None
+        assert self.child is not None
+        self.child.kill()
+        self.child = None
 
     def stop(self) -> None:
-        if self.process is not None:
-            stop_group(self.process)
-            self.process = None
+        if self.child is not None:
+            self.child.stop()
+            self.child = None
 
     def __enter__(self) -> RedisServer:
         return self.start()

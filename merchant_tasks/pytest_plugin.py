@@ -188,7 +188,7 @@ def merchant_worker(
     from celery import Celery
 
     from .celery_app import isolated_config, load_config, write_config_module
-    from .local import stop_group, wait_until
+    from .local import spawn
 
     workdir = tmp_path / "merchant-worker"
     workdir.mkdir()
@@ -198,26 +198,18 @@ def merchant_worker(
     log = tmp_path / "merchant-worker.log"
     argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", "worker", "-n", node]
     argv += ["--pool=prefork", "--concurrency=2", "--without-gossip", "--without-mingle"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(  # noqa: S603 - our own argv
-            [*argv, "--loglevel=INFO"],
-            env=child_env(merchant_settings),
-            cwd=workdir,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = spawn(
+        "the test's Celery worker",
+        [*argv, "--loglevel=INFO"],
+        log,
+        env=child_env(merchant_settings),
+        cwd=workdir,
+    )
     app = Celery("merchant-tasks-test-client", set_as_current=False)
     app.conf.update({**load_config(merchant_settings.to_env()), **config, "imports": ()})
     try:
-
-        def answering() -> bool:
-            if process.poll() is not None:
-                raise RuntimeError(f"the worker exited; its log:\n{log.read_text()[-3000:]}")
-            return bool(app.control.ping(timeout=0.5))
-
-        wait_until(answering, "the test's Celery worker", WORKER_START_TIMEOUT)
-        yield MerchantWorker(app, process, log)
+        worker.wait_ready(lambda: bool(app.control.ping(timeout=0.5)), timeout=WORKER_START_TIMEOUT)
+        yield MerchantWorker(app, worker.process, log)
     finally:
-        stop_group(process)
+        worker.stop()
         app.close()

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +26,7 @@ from celery import Celery
 
 from conftest import TEST_API_KEY, Sandbox
 from merchant_tasks.celery_app import load_config
-from merchant_tasks.local import RedisServer, stop_group, wait_until
+from merchant_tasks.local import Child, RedisServer, spawn, wait_until
 from merchant_tasks.settings import Secret, Settings, child_env
 from merchant_tasks.store import TokenStore
 
@@ -51,18 +48,6 @@ LONG_RENEW_INTERVAL = 60.0
 READY_TIMEOUT = 60.0  # the first task's result: worker start-up on a busy machine
 RESULT_TIMEOUT = 30.0
 CALL_PERIOD = 0.125  # seconds between two enqueued calls while "calls flow"
-
-
-@dataclass
-class Child:
-    """A worker, beat or monitor process and its log file."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(encoding="utf-8", errors="replace")
 
 
 class Fleet:
@@ -112,17 +97,7 @@ class Fleet:
     # -- children ------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str], cwd: Path) -> Child:
-        log = self.tmp_path / f"{name}.log"
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                argv,
-                env=self.env,
-                cwd=cwd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        child = Child(name, process, log)
+        child = spawn(name, argv, self.tmp_path / f"{name}.log", env=self.env, cwd=cwd)
         self.children.append(child)
         return child
 
@@ -180,7 +155,7 @@ class Fleet:
     def stop(self) -> None:
         """Stop every child, the last started first, and close the client app."""
         while self.children:
-            stop_group(self.children.pop().process)
+            self.children.pop().stop()
         if self._app is not None:
             self._app.close()
             self._app = None
@@ -310,9 +285,7 @@ def kill_the_worker_running(fleet: Fleet, workers: dict[str, Child], result: Any
     node, _ = running_on(fleet, result)
     wait_until(lambda: fleet.sandbox.app.arrived(ECHO) == 1, "the call reaching the API", 20.0)
     label = node.split("@")[0].rsplit("-", 1)[1]
-    victim = workers[label]
-    os.killpg(victim.process.pid, signal.SIGKILL)
-    victim.process.wait()
+    workers[label].kill()
     return next(other for other in workers if other != label)
 
 

@@ -606,7 +606,7 @@ def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) 
                 stop_group(children.pop())
             if client is not None:
                 client.close()
-            if server.process is not None:
+            if server.child is not None:
                 dump = redis.Redis.from_url(server.url)
                 evidence.redis_keys("row 1 Celery (broker, results, store)", dump)
                 dump.close()

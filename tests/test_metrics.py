@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.client import MerchantClient
-from merchant_tasks.local import free_port, stop_group, wait_until
+from merchant_tasks.local import free_port, running
 from merchant_tasks.metrics import BREAKER_KINDS, EXCHANGE_OUTCOMES, FleetCollector
 from merchant_tasks.status import account_status
 from merchant_tasks.token import RenewalReason
@@ -114,15 +113,7 @@ def exporter_with_redis_down(env: dict[str, str], tmp_path: Path) -> Iterator[st
     port = free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("MERCHANT_")}
     child_env |= {**env, "MERCHANT_REDIS_URL": "redis://ops:hunter2-pw@127.0.0.1:1/0"}
-    log = tmp_path / "metrics.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "merchant_tasks.cli", "metrics", "--port", str(port)],
-            env=child_env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    argv = [sys.executable, "-m", "merchant_tasks.cli", "metrics", "--port", str(port)]
     url = f"http://127.0.0.1:{port}/metrics"
 
     def answers() -> bool:
@@ -132,11 +123,9 @@ def exporter_with_redis_down(env: dict[str, str], tmp_path: Path) -> Iterator[st
             return False
         return True
 
-    try:
-        wait_until(answers, "the exporter", START_TIMEOUT)
+    log = tmp_path / "metrics.log"
+    with running("the exporter", argv, log, answers, timeout=START_TIMEOUT, env=child_env):
         yield url
-    finally:
-        stop_group(process)
 
 
 def test_a_scrape_with_redis_down_answers_200_with_up_0_and_the_error(

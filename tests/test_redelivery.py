@@ -23,14 +23,13 @@ from celery_fleet import (
     LONG_RENEW_BEFORE,
     LONG_RENEW_INTERVAL,
     LONG_RENEW_MANDATORY,
-    Child,
     Fleet,
     running_fleet,
     running_on,
 )
 from conftest import Sandbox
 from merchant_tasks.completions import REDELIVERED_COUNTER
-from merchant_tasks.local import wait_until
+from merchant_tasks.local import Child, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -99,8 +98,7 @@ def test_a_worker_killed_while_the_api_processes_a_call_leaves_it_to_the_idempot
     node, _ = running_on(fleet, result)
     wait_until(lambda: sandbox.app.arrived(PAYMENTS) == 1, "the call reaching the API", 20.0)
     victim = workers[_label(node)]
-    os.killpg(victim.process.pid, signal.SIGKILL)  # the API goes on and creates the payment
-    victim.process.wait()
+    victim.kill()  # the API goes on and creates the payment
 
     payment = fleet.get(result, REDELIVERY_TIMEOUT)
     assert sandbox.app.arrived(PAYMENTS) == 2  # the survivor had no record: it called again
@@ -138,7 +136,7 @@ def test_a_call_run_but_never_acked_is_redelivered_after_the_visibility_timeout_
             REDELIVERY_TIMEOUT,
         )
     finally:
-        _kill(stopped)
+        stopped.kill()
     assert sandbox.app.arrived(PAYMENTS) == 1
     assert _payment_ids(sandbox) == ["pay_1"]
     wait_until(
@@ -146,11 +144,6 @@ def test_a_call_run_but_never_acked_is_redelivered_after_the_visibility_timeout_
         "the redelivered call's success in the other worker's log",
         REDELIVERY_TIMEOUT,
     )
-
-
-def _kill(child: Child) -> None:
-    os.killpg(child.process.pid, signal.SIGKILL)
-    child.process.wait()
 
 
 def _payment_ids(sandbox: Sandbox) -> list[str]:

@@ -30,17 +30,19 @@ FOREIGN_MESSAGE = json.dumps(
 )
 
 
-def _processes_with(marker: str) -> list[int]:
-    """Pids whose command line holds ``marker``."""
+def _processes_working_in(directory: Path) -> list[int]:
+    """Pids whose working directory is ``directory`` or below it (deleted or not): the
+    demo's children run in its work directory, made under this test's TMPDIR, so other
+    tests' and other runs' demos are not counted."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            cwd = os.readlink(entry / "cwd")
         except OSError:
             continue
-        if marker.encode() in cmdline:
+        if cwd.startswith(str(directory)):
             found.append(int(entry.name))
     return found
 
@@ -48,6 +50,8 @@ def _processes_with(marker: str) -> list[int]:
 def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
     tmp_path: Path,
 ) -> None:
+    demo_tmp = tmp_path / "tmp"  # where the demo makes its work directory
+    demo_tmp.mkdir()
     with RedisServer(tmp_path / "redis") as server:
         shared = redis.Redis.from_url(server.url)
         # another fleet on the same Redis: a queued call and its queue binding
@@ -66,6 +70,7 @@ def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
             [sys.executable, "-m", "merchant_tasks.cli", "demo", *options],
             env={
                 **env,
+                "TMPDIR": str(demo_tmp),
                 "MERCHANT_REDIS_URL": server.url,
                 "CELERY_BROKER_URL": "redis://127.0.0.1:1/0",
                 "CELERY_RESULT_BACKEND": "redis://127.0.0.1:1/0",
@@ -94,4 +99,4 @@ def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
         assert len(prefixes) == 1, prefixes
         assert prefixes.pop().startswith(b"mt-demo-")
 
-    assert _processes_with("mt-demo-") == []  # worker, its pool and beat all stopped
+    assert _processes_working_in(demo_tmp) == []  # worker, its pool and beat all stopped

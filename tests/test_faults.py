@@ -1,13 +1,14 @@
 """The fault matrix and the security checks: real Redis, real processes, the emulator's faults.
 
-Each test is one row of the fault matrix (issue 5) and its docstring says what must hold.
-Rows 4 and 5 (beat down, two beats) and the re-run half of row 6 are proven by
-test_celery_integration.py; docs/reliability.md maps every row to its test.
+Each test's name and docstring say what must hold under one fault; docs/reliability.md maps
+the rows of its fault matrix to these tests (rows 4 and 5 and the re-run half of row 6 are
+proven by test_celery_integration.py).
 
-Everything the tests see (DEBUG logs, exception texts and tracebacks, the caller
-processes' output, every Redis key but the token itself, the Celery broker and result keys,
-Flower's task API) is collected, and the last test searches it for the secret and for every
-token the emulators issued. Lifetimes are seconds; assertions are on counts and outcomes.
+Everything a test sees (DEBUG logs, exception texts and tracebacks, the caller processes'
+output, every Redis key but the token itself, the Celery broker and result keys, Flower's
+task API) goes to its ``evidence``, searched for the secret and for every token the
+emulators issued when the test ends. Lifetimes are seconds; assertions are on counts and
+outcomes. The harness (Evidence, Callers, CallLoop) is tests/fault_harness.py.
 """
 
 from __future__ import annotations
@@ -29,21 +30,22 @@ import traceback
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
 from celery import Celery
+from fault_harness import Callers, CallLoop, Evidence, LogLines, report_outcomes
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, WatchedSandbox, redis_value, shows
+from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, WatchedSandbox, redis_value
 from merchant_tasks.celery_app import load_config
 from merchant_tasks.client import MerchantClient, new_session
 from merchant_tasks.exceptions import (
@@ -55,7 +57,7 @@ from merchant_tasks.exceptions import (
     TokenRejected,
 )
 from merchant_tasks.exchange import IssuedToken, TokenExchange
-from merchant_tasks.local import RedisServer, free_port, stop_group, wait_until
+from merchant_tasks.local import Child, RedisServer, free_port, spawn, wait_until
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import FRESH_TOKEN_GRACE, TokenManager
 from merchant_tasks.sandbox import API_ROOT, TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
@@ -70,7 +72,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 PING = "/open-api/v1/ping"
 ECHO = "/open-api/v1/echo"
-CALLER = Path(__file__).with_name("fault_caller.py")
 START_TIMEOUT = 60.0  # a process's start on a busy two-core machine
 
 
@@ -106,74 +107,25 @@ def _only_ok_after_first_ok(outcomes: Sequence[str]) -> bool:
     return "ok" in outcomes and set(outcomes[outcomes.index("ok") :]) == {"ok"}
 
 
-# -- evidence for the leak search ----------------------------------------------------------
+# -- what each test saw: searched for secrets and tokens when the test ends ----------------
 
 
-@dataclass
-class Evidence:
-    """Everything the fault tests saw, and what must never appear in it."""
-
-    texts: dict[str, bytes] = field(default_factory=dict)
-    needles: dict[str, str] = field(default_factory=dict)
-
-    def add(self, where: str, text: str | bytes) -> None:
-        key, n = where, 1
-        while key in self.texts:
-            n += 1
-            key = f"{where} ({n})"
-        self.texts[key] = text.encode("utf-8", "replace") if isinstance(text, str) else text
-
-    def exception(self, where: str, exc: BaseException) -> None:
-        self.add(where, f"{exc!r}\n{exc}\n{''.join(traceback.format_exception(exc))}")
-
-    def needle(self, what: str, value: str) -> None:
-        self.needles[what] = value
-
-    def emulator(self, where: str, app: SandboxApp) -> None:
-        """The emulator's current secret and every token it ever issued."""
-        self.needle(f"{where}: emulator secret", app.config.secret)
-        for n, token in enumerate(app.issued_tokens()):
-            self.needle(f"{where}: token #{n}", token)
-
-    def redis_keys(self, where: str, client: redis.Redis, match: str = "*") -> None:
-        """Every key matching ``match`` except token keys, the one place a token may be."""
-        for key in client.scan_iter(match=match, count=1000):
-            if not key.endswith(b":token"):
-                self.add(f"{where}: Redis key {key!r}", redis_value(client, key))
-
-    def leaks(self) -> list[str]:
-        return [
-            f"{what} in {where}"
-            for what, needle in self.needles.items()
-            for where, text in self.texts.items()
-            if shows(needle, text)
-        ]
-
-
-@pytest.fixture(scope="module")
-def evidence() -> Evidence:
-    return Evidence()
-
-
-class _LogLines(logging.Handler):
-    """Formats every record as it is emitted, tracebacks included."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-        self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.lines.append(self.format(record))
-        except Exception:
-            self.handleError(record)
+@pytest.fixture
+def evidence() -> Iterator[Evidence]:
+    """This test's record; once every other fixture of the test has added to it (they are
+    torn down first), it is searched for the secret, the fuzz token and every token the
+    test's emulators issued, and the test fails if any shows."""
+    record = Evidence()
+    record.needle("the test secret", TEST_SECRET)
+    record.needle("the fuzz token", FUZZ_TOKEN)
+    yield record
+    record.assert_no_leak()
 
 
 @pytest.fixture(autouse=True)
-def debug_logs(request: pytest.FixtureRequest, evidence: Evidence) -> Iterator[_LogLines]:
+def debug_logs(request: pytest.FixtureRequest, evidence: Evidence) -> Iterator[LogLines]:
     """Every test runs with the root logger at DEBUG; what it logged goes to the evidence."""
-    handler = _LogLines()
+    handler = LogLines()
     root = logging.getLogger()
     level = root.level
     root.addHandler(handler)
@@ -207,120 +159,6 @@ def redis_client(
     evidence.redis_keys(request.node.name, redis_client, f"{key_prefix}:*")
 
 
-# -- processes: a private Redis, caller processes ------------------------------------------
-
-
-class Callers:
-    """Processes running tests/fault_caller.py for one account, started and stopped together."""
-
-    def __init__(
-        self,
-        control: redis.Redis,
-        control_url: str,
-        key: str,
-        workdir: Path,
-        evidence: Evidence,
-        name: str,
-    ) -> None:
-        self.control = control
-        self.control_url = control_url
-        self.key = key
-        self.workdir = workdir
-        self.evidence = evidence
-        self.name = name
-        self.processes: list[tuple[subprocess.Popen[str], Path]] = []
-
-    def start(self, env: Mapping[str, str], each: Sequence[Mapping[str, str]]) -> None:
-        """One process per entry of ``each`` (its extra variables); returns once all wait."""
-        for extra in each:
-            log = self.workdir / f"caller-{len(self.processes)}.log"
-            with log.open("wb") as stderr:
-                process = subprocess.Popen(
-                    [sys.executable, str(CALLER)],
-                    env={
-                        **env,
-                        **extra,
-                        "FAULT_KEY": self.key,
-                        "FAULT_CONTROL_URL": self.control_url,
-                    },
-                    stdout=subprocess.PIPE,
-                    stderr=stderr,
-                    text=True,
-                )
-            self.processes.append((process, log))
-
-        def all_ready() -> bool:
-            for process, log in self.processes:
-                if process.poll() is not None:
-                    raise AssertionError(f"caller exited at start:\n{log.read_text()[-3000:]}")
-            return int(cast(bytes, self.control.get(f"{self.key}:ready") or 0)) >= len(
-                self.processes
-            )
-
-        wait_until(all_ready, "caller processes ready", START_TIMEOUT)
-
-    @property
-    def pids(self) -> list[int]:
-        return [process.pid for process, _ in self.processes]
-
-    def go(self) -> None:
-        self.control.set(f"{self.key}:go", 1)
-
-    def phase(self, label: str) -> None:
-        self.control.set(f"{self.key}:phase", label)
-
-    def counts(self) -> Counter[tuple[int, str, str]]:
-        """Outcomes so far, by (pid, phase, outcome)."""
-        raw = cast(dict[bytes, bytes], self.control.hgetall(f"{self.key}:progress"))
-        counts: Counter[tuple[int, str, str]] = Counter()
-        for name, value in raw.items():
-            pid, phase, outcome = name.decode().split(":", 2)
-            counts[int(pid), phase, outcome] = int(value)
-        return counts
-
-    def each_has(self, phase: str, outcome: str | None = None, at_least: int = 1) -> bool:
-        """Whether every process counted ``at_least`` outcomes (of that kind) in ``phase``."""
-        counts = self.counts()
-        return all(
-            sum(
-                n
-                for (p, ph, out), n in counts.items()
-                if p == pid and ph == phase and outcome in (None, out)
-            )
-            >= at_least
-            for pid in self.pids
-        )
-
-    def stop(self) -> list[dict[str, Any]]:
-        """Stop every process; their reports. A process that did not exit 0 crashed."""
-        self.control.set(f"{self.key}:stop", 1)
-        reports = []
-        for process, log in self.processes:
-            try:
-                out, _ = process.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
-                raise AssertionError(f"caller {process.pid} did not stop") from None
-            self.evidence.add(f"{self.name}: caller {process.pid} output", out)
-            self.evidence.add(f"{self.name}: caller {process.pid} DEBUG log", log.read_bytes())
-            assert process.returncode == 0, (
-                f"caller {process.pid} crashed:\n{log.read_text()[-3000:]}"
-            )
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-        self.processes.clear()
-        return reports
-
-    def kill(self) -> None:
-        """SIGKILL every process still running (no report)."""
-        for process, log in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
-            self.evidence.add(f"{self.name}: killed caller {process.pid}", log.read_bytes())
-        self.processes.clear()
-
-
 @pytest.fixture
 def callers(
     redis_client: redis.Redis,
@@ -339,76 +177,10 @@ def callers(
         fleet.kill()
 
 
-def _outcomes(report: Mapping[str, Any], phase: str) -> list[str]:
-    """A caller report's outcomes in ``phase``, expanded from their run-length code."""
-    return [outcome for outcome, n in report["phases"].get(phase, []) for _ in range(n)]
-
-
-class CallLoop:
-    """Threads calling PING through one client until stopped; every outcome kept."""
-
-    def __init__(
-        self,
-        client: MerchantClient,
-        threads: int,
-        evidence: Evidence,
-        where: str,
-        pause: float = 0.01,
-    ) -> None:
-        self.client = client
-        self.evidence = evidence
-        self.where = where
-        self.pause = pause
-        self.phase = "0"
-        self.outcomes: list[tuple[str, int, str]] = []  # (phase, thread, outcome)
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(threads)
-        ]
-
-    def __enter__(self) -> CallLoop:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=60)
-
-    def _run(self, n: int) -> None:
-        seen: set[str] = set()
-        deadline = time.monotonic() + 120  # never outlive a test that forgot to stop
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            phase = self.phase
-            try:
-                self.client.request("GET", PING)
-                outcome = "ok"
-            except MerchantError as exc:
-                outcome = type(exc).__name__
-                if outcome not in seen:
-                    seen.add(outcome)
-                    self.evidence.exception(f"{self.where}: thread {n}", exc)
-            except Exception as exc:  # a crash is an outcome the test reports
-                outcome = f"crash {type(exc).__name__}: {exc}"
-            self.outcomes.append((phase, n, outcome))
-            self._stop.wait(self.pause)
-
-    def of(self, phase: str | None = None, thread: int | None = None) -> list[str]:
-        return [
-            outcome
-            for ph, n, outcome in list(self.outcomes)
-            if phase in (None, ph) and thread in (None, n)
-        ]
-
-    def each_thread_ok_in(self, phase: str) -> bool:
-        return all("ok" in self.of(phase, n) for n in range(len(self._threads)))
-
-
 # -- 1. Redis restarted mid-load -----------------------------------------------------------
 
 
-def test_row1_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_error(
+def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_error(
     sandbox: Sandbox, settings: Settings, tmp_path: Path, evidence: Evidence
 ) -> None:
     """Redis SIGKILLed mid-load and restarted empty on the same port, 6 threads calling.
@@ -466,10 +238,18 @@ class CeleryOutage:
     worker_survived: bool
     canary: str  # in every call's arguments and result, never secret
     flower_saw_canary: bool
+    evidence: Evidence  # the run's logs, Flower's task API, broker and result keys
+
+
+@pytest.fixture
+def celery_outage(celery_outage_run: CeleryOutage, evidence: Evidence) -> CeleryOutage:
+    """The module's one Celery outage, its evidence searched with this test's."""
+    evidence.include(celery_outage_run.evidence)
+    return celery_outage_run
 
 
 @pytest.fixture(scope="module")
-def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) -> CeleryOutage:
+def celery_outage_run(tmp_path_factory: pytest.TempPathFactory) -> CeleryOutage:
     """A worker (concurrency 1), beat and Flower on a private Redis with AOF (fsync always).
 
     One call runs (the emulator holds it 4 s) and four wait in the queue when Redis is
@@ -482,7 +262,8 @@ def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) 
     secret_file = tmp / "api-secret"
     secret_file.write_text(TEST_SECRET)
     canary = f"canary-{uuid.uuid4().hex}"  # a task argument: must show in Flower's API
-    children: list[subprocess.Popen[bytes]] = []
+    evidence = Evidence()
+    children: list[Child] = []
     client: Any = None
 
     with SandboxServer(app) as emulator:
@@ -501,18 +282,10 @@ def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) 
         worker_log = tmp / "worker.log"
         flower_api = f"http://127.0.0.1:{free_port()}/api/tasks"
 
-        def spawn(log: Path, *args: str) -> subprocess.Popen[bytes]:
-            with log.open("wb") as out:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "celery", "-A", "merchant_tasks", *args],
-                    env=env,
-                    cwd=workdir,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            children.append(process)
-            return process
+        def start(log: Path, *args: str) -> Child:
+            argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", *args]
+            children.append(spawn(log.stem, argv, log, env=env, cwd=workdir))
+            return children[-1]
 
         def echo(n: int) -> dict[str, Any]:
             return {"echo": {"n": n, "note": canary}}
@@ -546,7 +319,7 @@ def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) 
 
         try:
             server.start()
-            worker = spawn(
+            worker = start(
                 worker_log,
                 "worker",
                 "--pool=prefork",
@@ -555,9 +328,9 @@ def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) 
                 "--without-mingle",
                 "--loglevel=DEBUG",
             )
-            spawn(tmp / "beat.log", "beat", "-s", str(tmp / "beat-schedule"), "--loglevel=DEBUG")
+            start(tmp / "beat.log", "beat", "-s", str(tmp / "beat-schedule"), "--loglevel=DEBUG")
             port = flower_api.split(":")[2].split("/")[0]
-            spawn(tmp / "flower.log", "flower", f"--port={port}", "--address=127.0.0.1")
+            start(tmp / "flower.log", "flower", f"--port={port}", "--address=127.0.0.1")
             client = Celery("fault-client")
             config = load_config(
                 {**env, "CELERY_BROKER_URL": server.url, "CELERY_RESULT_BACKEND": server.url}
@@ -594,16 +367,17 @@ def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) 
                 expected_queued=[echo(n) for n in range(1, 5)],
                 expected_after=[echo(n) for n in (5, 6)],
                 renewals_run_after_restart=renewals_run_since(mark),
-                worker_survived=worker.poll() is None,
+                worker_survived=worker.process.poll() is None,
                 canary=canary,
                 flower_saw_canary=canary in flower_tasks,
+                evidence=evidence,
             )
             for result in outcomes:
                 if isinstance(result, BaseException):
                     evidence.exception("row 1 Celery: task outcome", result)
         finally:
             while children:
-                stop_group(children.pop())
+                children.pop().stop()
             if client is not None:
                 client.close()
             if server.child is not None:
@@ -617,7 +391,7 @@ def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) 
     return record
 
 
-def test_row1_celery_worker_and_beat_reconnect_and_queued_calls_complete(
+def test_celery_worker_and_beat_reconnect_and_queued_calls_complete(
     celery_outage: CeleryOutage,
 ) -> None:
     """After Redis comes back (with its AOF), nothing is restarted and nothing queued is lost.
@@ -634,7 +408,7 @@ def test_row1_celery_worker_and_beat_reconnect_and_queued_calls_complete(
     assert celery_outage.flower_saw_canary
 
 
-def test_row1_celery_the_call_running_when_redis_dies_reports_its_real_result(
+def test_celery_the_call_running_when_redis_dies_reports_its_real_result(
     celery_outage: CeleryOutage,
 ) -> None:
     """The call that was running when Redis died reaches its caller with its real result.
@@ -651,7 +425,7 @@ def test_row1_celery_the_call_running_when_redis_dies_reports_its_real_result(
 
 
 @pytest.mark.parametrize("fault", ["503", "timeout"])
-def test_row2_token_endpoint_down_through_the_advisory_window_fails_no_call(
+def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
     fault: str,
     sandbox: Sandbox,
     settings: Settings,
@@ -757,7 +531,7 @@ def test_row2_token_endpoint_down_through_the_advisory_window_fails_no_call(
 # -- 3. 429 with Retry-After ---------------------------------------------------------------
 
 
-def test_row3_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passes(
+def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passes(
     sandbox: Sandbox,
     settings: Settings,
     secret_file: Path,
@@ -795,7 +569,7 @@ def test_row3_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_
 
     assert sandbox.exchanges() == {"ok": 2, "rejected": 0, "rate_limited": 1, "failed": 0}
     assert client.manager.store.counters().get("breaker_openings:rate_limited") == 1
-    everyone = [outcomes] + [_outcomes(r, "0") for r in reports]
+    everyone = [outcomes] + [report_outcomes(r, "0") for r in reports]
     for seen in everyone:
         assert set(seen) == {"ExchangeRateLimited", "ok"}, _runs(seen)
         assert _only_ok_after_first_ok(seen), _runs(seen)
@@ -805,7 +579,7 @@ def test_row3_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_
 # -- 6. a worker killed while holding the renewal lock -----------------------------------------
 
 
-def test_row6_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_by_its_ttl(
+def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_by_its_ttl(
     sandbox: Sandbox,
     settings: Settings,
     secret_file: Path,
@@ -871,7 +645,7 @@ def test_row6_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_
 # -- 7. clocks 5 minutes apart -------------------------------------------------------------
 
 
-def test_row7_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
+def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
     sandbox: Sandbox,
     settings: Settings,
     secret_file: Path,
@@ -908,7 +682,7 @@ def test_row7_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
     last = store.generation()  # a renewal may still have come after the last look
 
     for report in reports:
-        assert set(_outcomes(report, "0")) == {"ok"}, report
+        assert set(report_outcomes(report, "0")) == {"ok"}, report
     assert sandbox.calls()["unauthorized"] == 0
     generations = sorted(seen)
     assert len(generations) >= 3
@@ -950,7 +724,7 @@ def test_row7_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
 # -- 8. secret reset ---------------------------------------------------------------------
 
 
-def test_row8_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no_restart(
+def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no_restart(
     sandbox: Sandbox,
     settings: Settings,
     secret_file: Path,
@@ -987,7 +761,7 @@ def test_row8_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_nee
     reports = callers.stop()
 
     for report in reports:
-        reset, rotated = _outcomes(report, "reset"), _outcomes(report, "rotated")
+        reset, rotated = report_outcomes(report, "reset"), report_outcomes(report, "rotated")
         assert set(reset) <= {"CredentialsRejected", "TokenRejected"}, _runs(reset)
         assert _only_ok_after_first_ok(rotated), _runs(rotated)
         for message in report["samples"].values():
@@ -1010,7 +784,7 @@ def _redis_time(client: redis.Redis) -> float:
 @pytest.mark.parametrize(
     ("emulator_env", "client_env"), [("production", "sandbox"), ("sandbox", "production")]
 )
-def test_row9_a_key_of_the_other_environment_is_a_clear_error_and_no_loop(
+def test_a_key_of_the_other_environment_is_a_clear_error_and_no_loop(
     emulator_env: str,
     client_env: str,
     redis_url: str,
@@ -1234,7 +1008,7 @@ _api_replies = st.lists(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(token=_token_replies, api=_api_replies, method=st.sampled_from(["GET", "POST"]))
-def test_row10_fuzzed_token_responses_and_error_bodies_give_typed_errors_and_log_no_body(
+def test_fuzzed_token_responses_and_error_bodies_give_typed_errors_and_log_no_body(
     scripted_api: tuple[str, ScriptedApi],
     redis_client: redis.Redis,
     key_prefix: str,
@@ -1252,7 +1026,7 @@ def test_row10_fuzzed_token_responses_and_error_bodies_give_typed_errors_and_log
     url, script = scripted_api
     script.play(token, api)
     client = _fuzz_client(url, redis_client, key_prefix)
-    handler = _LogLines()
+    handler = LogLines()
     root = logging.getLogger()
     root.addHandler(handler)
     error: MerchantError | None = None
@@ -1292,7 +1066,7 @@ def _one_scripted_call(
         client.session.close()
 
 
-def test_row10_a_token_that_cannot_go_in_a_header_is_a_typed_error(
+def test_a_token_that_cannot_go_in_a_header_is_a_typed_error(
     scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, key_prefix: str
 ) -> None:
     """A 2xx token response whose access_token has a character outside latin-1 (found by
@@ -1301,7 +1075,7 @@ def test_row10_a_token_that_cannot_go_in_a_header_is_a_typed_error(
     _one_scripted_call(scripted_api, redis_client, key_prefix, body, b"{}")
 
 
-def test_row10_an_absurd_token_lifetime_is_a_typed_error_or_is_capped(
+def test_an_absurd_token_lifetime_is_a_typed_error_or_is_capped(
     scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, key_prefix: str
 ) -> None:
     """A 2xx token response with expires_in 1e15 (found by fuzzing unbounded numbers): the
@@ -1310,7 +1084,7 @@ def test_row10_an_absurd_token_lifetime_is_a_typed_error_or_is_capped(
     _one_scripted_call(scripted_api, redis_client, key_prefix, body, b"{}")
 
 
-def test_row10_a_2xx_business_body_nested_too_deep_is_a_typed_error(
+def test_a_2xx_business_body_nested_too_deep_is_a_typed_error(
     scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, key_prefix: str
 ) -> None:
     """A 2xx business answer of 100 000 nested arrays: MalformedApiResponse, not a crash."""
@@ -1344,7 +1118,7 @@ class RefusingGateway(SandboxApp):
         return super().__call__(environ, start_response)
 
 
-def test_row11_a_persistent_401_on_fresh_tokens_is_one_retry_then_token_rejected(
+def test_a_persistent_401_on_fresh_tokens_is_one_retry_then_token_rejected(
     settings: Settings, redis_client: redis.Redis, evidence: Evidence
 ) -> None:
     """Every API call gets 401 though the token endpoint issues tokens.
@@ -1394,7 +1168,7 @@ def test_row11_a_persistent_401_on_fresh_tokens_is_one_retry_then_token_rejected
 # -- 12. issuing a token revokes the previous one -------------------------------------------
 
 
-def test_row12_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal(
+def test_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal(
     sandbox: Sandbox,
     settings: Settings,
     secret_file: Path,
@@ -1421,7 +1195,7 @@ def test_row12_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_r
     run = time.monotonic() - started
 
     for report in reports:
-        assert set(_outcomes(report, "0")) == {"ok"}, report
+        assert set(report_outcomes(report, "0")) == {"ok"}, report
     exchanges = sandbox.exchanges()["ok"]
     renewals = exchanges - 1
     assert renewals >= 2
@@ -1595,7 +1369,7 @@ def test_security_settings_never_show_the_redis_password(secret_file: Path) -> N
     assert password not in str(account)
 
 
-# -- the leak search (keep last: it searches what every test above saw) -----------------------
+# -- the leak search: every path once more at DEBUG ------------------------------------------
 
 
 def _token_key_file(path: Path) -> Path:
@@ -1611,14 +1385,15 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     settings: Settings,
     secret_file: Path,
     evidence: Evidence,
-    debug_logs: _LogLines,
+    debug_logs: LogLines,
 ) -> None:
     """Every path once more at DEBUG in this process (a call, a 401 and forced renewal, a
     token in a "data" envelope without expires_in, an unavailable endpoint, a reset secret,
-    a rotation, a 404), then a search of everything the module collected: logs, exception
-    texts and tracebacks, reprs, caller processes' output, Redis keys except the token, the
-    Celery run's worker, beat and Flower logs, Flower's task API and broker and result keys)
-    for every secret and every token the emulators issued.
+    a rotation, a 404), then a search of all it saw and all the Celery outage saw (logs,
+    exception texts and tracebacks, reprs, Redis keys except the token, the Celery run's
+    worker, beat and Flower logs, Flower's task API, broker and result keys) for every
+    secret, token key and token the emulators issued. Every other fault test's evidence
+    is searched the same way when it ends (the ``evidence`` fixture).
     """
     texts: list[str] = []
 
@@ -1671,14 +1446,12 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     evidence.add("leak search: this process's errors and reprs", "\n".join(texts))
     evidence.add("leak search: DEBUG log so far", "\n".join(debug_logs.lines))
     evidence.emulator("leak search", sandbox.app)
-    evidence.needle("the test secret", TEST_SECRET)
-    evidence.needle("the fuzz token", FUZZ_TOKEN)
 
     searched = b"\n".join(evidence.texts.values())
     assert b"token exchange for" in searched  # DEBUG records of the exchange were captured
     # positive control: the search finds a value that is there (the Celery calls' canary,
     # in stored results and in Flower's task API)
-    found = Evidence(evidence.texts, {"canary": celery_outage.canary}).leaks()
+    found = Evidence(celery_outage.evidence.texts, {"canary": celery_outage.canary}).leaks()
     assert any("Redis key b'celery-task-meta-" in where for where in found), found
     assert any("Flower /api/tasks" in where for where in found), found
     assert len(sandbox.app.issued_tokens()) >= 3
@@ -1687,5 +1460,18 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
         f"({len(searched) // 1024} KiB); the control canary found in {len(found)}: "
         + ", ".join(found)
     )
-    leaks = evidence.leaks()
-    assert not leaks, leaks
+    evidence.assert_no_leak()
+
+
+def test_the_evidence_check_fails_a_test_whose_evidence_shows_a_needle() -> None:
+    """The check every fault test's evidence passes through reports a planted leak, with
+    the needle's name and where it showed, in base64 too (a queued message's body)."""
+    planted = Evidence()
+    planted.needle("a token", "tok-5ecret-value")
+    planted.add("a log", "nothing here")
+    body = json.dumps({"token": "tok-5ecret-value"}).encode()
+    planted.add("a queued message", base64.b64encode(body))
+    with pytest.raises(AssertionError, match=r"a token in a queued message"):
+        planted.assert_no_leak()
+    planted.texts.pop("a queued message")
+    planted.assert_no_leak()

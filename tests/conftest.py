@@ -1,5 +1,6 @@
 """Shared fixtures: a real Redis (the machine's, or a private one started here), a fresh key
-prefix per test, and the sandbox emulator serving on loopback."""
+prefix per test, and the sandbox emulator serving on loopback; for unit tests, a store on
+fakeredis and a scripted token exchange."""
 
 from __future__ import annotations
 
@@ -7,27 +8,74 @@ import base64
 import os
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import fakeredis
 import pytest
 import redis
 
 from merchant_tasks.client import MerchantClient
+from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import RedisServer
 from merchant_tasks.redis_topology import StoreClient
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.store import TokenStore
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 TEST_API_KEY = "test-app-id"
 TEST_SECRET = "test-secret-4f1c9a7e2b"  # searched for in every leak test
+FAKE_TOKEN_LIFETIME = 7200.0  # seconds, as the real API's tokens
+UNIT_NAMESPACE = TokenStore.namespace_for("mt-test", "sandbox", "app-id-1234")
+
+
+class FakeExchange:
+    """A token exchange that gives the queued ``outcomes`` in turn (raising the errors), then
+    fresh tokens ``tok-issued-1``, ``-2``, ... (``padding`` appended, as long as JWTs), and
+    records the clock at each call in ``calls``; ``during`` runs inside each call."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.outcomes: list[IssuedToken | Exception] = []
+        self.calls: list[float] = []
+        self.during: Callable[[], None] | None = None
+        self.padding = ""
+
+    def issued(self, n: int) -> str:
+        """The value of the ``n``-th fresh token (from 1)."""
+        return f"tok-issued-{n}{self.padding}"
+
+    def __call__(self) -> IssuedToken:
+        self.calls.append(self.clock())
+        if self.during is not None:
+            self.during()
+        if self.outcomes:
+            outcome = self.outcomes.pop(0)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return IssuedToken(value=self.issued(len(self.calls)), expires_in=FAKE_TOKEN_LIFETIME)
+
+
+@pytest.fixture
+def fake_redis() -> redis.Redis:
+    """A fakeredis server of this test's own."""
+    client: redis.Redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    return client
+
+
+@pytest.fixture
+def store(fake_redis: redis.Redis) -> TokenStore:
+    """A token store on this test's fakeredis."""
+    return TokenStore(fake_redis, UNIT_NAMESPACE)
 
 
 def _reachable(host: str, port: int) -> bool:

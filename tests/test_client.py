@@ -9,14 +9,13 @@ import random
 import time
 from collections.abc import Callable
 
-import fakeredis
 import pytest
-import redis
 import requests
 from urllib3.connection import HTTPSConnection
 from urllib3.connectionpool import HTTPSConnectionPool
 from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError
 
+from conftest import FakeExchange
 from fake_http import FakeTransport, Reply, response, session_with
 from merchant_tasks.client import CALL_ATTEMPTS, CALL_WAIT_MAX, EXCERPT_LENGTH, MerchantClient
 from merchant_tasks.exceptions import (
@@ -26,7 +25,7 @@ from merchant_tasks.exceptions import (
     MalformedApiResponse,
     TokenRejected,
 )
-from merchant_tasks.exchange import TOKEN_PATH, IssuedToken
+from merchant_tasks.exchange import TOKEN_PATH
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.store import TokenStore
 from merchant_tasks.token import Token, fingerprint
@@ -34,27 +33,6 @@ from merchant_tasks.token import Token, fingerprint
 BASE_URL = "https://api.example.test"
 ORDERS = "/open-api/v1/orders"
 LIFETIME = 7200.0
-
-
-class FakeExchange:
-    """Issues tok-1, tok-2, ... (or raises a queued error) and counts the exchanges."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.errors: list[Exception] = []
-        self.padding = ""  # makes the tokens longer, as JWTs are
-
-    def __call__(self) -> IssuedToken:
-        self.calls += 1
-        if self.errors:
-            raise self.errors.pop(0)
-        return IssuedToken(f"tok-{self.calls}-9c4e1f7a2b{self.padding}", expires_in=LIFETIME)
-
-
-@pytest.fixture
-def store() -> TokenStore:
-    client: redis.Redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    return TokenStore(client, TokenStore.namespace_for("mt-test", "sandbox", "app-id-1234"))
 
 
 @pytest.fixture
@@ -117,7 +95,7 @@ def echo_authorization(status: int) -> Callable[[requests.PreparedRequest], requ
 
 
 def token_values(exchange: FakeExchange) -> list[str]:
-    return [f"tok-{n}-9c4e1f7a2b{exchange.padding}" for n in range(1, exchange.calls + 1)]
+    return [exchange.issued(n) for n in range(1, len(exchange.calls) + 1)]
 
 
 # -- the call ----------------------------------------------------------------------------
@@ -177,7 +155,7 @@ def test_one_token_serves_many_calls(
 ) -> None:
     for _ in range(5):
         client.request("GET", ORDERS)
-    assert exchange.calls == 1
+    assert len(exchange.calls) == 1
     assert len({sent.bearer for sent in transport.sent}) == 1
 
 
@@ -202,7 +180,7 @@ def test_a_path_outside_the_api_is_a_value_error(
     with pytest.raises(ValueError, match="/open-api/v1/"):
         client.request("GET", path)
     assert transport.sent == []
-    assert exchange.calls == 0
+    assert len(exchange.calls) == 0
 
 
 @pytest.mark.parametrize("path", [TOKEN_PATH, TOKEN_PATH + "/", TOKEN_PATH + "?grant=x"])
@@ -255,13 +233,13 @@ def test_an_authorization_header_from_the_caller_is_a_value_error(
     with pytest.raises(ValueError, match="Authorization"):
         client.request("GET", ORDERS, headers={name: "Bearer mine"})
     assert transport.sent == []
-    assert exchange.calls == 0
+    assert len(exchange.calls) == 0
 
 
 def test_no_request_is_sent_when_no_token_can_be_had(
     client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
 ) -> None:
-    exchange.errors = [CredentialsRejected("refused (HTTP 401)", status=401)]
+    exchange.outcomes = [CredentialsRejected("refused (HTTP 401)", status=401)]
     with pytest.raises(CredentialsRejected):
         client.request("GET", ORDERS)
     assert transport.sent == []
@@ -277,7 +255,7 @@ def test_a_401_renews_once_and_retries_with_the_new_token(
     assert client.request("POST", ORDERS, json={"amount": 1}) == {"ok": 1}
     first, second = token_values(exchange)
     assert [sent.bearer for sent in transport.sent] == [first, second]
-    assert exchange.calls == 2
+    assert len(exchange.calls) == 2
     counters = store.counters()
     assert (counters["unauthorized"], counters["forced_renewals"]) == (1, 1)
 
@@ -297,7 +275,7 @@ def test_a_401_uses_a_token_another_process_renewed_meanwhile(
     transport.reply(refused_while_someone_renews, response(200, {"ok": 1}))
     assert client.request("GET", ORDERS) == {"ok": 1}
     assert transport.sent[1].bearer == "tok-from-another-host"
-    assert exchange.calls == 1  # theirs was used: no exchange of our own
+    assert len(exchange.calls) == 1  # theirs was used: no exchange of our own
 
 
 def test_a_second_401_is_token_rejected_after_exactly_one_renewal(
@@ -308,7 +286,7 @@ def test_a_second_401_is_token_rejected_after_exactly_one_renewal(
         client.request("GET", ORDERS)
     assert not caught.value.retryable
     assert len(transport.sent) == 2
-    assert exchange.calls == 2  # the first token, and one forced renewal
+    assert len(exchange.calls) == 2  # the first token, and one forced renewal
 
 
 def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once_more(
@@ -329,9 +307,9 @@ def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once
     assert client.request("GET", ORDERS) == {"ok": 1}
     assert [sent.bearer for sent in transport.sent[1:]] == [
         "tok-from-another-host",
-        "tok-2-9c4e1f7a2b",
+        "tok-issued-2",
     ]
-    assert exchange.calls == 2  # the first token, and one forced renewal by this call
+    assert len(exchange.calls) == 2  # the first token, and one forced renewal by this call
 
 
 def test_a_call_never_causes_more_than_one_exchange_however_many_401s(
@@ -341,7 +319,7 @@ def test_a_call_never_causes_more_than_one_exchange_however_many_401s(
     transport.reply(response(401))
     with pytest.raises(TokenRejected):
         client.request("GET", ORDERS)
-    assert exchange.calls == 2
+    assert len(exchange.calls) == 2
 
 
 def test_a_401_on_the_next_call_with_a_fresh_renewed_token_is_not_renewed_again(
@@ -352,7 +330,7 @@ def test_a_401_on_the_next_call_with_a_fresh_renewed_token_is_not_renewed_again(
         client.request("GET", ORDERS)
     with pytest.raises(TokenRejected, match="issued"):
         client.request("GET", ORDERS)
-    assert exchange.calls == 2  # the fresh-token guard: no exchange loop across calls
+    assert len(exchange.calls) == 2  # the fresh-token guard: no exchange loop across calls
 
 
 # -- transient failures ------------------------------------------------------------------
@@ -530,7 +508,7 @@ def test_the_token_never_appears_in_debug_logs(
     client.request("GET", ORDERS)
     with pytest.raises(ApiError):
         client.request("GET", ORDERS)
-    assert exchange.calls == 2
+    assert len(exchange.calls) == 2
     assert caplog.records
     for record in caplog.records:
         text = f"{record.getMessage()} {record.args!r} {record.exc_text or ''}"

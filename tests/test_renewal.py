@@ -11,13 +11,13 @@ import threading
 import time
 from collections.abc import Callable
 
-import fakeredis
 import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.lock import Lock
 from redis.retry import Retry
 
+from conftest import FakeExchange
 from merchant_tasks.exceptions import (
     CredentialsRejected,
     ExchangeRateLimited,
@@ -76,38 +76,6 @@ class Sleeper:
             self.clock.now += seconds
         if self.on_sleep is not None:
             self.on_sleep(len(self.waits))
-
-
-class FakeExchange:
-    """Gives the queued outcomes in turn (raising errors), then fresh tokens; counts calls."""
-
-    def __init__(self, clock: ManualClock) -> None:
-        self.clock = clock
-        self.outcomes: list[IssuedToken | Exception] = []
-        self.calls: list[float] = []  # the clock at each call
-        self.during: Callable[[], None] | None = None
-
-    def __call__(self) -> IssuedToken:
-        self.calls.append(self.clock.now)
-        if self.during is not None:
-            self.during()
-        if self.outcomes:
-            outcome = self.outcomes.pop(0)
-            if isinstance(outcome, Exception):
-                raise outcome
-            return outcome
-        return IssuedToken(value=f"tok-issued-{len(self.calls)}", expires_in=LIFETIME)
-
-
-@pytest.fixture
-def fake_redis() -> redis.Redis:
-    client: redis.Redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    return client
-
-
-@pytest.fixture
-def store(fake_redis: redis.Redis) -> TokenStore:
-    return TokenStore(fake_redis, TokenStore.namespace_for("mt-test", "sandbox", "app-id-1234"))
 
 
 @pytest.fixture

@@ -6,28 +6,15 @@ import socket
 import time
 from collections.abc import Callable
 
-import fakeredis
 import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from conftest import UNIT_NAMESPACE
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.store import BREAKER_MEMORY, BreakerRecord, RedisClock, TokenStore
 from merchant_tasks.token import Token
-
-NAMESPACE = TokenStore.namespace_for("mt-test", "sandbox", "app-id-1234")
-
-
-@pytest.fixture
-def fake_redis() -> redis.Redis:
-    client: redis.Redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    return client
-
-
-@pytest.fixture
-def store(fake_redis: redis.Redis) -> TokenStore:
-    return TokenStore(fake_redis, NAMESPACE)
 
 
 def make_token(generation: int, left: float = 3600.0, value: str | None = None) -> Token:
@@ -65,13 +52,13 @@ def dead_redis() -> redis.Redis:
 
 
 def test_keys_are_namespaced_by_environment_and_api_key(store: TokenStore) -> None:
-    assert NAMESPACE == "mt-test:sandbox:app-id-1234"
-    assert store.token_key == f"{NAMESPACE}:token"
-    assert store.generation_key == f"{NAMESPACE}:generation"
-    assert store.lock_key == f"{NAMESPACE}:lock"
-    assert store.breaker_key == f"{NAMESPACE}:breaker"
-    assert store.counters_key == f"{NAMESPACE}:counters"
-    assert repr(store) == f"TokenStore(namespace={NAMESPACE!r})"
+    assert UNIT_NAMESPACE == "mt-test:sandbox:app-id-1234"
+    assert store.token_key == f"{UNIT_NAMESPACE}:token"
+    assert store.generation_key == f"{UNIT_NAMESPACE}:generation"
+    assert store.lock_key == f"{UNIT_NAMESPACE}:lock"
+    assert store.breaker_key == f"{UNIT_NAMESPACE}:breaker"
+    assert store.counters_key == f"{UNIT_NAMESPACE}:counters"
+    assert repr(store) == f"TokenStore(namespace={UNIT_NAMESPACE!r})"
 
 
 def test_an_empty_store_has_no_token_and_generation_zero(store: TokenStore) -> None:
@@ -145,7 +132,7 @@ def test_load_sees_a_token_written_by_another_process(
     first, second = make_token(1), make_token(2)
     store.save(first)
     assert store.load() == first
-    TokenStore(fake_redis, NAMESPACE).save(second)
+    TokenStore(fake_redis, UNIT_NAMESPACE).save(second)
     assert store.load() == second
 
 
@@ -227,7 +214,7 @@ OPERATIONS: dict[str, Callable[[TokenStore], object]] = {
 def test_every_operation_raises_store_unavailable_when_redis_is_down(
     operation: Callable[[TokenStore], object],
 ) -> None:
-    store = TokenStore(dead_redis(), NAMESPACE)
+    store = TokenStore(dead_redis(), UNIT_NAMESPACE)
     with pytest.raises(StoreUnavailable, match="MERCHANT_REDIS_URL") as caught:
         operation(store)
     assert caught.value.retryable
@@ -323,7 +310,7 @@ def test_the_clock_over_a_store_follows_redis_time(store: TokenStore) -> None:
 
 
 def test_the_clock_over_a_dead_store_raises_store_unavailable() -> None:
-    clock = RedisClock(TokenStore(dead_redis(), NAMESPACE).time)
+    clock = RedisClock(TokenStore(dead_redis(), UNIT_NAMESPACE).time)
     with pytest.raises(StoreUnavailable):
         clock()
 
@@ -366,7 +353,7 @@ def test_after_lost_writes_the_next_token_is_saved_above_them(
 def test_another_process_that_never_saw_the_lost_write_keeps_the_strict_succession(
     fake_redis: redis.Redis,
 ) -> None:
-    ours, theirs = TokenStore(fake_redis, NAMESPACE), TokenStore(fake_redis, NAMESPACE)
+    ours, theirs = TokenStore(fake_redis, UNIT_NAMESPACE), TokenStore(fake_redis, UNIT_NAMESPACE)
     first = make_token(1)
     ours.save(first)
     ours.save(make_token(2))

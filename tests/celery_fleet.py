@@ -81,6 +81,10 @@ class Fleet:
         self.env = child_env(self.settings)
         self.windows(LIFETIME, RENEW_BEFORE, RENEW_MANDATORY, RENEW_INTERVAL)
 
+    def long_windows(self) -> None:
+        """Windows so long that no renewal interferes with the test."""
+        self.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+
     def windows(self, lifetime: float, before: float, mandatory: float, interval: float) -> None:
         """Token lifetime (the emulator's too) and renewal windows, before any child starts."""
         assert not self.children, "set the windows before starting processes"

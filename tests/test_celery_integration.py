@@ -26,10 +26,6 @@ from celery_fleet import (
     CALL_API,
     ECHO,
     LIFETIME,
-    LONG_LIFETIME,
-    LONG_RENEW_BEFORE,
-    LONG_RENEW_INTERVAL,
-    LONG_RENEW_MANDATORY,
     PING,
     READY_TIMEOUT,
     RENEW_BEFORE,
@@ -87,7 +83,7 @@ def _settled_exchanges(fleet: Fleet, sandbox: Sandbox) -> tuple[int, dict[str, i
 def test_call_api_through_a_real_worker_returns_the_decoded_json_body(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     fleet.start_worker("w", concurrency=1)
     fleet.wait_ready()
 
@@ -129,7 +125,7 @@ def test_beat_renews_in_the_advisory_window_while_calls_flow_without_a_401(
 def test_a_revoke_all_storm_through_tasks_costs_exactly_one_exchange(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     fleet.start_worker("w", concurrency=4)
     fleet.wait_ready()
     before = sandbox.exchanges()["ok"]
@@ -226,7 +222,7 @@ def test_with_beat_down_workers_renew_in_the_mandatory_window(
 def test_a_worker_killed_mid_task_has_its_call_rerun_by_another_worker(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     config_dir = fleet.short_visibility_dir(KILL_VISIBILITY_TIMEOUT)
     workers = {
         label: fleet.start_worker(label, concurrency=1, cwd=config_dir) for label in ("a", "b")
@@ -247,7 +243,7 @@ def test_a_pool_child_killed_mid_task_has_its_call_requeued_at_once(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
     # package defaults: the visibility timeout is an hour, so only the requeue can save it
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     worker = fleet.start_worker("w", concurrency=1)
     fleet.wait_ready()
     sandbox.app.configure({"api_latency": API_LATENCY})
@@ -377,7 +373,7 @@ def _all_done(fleet: Fleet) -> bool:
 def test_a_call_sent_to_exchange_celery_with_routing_key_celery_runs_exactly_once(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     # a broker that served an older release still binds the renewal queue to celery/celery
     with fleet.app.connection_for_write() as connection:
         old = Queue(RENEWAL_QUEUE, Exchange(CALLS_QUEUE), routing_key=CALLS_QUEUE)
@@ -401,7 +397,7 @@ def test_a_call_sent_to_exchange_celery_with_routing_key_celery_runs_exactly_onc
 def test_an_api_error_comes_back_from_a_real_worker_with_status_code_and_excerpt(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     fleet.start_worker("w", concurrency=1)
     fleet.wait_ready()
     missing = fleet.call("GET", "/open-api/v1/payments/pay_does_not_exist")
@@ -416,7 +412,7 @@ def test_rejected_credentials_come_back_from_a_real_worker_with_status_and_code(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
     fleet.env["MERCHANT_REJECTED_RETRY_WINDOW"] = "0"  # fail at once, no slow retries
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     sandbox.app.reset_secret()
     fleet.start_worker("w", concurrency=1)
     error = fleet.call("GET", PING).get(timeout=READY_TIMEOUT, propagate=False)
@@ -430,7 +426,7 @@ def test_rejected_credentials_come_back_from_a_real_worker_with_status_and_code(
 def test_a_worker_given_the_redis_url_as_a_file_uses_it_for_broker_and_results(
     fleet: Fleet, sandbox: Sandbox, tmp_path: Path
 ) -> None:
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     url_file = tmp_path / "redis-url"
     url_file.write_text(fleet.redis_url + "\n")
     del fleet.env["MERCHANT_REDIS_URL"]

@@ -24,10 +24,6 @@ from celery import Celery
 from celery_fleet import (
     ECHO,
     LIFETIME,
-    LONG_LIFETIME,
-    LONG_RENEW_BEFORE,
-    LONG_RENEW_INTERVAL,
-    LONG_RENEW_MANDATORY,
     RENEW_INTERVAL,
     Fleet,
     echo_calls,
@@ -130,7 +126,7 @@ def fleet(
 def test_call_api_runs_end_to_end_with_rabbitmq_as_the_broker(
     fleet: AmqpFleet, sandbox: Sandbox
 ) -> None:
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     fleet.start_worker("w", concurrency=2)
     fleet.wait_ready()
 
@@ -185,7 +181,7 @@ def test_renewal_runs_on_its_own_rabbitmq_queue(fleet: AmqpFleet, sandbox: Sandb
 def test_a_worker_sigkilled_mid_task_has_its_call_redelivered_by_rabbitmq(
     fleet: AmqpFleet, sandbox: Sandbox
 ) -> None:
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     workers = {label: fleet.start_worker(label, concurrency=1) for label in ("a", "b")}
     fleet.wait_ready()
     fleet.wait_for_nodes(2)

@@ -19,10 +19,6 @@ from typing import Any
 import pytest
 
 from celery_fleet import (
-    LONG_LIFETIME,
-    LONG_RENEW_BEFORE,
-    LONG_RENEW_INTERVAL,
-    LONG_RENEW_MANDATORY,
     Fleet,
     running_fleet,
     running_on,
@@ -42,7 +38,7 @@ REDELIVERY_TIMEOUT = 90.0  # the visibility timeout, the restore sweep and a bus
 @pytest.fixture
 def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
     with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
-        fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+        fleet.long_windows()
         yield fleet
 
 

@@ -25,10 +25,6 @@ import redis
 
 from celery_fleet import (
     ECHO,
-    LONG_LIFETIME,
-    LONG_RENEW_BEFORE,
-    LONG_RENEW_INTERVAL,
-    LONG_RENEW_MANDATORY,
     PING,
     Fleet,
 )
@@ -321,7 +317,7 @@ def sentinel_fleet(
     MERCHANT_REDIS_URL; long windows, so that no scheduled renewal interferes."""
     fleet = Fleet(tmp_path, sandbox, group.url, key_prefix, secret_file)
     fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
-    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.long_windows()
     return fleet
 
 

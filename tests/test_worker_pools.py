@@ -22,10 +22,6 @@ import pytest
 from celery import Celery
 
 from celery_fleet import (
-    LONG_LIFETIME,
-    LONG_RENEW_BEFORE,
-    LONG_RENEW_INTERVAL,
-    LONG_RENEW_MANDATORY,
     Fleet,
     running_fleet,
 )
@@ -115,7 +111,7 @@ def test_the_concurrency_is_the_autoscale_maximum_when_larger() -> None:
 @pytest.fixture
 def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
     with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
-        fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+        fleet.long_windows()
         yield fleet
 
 

@@ -224,6 +224,11 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
     )
 
 
+# the tests that share the module's one Celery outage run on one xdist worker, so that it
+# runs once (with ``--dist loadgroup``)
+ONE_CELERY_OUTAGE = pytest.mark.xdist_group("celery_outage")
+
+
 @dataclass
 class CeleryOutage:
     """What a Celery worker, beat and Flower went through when Redis was SIGKILLed."""
@@ -391,6 +396,7 @@ def celery_outage_run(tmp_path_factory: pytest.TempPathFactory) -> CeleryOutage:
     return record
 
 
+@ONE_CELERY_OUTAGE
 def test_celery_worker_and_beat_reconnect_and_queued_calls_complete(
     celery_outage: CeleryOutage,
 ) -> None:
@@ -408,6 +414,7 @@ def test_celery_worker_and_beat_reconnect_and_queued_calls_complete(
     assert celery_outage.flower_saw_canary
 
 
+@ONE_CELERY_OUTAGE
 def test_celery_the_call_running_when_redis_dies_reports_its_real_result(
     celery_outage: CeleryOutage,
 ) -> None:
@@ -1378,6 +1385,7 @@ def _token_key_file(path: Path) -> Path:
     return path
 
 
+@ONE_CELERY_OUTAGE
 def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     celery_outage: CeleryOutage,
     client: MerchantClient,

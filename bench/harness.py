@@ -19,7 +19,9 @@ import redis
 import requests
 
 from merchant_tasks import local
-from merchant_tasks.local import Child, free_port, redis_answers, redis_server_command, spawn
+from merchant_tasks.local import Child as Child  # the scenarios' child processes
+from merchant_tasks.local import free_port, redis_answers, redis_server_command
+from merchant_tasks.local import spawn as spawn
 
 BENCH_DIR = Path(__file__).resolve().parent
 STOP_TIMEOUT = 10.0  # seconds a child group gets after SIGTERM before SIGKILL

@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import redis
 from celery import Celery
-from fault_harness import Callers, CallLoop, Evidence, LogLines, report_outcomes
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -46,6 +45,7 @@ from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
 from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, WatchedSandbox, redis_value
+from fault_harness import Callers, CallLoop, Evidence, LogLines, report_outcomes
 from merchant_tasks.celery_app import load_config
 from merchant_tasks.client import MerchantClient, new_session
 from merchant_tasks.exceptions import (

@@ -12,10 +12,15 @@ Keys, under ``<prefix>:<environment>:<api key>:``
                  to count failures in a row)
 - ``counters``   fleet-wide counters (exchanges by reason and outcome, 401s, lock waits)
 - ``exchanges``  the last day's exchange attempts (a sorted set by time), for rates
+- ``accepted``   the highest generation the API accepted (evidence that a later 401 is a
+                 revocation, docs/design.md "Refusals")
+- ``forced``     forced renewals of the last period (a sorted set by time), the budget
+- ``probe``      the half-open breaker's probe slot
+- channel ``renewed``: the generation of each token written, to wake waiting processes
 
 Times come from Redis's own clock (TIME), the one clock all hosts share: ``RedisClock``
 reads it once a minute and advances it with the local monotonic clock in between, so the
-hot path costs one GET and no TIME.
+hot path costs one GET and no TIME. See docs/design.md, "Keys".
 """
 
 from __future__ import annotations
@@ -54,12 +59,20 @@ redis.call('SET', KEYS[2], current + 1)
 return {1, current + 1}
 """
 
+# KEYS: accepted. ARGV: generation. Raises the key to ARGV[1]: one write per generation.
+_RAISE_ACCEPTED = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) <= current then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+return 1
+"""
+
 
 @dataclass(frozen=True)
 class BreakerRecord:
     """Why token exchanges are paused fleet-wide, and until when (Redis time)."""
 
-    kind: str  # "rejected", "rate_limited" or "unavailable"
+    kind: str  # a breaker.BreakerKind
     until: float
     failures: int = 1
     secret_fingerprint: str = ""  # for "rejected": the secret that was refused
@@ -111,7 +124,12 @@ class TokenStore:
         self.breaker_key = f"{namespace}:breaker"
         self.counters_key = f"{namespace}:counters"
         self.exchange_log_key = f"{namespace}:exchanges"
+        self.accepted_key = f"{namespace}:accepted"
+        self.forced_key = f"{namespace}:forced"
+        self.probe_key = f"{namespace}:probe"
+        self.renewed_channel = f"{namespace}:renewed"
         self._save = client.register_script(_SAVE_IF_GENERATION)
+        self._raise_accepted = client.register_script(_RAISE_ACCEPTED)
         self._parsed: tuple[bytes, Token] | None = None
         self._parsed_lock = threading.Lock()
 
@@ -164,6 +182,41 @@ class TokenStore:
             )
         written, generation = int(result[0]), int(result[1])
         return written == 1, generation
+
+    def announce(self, generation: int) -> None:
+        """Tell waiting processes that ``generation`` is stored (best effort: they poll too)."""
+        with _unavailable_as_error():
+            self.redis.publish(self.renewed_channel, str(generation))
+
+    def mark_accepted(self, generation: int) -> None:
+        """Record that the API accepted a token of ``generation`` (no write if already known)."""
+        with _unavailable_as_error():
+            self._raise_accepted(keys=[self.accepted_key], args=[generation])
+
+    def accepted_generation(self) -> int:
+        """The highest generation the API is known to have accepted (0: none ever)."""
+        with _unavailable_as_error():
+            raw = self.redis.get(self.accepted_key)
+        return int(cast(bytes, raw)) if raw is not None else 0
+
+    def forced_in_period(self, now: float, period: float) -> int:
+        """Forced renewals logged in the ``period`` seconds before ``now``."""
+        with _unavailable_as_error():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zremrangebyscore(self.forced_key, "-inf", now - period)
+            pipe.zcount(self.forced_key, now - period, "+inf")
+            count = pipe.execute()[1]
+        return int(count)
+
+    def log_forced(self, now: float) -> None:
+        """Log one forced renewal at ``now``, for the budget."""
+        with _unavailable_as_error():
+            self.redis.zadd(self.forced_key, {f"{now:.6f}": now})
+
+    def take_probe(self, interval: float) -> bool:
+        """The half-open probe slot, at most once per ``interval`` seconds fleet-wide."""
+        with _unavailable_as_error():
+            return bool(self.redis.set(self.probe_key, b"1", nx=True, px=int(interval * 1000)))
 
     def lock(self, ttl: float) -> Lock:
         """The renewal lock (redis-py's: owner token, TTL, release only by its owner)."""

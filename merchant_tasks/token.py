@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 
 
-class TokenState(enum.Enum):
-    """Where a token stands in its life, by time left (see DESIGN.md's windows)."""
+class TokenState(enum.StrEnum):
+    """Where a token stands in its life, by time left (docs/design.md, "Windows")."""
 
     FRESH = "fresh"  # nobody renews
     ADVISORY = "advisory"  # beat renews; callers keep using it
@@ -20,8 +20,8 @@ class TokenState(enum.Enum):
     EXPIRED = "expired"  # unusable
 
 
-class RenewalReason(enum.Enum):
-    """Why a token was renewed, recorded with it for operators."""
+class RenewalReason(enum.StrEnum):
+    """Why a token was renewed, recorded with it (``Token.reason``) for operators."""
 
     SCHEDULED = "scheduled"  # beat, inside the advisory window
     MANDATORY = "mandatory"  # a caller found it in the mandatory window, or none stored
@@ -38,7 +38,9 @@ class Token:
     expires_at: float
     generation: int
     renewed_by: str = ""
-    reason: str = ""
+    reason: str = ""  # a RenewalReason (a str); "" for tokens stored by older versions
+    final: bool = False  # the token endpoint hands this token back until it expires:
+    # renewing before expiry is futile (docs/design.md, "An answer no better")
 
     @property
     def fingerprint(self) -> str:
@@ -49,10 +51,15 @@ class Token:
         return self.expires_at - now
 
     def state(self, now: float, renew_before: float, renew_mandatory: float) -> TokenState:
-        """FRESH, ADVISORY, MANDATORY or EXPIRED at ``now`` for the given windows."""
+        """FRESH, ADVISORY, MANDATORY or EXPIRED at ``now`` for the given windows.
+
+        A ``final`` token is FRESH until it expires: no exchange can do better before then.
+        """
         left = self.expires_at - now
         if left <= 0:
             return TokenState.EXPIRED
+        if self.final:
+            return TokenState.FRESH
         if left < renew_mandatory:
             return TokenState.MANDATORY
         if left < renew_before:
@@ -63,7 +70,7 @@ class Token:
         return (
             f"Token(fingerprint={self.fingerprint!r}, generation={self.generation}, "
             f"issued_at={self.issued_at:.3f}, expires_at={self.expires_at:.3f}, "
-            f"renewed_by={self.renewed_by!r}, reason={self.reason!r})"
+            f"renewed_by={self.renewed_by!r}, reason={self.reason!r}, final={self.final})"
         )
 
     def to_json(self) -> str:
@@ -76,6 +83,7 @@ class Token:
                 "generation": self.generation,
                 "renewed_by": self.renewed_by,
                 "reason": self.reason,
+                "final": self.final,
             },
             separators=(",", ":"),
         )
@@ -90,6 +98,7 @@ class Token:
             generation=int(data["generation"]),
             renewed_by=str(data.get("renewed_by", "")),
             reason=str(data.get("reason", "")),
+            final=bool(data.get("final", False)),
         )
 
 

@@ -87,6 +87,7 @@ def client(
         sleep=sleeps.append,
         rng=random.Random(0),
         local_copy_ttl=0.0,  # read the store on every call; the copy has its own tests
+        wake_ups=False,
     )
     return MerchantClient(
         BASE_URL, manager, session=session_with(transport), timeout=(1.0, 2.0), sleep=sleeps.append
@@ -251,13 +252,15 @@ def test_no_request_is_sent_when_no_token_can_be_had(
 # -- 401 ---------------------------------------------------------------------------------
 
 
-def test_a_401_renews_once_and_retries_with_the_new_token(
+def test_a_401_on_a_token_accepted_before_renews_once_and_retries_with_the_new_token(
     client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
 ) -> None:
+    transport.reply(response(200), response(401, {"error": "invalid_token"}), response(200))
+    client.request("GET", ORDERS)
     transport.reply(response(401, {"error": "invalid_token"}), response(200, {"ok": 1}))
     assert client.request("POST", ORDERS, json={"amount": 1}) == {"ok": 1}
     first, second = token_values(exchange)
-    assert [sent.bearer for sent in transport.sent] == [first, second]
+    assert [sent.bearer for sent in transport.sent] == [first, first, second]
     assert exchange.calls == 2
     counters = store.counters()
     assert (counters["unauthorized"], counters["forced_renewals"]) == (1, 1)
@@ -281,15 +284,17 @@ def test_a_401_uses_a_token_another_process_renewed_meanwhile(
     assert exchange.calls == 1  # theirs was used: no exchange of our own
 
 
-def test_a_second_401_is_token_rejected_after_exactly_one_renewal(
+def test_a_401_on_a_token_never_accepted_is_token_rejected_without_renewing(
     client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
 ) -> None:
+    """The wrong key or environment: the first token is refused, so no loop begins."""
     transport.reply(response(401))
-    with pytest.raises(TokenRejected, match="refused again") as caught:
+    with pytest.raises(TokenRejected, match="never accepted") as caught:
         client.request("GET", ORDERS)
+    assert "MERCHANT_ENVIRONMENT" in str(caught.value)
     assert not caught.value.retryable
-    assert len(transport.sent) == 2
-    assert exchange.calls == 2  # the first token, and one forced renewal
+    assert len(transport.sent) == 1
+    assert exchange.calls == 1  # the first token only
 
 
 def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once_more(
@@ -306,34 +311,38 @@ def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once
         assert store.save(newer) == (True, current.generation + 1)
         return response(401)
 
+    client.request("GET", ORDERS)  # the first token is accepted
     transport.reply(refused_while_someone_renews, response(401), response(200, {"ok": 1}))
     assert client.request("GET", ORDERS) == {"ok": 1}
-    assert [sent.bearer for sent in transport.sent[1:]] == [
+    assert [sent.bearer for sent in transport.sent[2:]] == [
         "tok-from-another-host",
         "tok-2-9c4e1f7a2b",
     ]
     assert exchange.calls == 2  # the first token, and one forced renewal by this call
 
 
-def test_a_call_never_causes_more_than_one_exchange_however_many_401s(
+def test_a_call_never_causes_more_than_two_exchanges_however_many_401s(
+    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+) -> None:
+    """API access revoked after the first token was accepted: the call renews twice (the
+    second renewal covers a revocation before first use) and then gives up."""
+    client.request("GET", ORDERS)
+    transport.reply(response(401))
+    with pytest.raises(TokenRejected, match="again after 2 renewals"):
+        client.request("GET", ORDERS)
+    assert exchange.calls == 3
+
+
+def test_a_401_on_the_next_call_with_a_token_never_accepted_is_not_renewed_again(
     client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
 ) -> None:
     client.request("GET", ORDERS)
     transport.reply(response(401))
     with pytest.raises(TokenRejected):
         client.request("GET", ORDERS)
-    assert exchange.calls == 2
-
-
-def test_a_401_on_the_next_call_with_a_fresh_renewed_token_is_not_renewed_again(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
-) -> None:
-    transport.reply(response(401))
-    with pytest.raises(TokenRejected):
+    with pytest.raises(TokenRejected, match="never accepted"):
         client.request("GET", ORDERS)
-    with pytest.raises(TokenRejected, match="issued"):
-        client.request("GET", ORDERS)
-    assert exchange.calls == 2  # the fresh-token guard: no exchange loop across calls
+    assert exchange.calls == 3  # no exchange loop across calls
 
 
 # -- transient failures ------------------------------------------------------------------
@@ -503,11 +512,13 @@ def test_the_token_never_appears_in_debug_logs(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     transport.reply(
+        response(200),
         echo_authorization(401),
         echo_authorization(503),
         response(200, {"ok": 1}),
         echo_authorization(500),
     )
+    client.request("GET", ORDERS)
     client.request("GET", ORDERS)
     with pytest.raises(ApiError):
         client.request("GET", ORDERS)

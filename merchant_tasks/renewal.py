@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 EXCHANGE_ATTEMPTS = 3  # tries of one renewal against a failing endpoint, while holding the lock
 EXCHANGE_RETRY_WAIT_MAX = 4.0  # longest pause between those tries
 LOCK_MARGIN = 5.0  # seconds of lock TTL beyond the longest renewal we allow ourselves
+ZERO_LIFETIME_RETRY = 1.0  # expires_in is in whole seconds: a token handed back with 0 left
+# is gone within a second, and then the server issues a new one
 
 Clock = Callable[[], float]
 Satisfied = Callable[[Token | None], bool]
@@ -280,8 +282,10 @@ class TokenManager:
         def exchange() -> IssuedToken:
             issued = self.exchange()
             if issued.expires_in <= 0 and current is None:
-                raise MalformedTokenResponse(
-                    "token endpoint issued a token that has already expired (expires_in 0)"
+                # its last token, in its last second: a new one comes once that is over
+                raise TokenEndpointUnavailable(
+                    "token endpoint handed back a token that expires now (expires_in 0)",
+                    retry_after=ZERO_LIFETIME_RETRY,
                 )
             return issued
 

@@ -51,12 +51,11 @@ from merchant_tasks.exceptions import (
     CredentialsRejected,
     MerchantError,
     StoreUnavailable,
-    TokenRejected,
 )
 from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import RedisServer, free_port, stop_group, wait_until
-from merchant_tasks.renewal import FRESH_TOKEN_GRACE, TokenManager
-from merchant_tasks.sandbox import API_ROOT, TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.renewal import TokenManager
+from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
 from merchant_tasks.store import RedisClock, TokenStore
 from merchant_tasks.token import Token, fingerprint
@@ -1344,72 +1343,51 @@ def test_row10_a_2xx_business_body_nested_too_deep_is_a_typed_error(
 # -- 11. persistent 401 on a fresh token ------------------------------------------------------
 
 
-class RefusingGateway(SandboxApp):
-    """The emulator's token endpoint, behind a gateway that answers 401 to every API call
-    (as an API does for a key of the other environment that the token endpoint accepted)."""
-
-    def __init__(self, config: SandboxConfig) -> None:
-        super().__init__(config)
-        self.refused = 0
-        self._refused_lock = threading.Lock()
-
-    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Any:
-        path = environ.get("PATH_INFO", "")
-        if path.startswith(f"{API_ROOT}/") and path != TOKEN_PATH:
-            with self._refused_lock:
-                self.refused += 1
-            body = {"error": "invalid_token", "message": "token not valid for this API"}
-            return Response(json.dumps(body), 401, content_type="application/json")(
-                environ, start_response
-            )
-        return super().__call__(environ, start_response)
-
-
-def test_row11_a_persistent_401_on_fresh_tokens_is_one_retry_then_token_rejected(
-    settings: Settings, redis_client: redis.Redis, evidence: Evidence
+def test_row11_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
+    sandbox: Sandbox, settings: Settings, secret_file: Path, callers: Callers
 ) -> None:
-    """Every API call gets 401 though the token endpoint issues tokens.
+    """The token endpoint issues tokens, the API refuses every call (emulator option
+    refuse_all_calls), from the start: a key the API does not accept.
 
-    Eight threads make five calls each: every call ends in TokenRejected after at most one
-    retry, and the whole process makes two exchanges (the first token and one forced
-    renewal). Once FRESH_TOKEN_GRACE has passed (Redis time moved on), one more forced
-    renewal is allowed, and again only one.
+    Three processes make 15 calls each: every call fails with TokenRejected naming the
+    likely causes, after one request (no retry: the token was never accepted), and the
+    whole fleet makes one exchange.
     """
-    app = RefusingGateway(SandboxConfig(api_key=TEST_API_KEY, secret=TEST_SECRET))
-    errors: list[MerchantError] = []
-    offset = [0.0]
-    with SandboxServer(app) as server:
-        account = dataclasses.replace(settings, base_url=server.url)
-        client = MerchantClient.from_settings(account, redis_client=redis_client)
-        redis_time = RedisClock(client.manager.store.time)
-        client.manager.clock = lambda: redis_time() + offset[0]
+    sandbox.app.configure({"refuse_all_calls": True})
+    callers.start(_process_env(settings, secret_file), [{"FAULT_MAX_CALLS": "15"}] * 3)
+    callers.go()
+    wait_until(lambda: callers.each_has("0", at_least=15), "15 calls per process", 60.0)
+    reports = callers.stop()
 
-        def call(times: int) -> None:
-            for _ in range(times):
-                try:
-                    client.request("GET", PING)
-                except MerchantError as exc:
-                    errors.append(exc)
+    for report in reports:
+        assert set(_outcomes(report, "0")) == {"TokenRejected"}, report
+        message = report["samples"]["TokenRejected"]
+        assert "never accepted" in message
+        assert "MERCHANT_ENVIRONMENT" in message
+    assert sandbox.exchanges()["ok"] == 1
+    assert sandbox.calls()["unauthorized"] == 45  # one request per call
 
-        threads = [threading.Thread(target=call, args=(5,)) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-        exchanges_first, refused_first = app.counters()["exchanges"]["ok"], app.refused
 
-        offset[0] = FRESH_TOKEN_GRACE + 1
-        call(5)
-        exchanges_later = app.counters()["exchanges"]["ok"]
-    evidence.emulator("row 11", app)
-    for exc in errors[:2]:
-        evidence.exception("row 11", exc)
+def test_row11_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_more_exchanges(
+    sandbox: Sandbox, settings: Settings, secret_file: Path, callers: Callers
+) -> None:
+    """Calls succeed, then the API refuses every call, fresh tokens too. The first 401 is a
+    revocation (the token was accepted) and is renewed; so is the next token, which a
+    revocation may have hit before its first use; the token after that was never accepted
+    and never accepted tokens are not renewed: at most two more exchanges, then every call
+    fails with TokenRejected."""
+    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    callers.go()
+    wait_until(lambda: callers.each_has("0", "ok", at_least=10), "calls that succeed", 60.0)
+    sandbox.app.configure({"refuse_all_calls": True})
+    callers.phase("1")
+    wait_until(lambda: callers.each_has("1", at_least=15), "calls after the refusal", 60.0)
+    callers.phase("2")
+    reports = callers.stop()
 
-    assert len(errors) == 45
-    assert {type(exc) for exc in errors} == {TokenRejected}
-    assert exchanges_first == 2
-    assert refused_first <= 2 * 40  # at most one retry per call
-    assert exchanges_later == 3
+    for report in reports:
+        assert set(_outcomes(report, "1")) == {"TokenRejected"}, report
+    assert sandbox.exchanges()["ok"] <= 1 + 2
 
 
 # -- 12. issuing a token revokes the previous one -------------------------------------------
@@ -1452,6 +1430,73 @@ def test_row12_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_r
         f"\nrow 12: {exchanges} exchanges in {run:.1f} s, "
         f"{sandbox.calls()['unauthorized']} 401s for {len(reports)} processes"
     )
+
+
+# -- 13. revocations in quick succession ---------------------------------------------------
+
+
+def test_row13_revoke_all_every_two_seconds_under_load_fails_no_call(
+    sandbox: Sandbox, settings: Settings, secret_file: Path, callers: Callers
+) -> None:
+    """An operator's revoke-all every 2 s, five times, while three processes call: every
+    revocation is renewed (the revoked token had been accepted), however soon after the
+    last renewal. No call fails, and the fleet makes one exchange per revocation besides
+    the first token (no renewal falls due with a 2 h token)."""
+    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    callers.go()
+    wait_until(lambda: callers.each_has("0", "ok", at_least=5), "calls that succeed", 60.0)
+    revocations = 5
+    for _ in range(revocations):
+        time.sleep(2.0)
+        sandbox.app.revoke_all()
+    time.sleep(1.0)
+    reports = callers.stop()
+
+    for report in reports:
+        assert set(_outcomes(report, "0")) == {"ok"}, report
+    assert sandbox.exchanges() == {
+        "ok": 1 + revocations,
+        "rejected": 0,
+        "rate_limited": 0,
+        "failed": 0,
+    }
+    assert sandbox.calls()["unauthorized"] >= revocations
+
+
+# -- 14. a token server that hands back its live token ---------------------------------------
+
+
+def test_row14_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_lifetime(
+    sandbox: Sandbox,
+    settings: Settings,
+    secret_file: Path,
+    redis_client: redis.Redis,
+    callers: Callers,
+) -> None:
+    """The emulator hands back its last token, with its remaining lifetime, until it
+    expires (hand_back_live_token). Three processes call through two and a half 6 s
+    lifetimes, renewing in the 2 s mandatory window: the answer there is the same token,
+    recorded as unchanged and not asked again before expiry. No call fails; exchanges
+    stay at two per lifetime."""
+    lifetime, before, mandatory = 6.0, 4.0, 2.0
+    sandbox.app.configure({"lifetime": lifetime, "hand_back_live_token": True})
+    account = dataclasses.replace(
+        settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
+    )
+    callers.start(_process_env(account, secret_file), [{}] * 3)
+    started = time.monotonic()
+    callers.go()
+    time.sleep(2.5 * lifetime)
+    reports = callers.stop()
+    run = time.monotonic() - started
+
+    for report in reports:
+        assert set(_outcomes(report, "0")) == {"ok"}, report
+    counters = _store_of(account, redis_client).counters()
+    assert counters.get("exchanges:mandatory:unchanged", 0) >= 1
+    exchanges = sandbox.exchanges()["ok"]
+    assert exchanges <= 2 * math.ceil(run / lifetime)
+    print(f"\nrow 14: {exchanges} exchanges in {run:.1f} s, counters {counters}")
 
 
 # -- security -------------------------------------------------------------------------------

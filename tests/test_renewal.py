@@ -19,6 +19,13 @@ from redis.backoff import NoBackoff
 from redis.lock import Lock
 from redis.retry import Retry
 
+from merchant_tasks.breaker import (
+    PROBE_INTERVAL,
+    RATE_LIMITED_BACKOFF,
+    REJECTED_BACKOFF,
+    RETRY_AFTER_MARGIN,
+    UNAVAILABLE_BACKOFF,
+)
 from merchant_tasks.exceptions import (
     CredentialsRejected,
     ExchangeRateLimited,
@@ -31,13 +38,6 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
-from merchant_tasks.breaker import (
-    PROBE_INTERVAL,
-    RATE_LIMITED_BACKOFF,
-    REJECTED_BACKOFF,
-    RETRY_AFTER_MARGIN,
-    UNAVAILABLE_BACKOFF,
-)
 from merchant_tasks.policy import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD
 from merchant_tasks.renewal import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, TokenManager
 from merchant_tasks.single_flight import POLL_INITIAL, POLL_MAX
@@ -360,9 +360,14 @@ def test_acceptance_is_written_to_redis_once_per_generation_and_process(
     manager: TokenManager, store: TokenStore, clock: ManualClock, fake_redis: redis.Redis
 ) -> None:
     token = stored(store, clock, left=3600.0)
-    calls: list[object] = []
+    calls: list[int] = []
     original = store.mark_accepted
-    store.mark_accepted = lambda generation: calls.append(generation) or original(generation)  # type: ignore[method-assign]
+
+    def spy(generation: int) -> None:
+        calls.append(generation)
+        original(generation)
+
+    store.mark_accepted = spy  # type: ignore[method-assign]
     for _ in range(5):
         manager.accepted(token)
     assert calls == [token.generation]
@@ -404,7 +409,8 @@ def test_an_exchange_handing_back_the_stored_token_marks_it_final_until_it_expir
     current = stored(store, clock, left=100.0)  # mandatory window
     exchange.outcomes.append(IssuedToken(current.value, expires_in=100.0))
     token = manager.token()
-    assert token.value == current.value and token.final
+    assert token.value == current.value
+    assert token.final
     assert store.counters()["exchanges:mandatory:unchanged"] == 1
     for _ in range(50):  # every caller and beat until expiry: no further exchange
         clock.now += 1.9
@@ -472,7 +478,8 @@ def test_a_failed_half_open_probe_is_one_attempt_and_reopens_the_breaker(
         manager.token()
     assert len(exchange.calls) == 1
     record = store.load_breaker()
-    assert record is not None and record.failures == 7
+    assert record is not None
+    assert record.failures == 7
     with pytest.raises(TokenEndpointUnavailable, match="paused"):  # next probe: an interval on
         manager.token()
     assert len(exchange.calls) == 1

@@ -432,9 +432,9 @@ class CountingConnection(redis.Connection):
 
     counts: ClassVar[Counter[str]] = Counter()
 
-    def pack_command(self, *args: Any) -> list[bytes | memoryview]:
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
         self.counts[str(args[0]).upper().split()[0]] += 1
-        return super().pack_command(*args)
+        super().send_command(*args, **kwargs)
 
     def pack_commands(self, commands: Any) -> list[bytes | memoryview]:
         for command in commands:

@@ -17,10 +17,10 @@ from .status import AccountStatus
 PREFIX = "merchant_tasks"
 # counters kept in Redis (TokenStore.count) that are not per-exchange: name -> help
 _SIMPLE_COUNTERS = {
-    "unauthorized": "Calls answered 401 that asked for a forced renewal.",
-    "forced_renewals": "Forced renewals after a 401 that went on to the lock.",
+    "unauthorized": "Calls answered 401 that asked the store for a newer token.",
+    "forced_renewals": "Forced renewals after a 401 that went on to an exchange.",
     "lock_waits": "Renewals that waited for another process holding the lock.",
-    "fresh_token_rejected": "401s on a token freshly renewed after a 401 (no loop made).",
+    "never_accepted_rejected": "401s on a token the API never accepted (no renewal made).",
 }
 
 

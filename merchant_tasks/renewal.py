@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import random
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -122,7 +123,14 @@ class TokenManager:
             sleep=lambda seconds: self.sleep(seconds),
         )
         self._accepted = 0  # the highest generation this process recorded as accepted
+        self._forcing = 0  # the generation a thread of this process is renewing after a 401
+        self._remake_locks()
         _MANAGERS.add(self)  # its locks are remade in a forked child
+
+    def _remake_locks(self) -> None:
+        self._forcing_changed = threading.Condition()
+        self.flight.remake_locks()
+        self.copy.remake_lock()
 
     def __repr__(self) -> str:
         return f"TokenManager(store={self.store!r})"
@@ -198,40 +206,83 @@ class TokenManager:
         )
 
     def _renew_after_401(self, stale: Token) -> Token:
-        started = self.copy.now()
+        for _ in range(2):  # a second round if a sibling's renewal failed
+            newer = self._newer_copy(stale) or self._sibling_renewal(stale)
+            if newer is not None:
+                return newer  # a sibling thread got the token that replaces it
+            started = self.copy.now()
+            found, renewer = self._look_after_401(stale)
+            if found is not None:
+                return found
+            if renewer:  # this thread renews for the process
+                break
+        log.info("token %s was revoked: renewing", stale.fingerprint)
         try:
-            self.flight.take_turn(blocking=True)
-        except RenewalTimeout:
-            self.store.count(Counter.UNAUTHORIZED)
-            raise
+            return self.copy.keep(
+                self._renew(
+                    RenewalReason.FORCED,
+                    lambda t: (
+                        t is not None and t.value != stale.value and t.expires_at > self.clock()
+                    ),
+                    None,
+                    started=started,
+                    looked=True,
+                )
+            )
+        finally:
+            with self._forcing_changed:
+                self._forcing = 0
+                self._forcing_changed.notify_all()
+
+    def _look_after_401(self, stale: Token) -> tuple[Token | None, bool]:
+        """In this process's turn: a newer token (copy or store), or TokenRejected, or
+        whether this thread is now the process's renewer of ``stale``'s generation."""
+        self.flight.take_turn(blocking=True)
         try:
-            self.store.count(Counter.UNAUTHORIZED)
-            now = self.clock()
-            kept = self.copy.kept_since(started)
-            if kept is not None and kept.value != stale.value and kept.expires_at > now:
-                return kept  # another thread of this process took the new token meanwhile
-            current = self.store.load()
-            if current is not None and current.value != stale.value and current.expires_at > now:
-                return self.copy.keep(current)
+            newer = self._newer_copy(stale)
+            if newer is not None or self._forcing >= stale.generation:
+                return newer, False  # no token: a sibling renews; wait for it next round
+            current = self.store.count_and_load(Counter.UNAUTHORIZED)
+            if (
+                current is not None
+                and current.value != stale.value
+                and current.expires_at > self.clock()
+            ):
+                return self.copy.keep(current), False  # renewed elsewhere: compare-and-swap
             accepted = self._accepted
             if accepted < stale.generation:
                 accepted = max(accepted, self.store.accepted_generation())
-            refusal = self.policy.judge_refusal(stale, accepted)
-            if refusal == Refusal.NEVER_ACCEPTED:
+            if self.policy.judge_refusal(stale, accepted) == Refusal.NEVER_ACCEPTED:
                 self.store.count(Counter.NEVER_ACCEPTED)
                 raise TokenRejected(never_accepted_message())
-            self.store.count(Counter.FORCED_RENEWALS)
+            with self._forcing_changed:
+                self._forcing = stale.generation
+            return None, True
         finally:
             self.flight.turn.release()
-        log.info("token %s was revoked (%s): renewing", stale.fingerprint, refusal)
-        return self.copy.keep(
-            self._renew(
-                RenewalReason.FORCED,
-                lambda t: t is not None and t.value != stale.value and t.expires_at > self.clock(),
-                None,
-                started=started,
+
+    def _sibling_renewal(self, stale: Token) -> Token | None:
+        """While another thread of this process renews (or waits for the fleet's renewal
+        of) ``stale``'s generation, wait for its token rather than ask Redis too."""
+        with self._forcing_changed:
+            if self._forcing < stale.generation:
+                return None
+            self._forcing_changed.wait_for(
+                lambda: self._forcing < stale.generation, timeout=self.wait_limit
             )
-        )
+        return self._newer_copy(stale)  # None if it failed: then this thread tries itself
+
+    def _newer_copy(self, stale: Token) -> Token | None:
+        """This process's copy if it is newer than ``stale`` and valid (no Redis read)."""
+        copy = self.copy.last()
+        if (
+            copy is not None
+            and copy.generation > stale.generation
+            and copy.value != stale.value
+            and copy.expires_at > self.clock()
+        ):
+            return copy
+        return None
 
     # -- single flight -------------------------------------------------------------------
 
@@ -243,8 +294,13 @@ class TokenManager:
         *,
         started: float | None = None,
         probe: bool = False,
+        looked: bool = False,
     ) -> Token:
-        """A token that satisfies the caller, exchanging at most once fleet-wide."""
+        """A token that satisfies the caller, exchanging at most once fleet-wide.
+
+        ``looked``: the caller has just read the store, so the first attempt goes straight
+        to the lock (a look under it follows).
+        """
         since = self.copy.now() if started is None else started
         probing: list[bool] = []
 
@@ -264,7 +320,10 @@ class TokenManager:
                 raise
 
         return self.flight.run(
-            look, lambda: self._exchange_and_save(reason, probe=bool(probing)), fallback
+            look,
+            lambda: self._exchange_and_save(reason, probe=bool(probing)),
+            fallback,
+            looked=looked,
         )
 
     def _exchange_and_save(self, reason: RenewalReason, *, probe: bool = False) -> Token:
@@ -391,6 +450,7 @@ class TokenManager:
             self.breaker.trip_revoked(FORCED_RENEWAL_PERIOD, message)
             raise TokenRejected(message)
         self.store.log_forced(now)
+        self.store.count(Counter.FORCED_RENEWALS)
 
 
 # A fork copies the locks as they are: one held by a parent's thread would stay held in the
@@ -400,8 +460,7 @@ _MANAGERS: weakref.WeakSet[TokenManager] = weakref.WeakSet()
 
 def _remake_locks_after_fork() -> None:
     for manager in list(_MANAGERS):
-        manager.flight.remake_locks()
-        manager.copy.remake_lock()
+        manager._remake_locks()
 
 
 os.register_at_fork(after_in_child=_remake_locks_after_fork)

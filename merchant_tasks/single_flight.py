@@ -83,10 +83,21 @@ class SingleFlight:
             )
         return True
 
-    def run(self, look: Look, renew: Callable[[], Token], fallback: Token | None) -> Token:
+    def run(
+        self,
+        look: Look,
+        renew: Callable[[], Token],
+        fallback: Token | None,
+        *,
+        looked: bool = False,
+    ) -> Token:
         """A token from ``look`` (run in this process's turn), else from ``renew`` under the
-        fleet's lock, else ``fallback`` while it is valid rather than wait."""
+        fleet's lock, else ``fallback`` while it is valid rather than wait.
+
+        ``looked``: the caller has just looked, so the first attempt tries the lock at once.
+        """
         heard = [0]
+        skip_first_look = [looked]
         counted: list[bool] = []
 
         def attempt() -> Token | None:
@@ -95,7 +106,8 @@ class SingleFlight:
                 return fallback  # another thread of this process is renewing; keep using it
             try:
                 heard[0] = self.signal.heard if self.signal is not None else 0
-                found = look()
+                skip = skip_first_look.pop() if skip_first_look else False
+                found = None if skip else look()
                 if found is not None:
                     return found
                 lock = self.store.lock(self.lock_ttl)

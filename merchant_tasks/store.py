@@ -150,6 +150,9 @@ class TokenStore:
         """The stored token, or None. One GET; an unchanged value is not parsed again."""
         with _unavailable_as_error():
             raw = cast(bytes | None, self.redis.get(self.token_key))
+        return self._parse(raw)
+
+    def _parse(self, raw: bytes | None) -> Token | None:
         if raw is None:
             return None
         parsed = self._parsed
@@ -159,6 +162,15 @@ class TokenStore:
         with self._parsed_lock:
             self._parsed = (raw, token)
         return token
+
+    def count_and_load(self, event: str) -> Token | None:
+        """Add one to the counter ``event`` and load the token, in one round trip."""
+        with _unavailable_as_error():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hincrby(self.counters_key, event, 1)
+            pipe.get(self.token_key)
+            raw = cast(bytes | None, pipe.execute()[1])
+        return self._parse(raw)
 
     def generation(self) -> int:
         """The generation of the last token written (0 if none ever was)."""

@@ -1067,7 +1067,9 @@ def test_threads_of_one_process_wait_for_its_renewal_in_turn_without_polling_red
     assert len({token.value for token in got}) == 1
     assert got[0].value != old.value
     assert sleep.waits == []  # nobody polled the Redis lock
-    assert store.counters()["unauthorized"] == 8
+    # one 401 per process reaches Redis; its siblings take the copy it kept (a storm's
+    # Redis commands do not grow with the threads)
+    assert store.counters()["unauthorized"] == 1
 
 
 def test_a_thread_with_a_valid_token_does_not_queue_behind_another_threads_renewal(

@@ -426,10 +426,7 @@ class TokenManager:
         """``token`` was written: keep it, close the breaker, wake the fleet's waiters."""
         self.copy.keep(token)  # the other threads of this process find it there
         self.breaker.reset()
-        try:
-            self.store.announce(token.generation)
-        except StoreUnavailable:  # waiters fall back to polling
-            log.warning("could not announce the new token; waiting processes will poll")
+        self.store.announce(token.generation)  # best effort: waiters also poll
 
     def _newer_than_ours(self, stored_generation: int) -> Token:
         # our lock expired during a slow exchange and a newer token was stored meanwhile

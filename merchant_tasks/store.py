@@ -26,6 +26,7 @@ hot path costs one GET and no TIME. See docs/design.md, "Keys".
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,8 @@ from redis.lock import Lock
 
 from .exceptions import StoreUnavailable
 from .token import Token
+
+log = logging.getLogger(__name__)
 
 CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
 EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last day)
@@ -195,10 +198,15 @@ class TokenStore:
         written, generation = int(result[0]), int(result[1])
         return written == 1, generation
 
-    def announce(self, generation: int) -> None:
-        """Tell waiting processes that ``generation`` is stored (best effort: they poll too)."""
-        with _unavailable_as_error():
+    def announce(self, generation: int) -> bool:
+        """Tell waiting processes that ``generation`` is stored. Best effort (they poll too):
+        False if it could not be published (Redis down, or an ACL without the channel)."""
+        try:
             self.redis.publish(self.renewed_channel, str(generation))
+        except redis.RedisError as exc:
+            log.warning("could not announce a new token: %s", type(exc).__name__)
+            return False
+        return True
 
     def mark_accepted(self, generation: int) -> None:
         """Record that the API accepted a token of ``generation`` (no write if already known)."""

@@ -11,6 +11,7 @@ import redis
 
 from conftest import TEST_API_KEY, Sandbox
 from merchant_tasks.client import MerchantClient, redis_from_url
+from merchant_tasks.local import wait_until
 from merchant_tasks.settings import Secret, Settings
 
 pytestmark = pytest.mark.integration
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.integration
 # the README's ACL, with the key pattern of this test's prefix
 TOKEN_STORE_COMMANDS = (
     "+get +set +del +hincrby +hgetall +zadd +zcount +zremrangebyscore "
-    "+eval +evalsha +script|load +time +ping"
+    "+eval +evalsha +script|load +time +ping +publish +subscribe +unsubscribe"
 )
 
 
@@ -34,6 +35,7 @@ def acl_user(redis_client: redis.Redis, key_prefix: str) -> Iterator[tuple[str, 
         "resetkeys",
         f"~{key_prefix}:*",
         "resetchannels",
+        f"&{key_prefix}:*",
         "-@all",
         *TOKEN_STORE_COMMANDS.split(),
     )
@@ -59,10 +61,15 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     )
     client = MerchantClient.from_settings(settings)
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}
+    signal = client.manager.signal
+    assert signal is not None
+    wait_until(lambda: signal.listening, "the subscription to renewal announcements", 10.0)
+    heard = signal.heard
     sandbox.app.revoke_all()
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}  # lock, CAS, counters
     client.manager.renew(force=True)
     assert sandbox.exchanges()["ok"] == 3
+    wait_until(lambda: signal.heard >= heard + 2, "both renewals announced", 10.0)
 
 
 def test_the_acl_user_cannot_touch_keys_outside_its_prefix(

@@ -57,7 +57,7 @@ from .policy import (
     budget_spent_message,
     never_accepted_message,
 )
-from .single_flight import SingleFlight, owner
+from .single_flight import Prelude, SingleFlight, owner, release
 from .store import RedisClock, TokenStore
 from .token import RenewalReason, Token, TokenState
 from .wakeup import RenewalSignal
@@ -206,12 +206,13 @@ class TokenManager:
         )
 
     def _renew_after_401(self, stale: Token) -> Token:
+        prelude: Prelude | None = None
         for _ in range(2):  # a second round if a sibling's renewal failed
             newer = self._newer_copy(stale) or self._sibling_renewal(stale)
             if newer is not None:
                 return newer  # a sibling thread got the token that replaces it
             started = self.copy.now()
-            found, renewer = self._look_after_401(stale)
+            found, renewer, prelude = self._look_after_401(stale)
             if found is not None:
                 return found
             if renewer:  # this thread renews for the process
@@ -226,7 +227,7 @@ class TokenManager:
                     ),
                     None,
                     started=started,
-                    looked=True,
+                    prelude=prelude,
                 )
             )
         finally:
@@ -234,21 +235,26 @@ class TokenManager:
                 self._forcing = 0
                 self._forcing_changed.notify_all()
 
-    def _look_after_401(self, stale: Token) -> tuple[Token | None, bool]:
-        """In this process's turn: a newer token (copy or store), or TokenRejected, or
-        whether this thread is now the process's renewer of ``stale``'s generation."""
+    def _look_after_401(self, stale: Token) -> tuple[Token | None, bool, Prelude | None]:
+        """In this process's turn: a newer token (copy or store), or TokenRejected, or this
+        thread registered as the process's renewer of ``stale``'s generation, with its
+        look at the store and the lock (one round trip) as the renewal's first attempt."""
         self.flight.take_turn(blocking=True)
+        lock = None
         try:
             newer = self._newer_copy(stale)
             if newer is not None or self._forcing >= stale.generation:
-                return newer, False  # no token: a sibling renews; wait for it next round
-            current = self.store.count_and_load(Counter.UNAUTHORIZED)
+                return newer, False, None  # no token: a sibling renews; wait for it
+            heard = self.signal.heard if self.signal is not None else 0
+            current, lock, lock_busy = self.store.look_after_401(
+                stale.generation, owner(), self.lock_ttl, Counter.UNAUTHORIZED, Counter.LOCK_WAITS
+            )
             if (
                 current is not None
                 and current.value != stale.value
                 and current.expires_at > self.clock()
             ):
-                return self.copy.keep(current), False  # renewed elsewhere: compare-and-swap
+                return self.copy.keep(current), False, None  # renewed elsewhere: CAS
             accepted = self._accepted
             if accepted < stale.generation:
                 accepted = max(accepted, self.store.accepted_generation())
@@ -257,8 +263,12 @@ class TokenManager:
                 raise TokenRejected(never_accepted_message())
             with self._forcing_changed:
                 self._forcing = stale.generation
-            return None, True
+            prelude = Prelude(lock, heard) if lock is not None or lock_busy else None
+            lock = None  # handed over to the renewal
+            return None, True, prelude
         finally:
+            if lock is not None:
+                release(lock)
             self.flight.turn.release()
 
     def _sibling_renewal(self, stale: Token) -> Token | None:
@@ -294,12 +304,11 @@ class TokenManager:
         *,
         started: float | None = None,
         probe: bool = False,
-        looked: bool = False,
+        prelude: Prelude | None = None,
     ) -> Token:
         """A token that satisfies the caller, exchanging at most once fleet-wide.
 
-        ``looked``: the caller has just read the store, so the first attempt goes straight
-        to the lock (a look under it follows).
+        ``prelude``: the caller's own look at the store and the lock, as the first attempt.
         """
         since = self.copy.now() if started is None else started
         probing: list[bool] = []
@@ -323,7 +332,7 @@ class TokenManager:
             look,
             lambda: self._exchange_and_save(reason, probe=bool(probing)),
             fallback,
-            looked=looked,
+            prelude=prelude,
         )
 
     def _exchange_and_save(self, reason: RenewalReason, *, probe: bool = False) -> Token:

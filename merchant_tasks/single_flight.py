@@ -17,6 +17,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
@@ -42,6 +43,16 @@ POLL_MAX = 0.25  # longest wait between two looks at the store while another pro
 # also the fallback when announcements are heard but one may have been lost
 
 Look = Callable[[], Token | None]
+
+
+@dataclass(frozen=True)
+class Prelude:
+    """A caller's own first look at the store, made in one round trip with the lock attempt
+    (``TokenStore.look_after_401``): the lock it took (None: another holds it, and the wait
+    is counted), and the announcements heard before it looked."""
+
+    lock: Lock | None
+    heard: int
 
 
 class SingleFlight:
@@ -89,15 +100,16 @@ class SingleFlight:
         renew: Callable[[], Token],
         fallback: Token | None,
         *,
-        looked: bool = False,
+        prelude: Prelude | None = None,
     ) -> Token:
         """A token from ``look`` (run in this process's turn), else from ``renew`` under the
         fleet's lock, else ``fallback`` while it is valid rather than wait.
 
-        ``looked``: the caller has just looked, so the first attempt tries the lock at once.
+        ``prelude``: the caller's own first look (see ``Prelude``), which stands for the
+        first attempt.
         """
         heard = [0]
-        skip_first_look = [looked]
+        pending = [prelude] if prelude is not None else []
         counted: list[bool] = []
 
         def attempt() -> Token | None:
@@ -105,19 +117,27 @@ class SingleFlight:
             if not self.take_turn(blocking=not has_fallback):
                 return fallback  # another thread of this process is renewing; keep using it
             try:
-                heard[0] = self.signal.heard if self.signal is not None else 0
-                skip = skip_first_look.pop() if skip_first_look else False
-                found = None if skip else look()
-                if found is not None:
-                    return found
-                lock = self.store.lock(self.lock_ttl)
-                if lock.acquire(token=owner()):
+                if pending:
+                    first = pending.pop()
+                    heard[0] = first.heard
+                    lock = first.lock
+                    if lock is None:
+                        counted.append(True)  # the prelude counted its wait
+                else:
+                    heard[0] = self.signal.heard if self.signal is not None else 0
+                    found = look()
+                    if found is not None:
+                        return found
+                    lock = self.store.lock(self.lock_ttl)
+                    if not lock.acquire(token=owner()):
+                        lock = None
+                if lock is not None:
                     try:
                         # look again: the holder we waited for may have stored a token, or
                         # failed and paused exchanges (breakers only open under the lock)
                         return look() or renew()
                     finally:
-                        _release(lock)
+                        release(lock)
             finally:
                 self.turn.release()
             if fallback is not None and fallback.expires_at > self.clock():
@@ -157,7 +177,8 @@ def owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def _release(lock: Lock) -> None:
+def release(lock: Lock) -> None:
+    """Release the renewal lock; one that expired or cannot be reached is only logged."""
     try:
         lock.release()
     except LockError:

@@ -70,6 +70,21 @@ redis.call('SET', KEYS[1], ARGV[1])
 return 1
 """
 
+# KEYS: token, lock, counters. ARGV: refused generation, owner, lock TTL (ms), the 401
+# counter, the lock-wait counter. Counts the 401 and reads the token; when the stored token
+# is the refused one (or none is stored), tries the renewal lock for ARGV[2].
+# Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (counted)}.
+_LOOK_AFTER_401 = """
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+local raw = redis.call('GET', KEYS[1])
+if raw and tonumber(cjson.decode(raw)['generation']) ~= tonumber(ARGV[1]) then
+  return {raw, 0}
+end
+if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then return {raw, 1} end
+redis.call('HINCRBY', KEYS[3], ARGV[5], 1)
+return {raw, -1}
+"""
+
 
 @dataclass(frozen=True)
 class BreakerRecord:
@@ -133,6 +148,7 @@ class TokenStore:
         self.renewed_channel = f"{namespace}:renewed"
         self._save = client.register_script(_SAVE_IF_GENERATION)
         self._raise_accepted = client.register_script(_RAISE_ACCEPTED)
+        self._look_after_401 = client.register_script(_LOOK_AFTER_401)
         self._parsed: tuple[bytes, Token] | None = None
         self._parsed_lock = threading.Lock()
 
@@ -166,14 +182,29 @@ class TokenStore:
             self._parsed = (raw, token)
         return token
 
-    def count_and_load(self, event: str) -> Token | None:
-        """Add one to the counter ``event`` and load the token, in one round trip."""
+    def look_after_401(
+        self, refused_generation: int, owner: str, lock_ttl: float, counted: str, waited: str
+    ) -> tuple[Token | None, Lock | None, bool]:
+        """After a 401, in one round trip: count it (``counted``), load the token and, if it
+        is still the refused generation (or none is stored), try the renewal lock.
+
+        Returns the stored token, the lock if it was taken, and whether another holds it
+        (then ``waited`` was counted).
+        """
         with _unavailable_as_error():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hincrby(self.counters_key, event, 1)
-            pipe.get(self.token_key)
-            raw = cast(bytes | None, pipe.execute()[1])
-        return self._parse(raw)
+            raw, outcome = cast(
+                list[Any],
+                self._look_after_401(
+                    keys=[self.token_key, self.lock_key, self.counters_key],
+                    args=[refused_generation, owner, int(lock_ttl * 1000), counted, waited],
+                ),
+            )
+        lock = None
+        if outcome == 1:
+            lock = self.lock(lock_ttl)
+            # redis-py's Lock keeps its owner token here; set as its acquire() would
+            lock.local.token = owner.encode()
+        return self._parse(raw), lock, outcome == -1
 
     def generation(self) -> int:
         """The generation of the last token written (0 if none ever was)."""

@@ -12,16 +12,16 @@ from collections.abc import Callable, Iterable, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .policy import Counter
+from .policy import CounterName
 from .status import AccountStatus
 
 PREFIX = "merchant_tasks"
 # counters kept in Redis (TokenStore.count) that are not per-exchange: name -> help
 _SIMPLE_COUNTERS: dict[str, str] = {
-    Counter.UNAUTHORIZED: "Calls answered 401 that asked the store for a newer token.",
-    Counter.FORCED_RENEWALS: "Forced renewals after a 401 that went on to an exchange.",
-    Counter.LOCK_WAITS: "Renewals that waited for another process holding the lock.",
-    Counter.NEVER_ACCEPTED: "401s on a token the API never accepted (no renewal made).",
+    CounterName.UNAUTHORIZED: "Calls answered 401 that asked the store for a newer token.",
+    CounterName.FORCED_RENEWALS: "Forced renewals after a 401 that went on to an exchange.",
+    CounterName.LOCK_WAITS: "Renewals that waited for another process holding the lock.",
+    CounterName.NEVER_ACCEPTED: "401s on a token the API never accepted (no renewal made).",
 }
 
 

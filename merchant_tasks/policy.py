@@ -31,7 +31,7 @@ class Refusal(enum.StrEnum):
     NEVER_ACCEPTED = "never_accepted"  # wrong key or environment: no renewal, no loop
 
 
-class Counter(enum.StrEnum):
+class CounterName(enum.StrEnum):
     """Fleet-wide counters of the token's life (``TokenStore.count``)."""
 
     UNAUTHORIZED = "unauthorized"

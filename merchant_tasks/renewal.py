@@ -50,7 +50,7 @@ from .local_copy import LOCAL_COPY_TTL, LocalCopy
 from .policy import (
     FORCED_RENEWAL_BUDGET,
     FORCED_RENEWAL_PERIOD,
-    Counter,
+    CounterName,
     Outcome,
     Refusal,
     RenewalPolicy,
@@ -247,7 +247,11 @@ class TokenManager:
                 return newer, False, None  # no token: a sibling renews; wait for it
             heard = self.signal.heard if self.signal is not None else 0
             current, lock, lock_busy = self.store.look_after_401(
-                stale.generation, owner(), self.lock_ttl, Counter.UNAUTHORIZED, Counter.LOCK_WAITS
+                stale.generation,
+                owner(),
+                self.lock_ttl,
+                CounterName.UNAUTHORIZED,
+                CounterName.LOCK_WAITS,
             )
             if (
                 current is not None
@@ -259,7 +263,7 @@ class TokenManager:
             if accepted < stale.generation:
                 accepted = max(accepted, self.store.accepted_generation())
             if self.policy.judge_refusal(stale, accepted) == Refusal.NEVER_ACCEPTED:
-                self.store.count(Counter.NEVER_ACCEPTED)
+                self.store.count(CounterName.NEVER_ACCEPTED)
                 raise TokenRejected(never_accepted_message())
             with self._forcing_changed:
                 self._forcing = stale.generation
@@ -456,7 +460,7 @@ class TokenManager:
             self.breaker.trip_revoked(FORCED_RENEWAL_PERIOD, message)
             raise TokenRejected(message)
         self.store.log_forced(now)
-        self.store.count(Counter.FORCED_RENEWALS)
+        self.store.count(CounterName.FORCED_RENEWALS)
 
 
 # A fork copies the locks as they are: one held by a parent's thread would stay held in the

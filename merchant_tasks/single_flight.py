@@ -31,7 +31,7 @@ from tenacity import (
 )
 
 from .exceptions import RenewalTimeout
-from .policy import Counter
+from .policy import CounterName
 from .store import TokenStore
 from .token import Token
 from .wakeup import RenewalSignal
@@ -144,7 +144,7 @@ class SingleFlight:
                 return fallback
             if not counted:
                 counted.append(True)
-                self.store.count(Counter.LOCK_WAITS)
+                self.store.count(CounterName.LOCK_WAITS)
             return None
 
         def wait(seconds: float) -> None:

@@ -36,8 +36,6 @@ class RenewalSignal:
         self._redis = store.redis
         self._channel = store.renewed_channel
         self.heard = 0  # announcements heard so far; waiters wait for it to grow
-        self._listening = False
-        self._thread: threading.Thread | None = None
         self._next_try = 0.0
         self._reset_after_fork()
         _SIGNALS.add(self)
@@ -45,7 +43,7 @@ class RenewalSignal:
     def _reset_after_fork(self) -> None:
         # a forked child has no subscriber thread; the parent's connection is not ours
         self._cond = threading.Condition()
-        self._thread = None
+        self._thread: threading.Thread | None = None
         self._listening = False
 
     @property

@@ -1390,6 +1390,25 @@ def test_row11_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_m
     assert sandbox.exchanges()["ok"] <= 1 + 2
 
 
+def _windows(settings: Settings, lifetime: float, before: float, mandatory: float) -> Settings:
+    """``settings`` with a short token and its renewal windows (seconds)."""
+    return dataclasses.replace(
+        settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
+    )
+
+
+def _call_for(
+    callers: Callers, account: Settings, secret_file: Path, seconds: float
+) -> tuple[list[dict[str, Any]], float]:
+    """Three caller processes call for ``seconds``; their reports and the run's length."""
+    callers.start(_process_env(account, secret_file), [{}] * 3)
+    started = time.monotonic()
+    callers.go()
+    time.sleep(seconds)
+    reports = callers.stop()
+    return reports, time.monotonic() - started
+
+
 # -- 12. issuing a token revokes the previous one -------------------------------------------
 
 
@@ -1407,17 +1426,10 @@ def test_row12_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_r
     revoked) number at most one per process per renewal; exchanges stay at one per
     lifetime-minus-window: no storm.
     """
-    lifetime, before, mandatory = 3.0, 2.0, 1.0
+    lifetime = 3.0
     sandbox.app.configure({"lifetime": lifetime, "revoke_on_issue": True})
-    account = dataclasses.replace(
-        settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
-    )
-    callers.start(_process_env(account, secret_file), [{}] * 3)
-    started = time.monotonic()
-    callers.go()
-    time.sleep(7.0)
-    reports = callers.stop()
-    run = time.monotonic() - started
+    account = _windows(settings, lifetime, before=2.0, mandatory=1.0)
+    reports, run = _call_for(callers, account, secret_file, seconds=7.0)
 
     for report in reports:
         assert set(_outcomes(report, "0")) == {"ok"}, report
@@ -1425,7 +1437,7 @@ def test_row12_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_r
     renewals = exchanges - 1
     assert renewals >= 2
     assert sandbox.calls()["unauthorized"] <= len(reports) * renewals
-    assert exchanges <= math.ceil(run / (lifetime - mandatory)) + 1
+    assert exchanges <= math.ceil(run / (lifetime - account.renew_mandatory)) + 1
     print(
         f"\nrow 12: {exchanges} exchanges in {run:.1f} s, "
         f"{sandbox.calls()['unauthorized']} 401s for {len(reports)} processes"
@@ -1478,17 +1490,10 @@ def test_row14_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_
     lifetimes, renewing in the 2 s mandatory window: the answer there is the same token,
     recorded as unchanged and not asked again before expiry. No call fails; exchanges
     stay at two per lifetime."""
-    lifetime, before, mandatory = 6.0, 4.0, 2.0
+    lifetime = 6.0
     sandbox.app.configure({"lifetime": lifetime, "hand_back_live_token": True})
-    account = dataclasses.replace(
-        settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
-    )
-    callers.start(_process_env(account, secret_file), [{}] * 3)
-    started = time.monotonic()
-    callers.go()
-    time.sleep(2.5 * lifetime)
-    reports = callers.stop()
-    run = time.monotonic() - started
+    account = _windows(settings, lifetime, before=4.0, mandatory=2.0)
+    reports, run = _call_for(callers, account, secret_file, seconds=2.5 * lifetime)
 
     for report in reports:
         assert set(_outcomes(report, "0")) == {"ok"}, report

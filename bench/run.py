@@ -67,7 +67,7 @@ from harness import (
     wait_until,
 )
 
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.settings import Secret, Settings
 
 API_KEY = "bench-app-id"
@@ -194,7 +194,7 @@ class Bench:
 
     def client(
         self, prefix: str, base_url: str | None = None, redis_client: redis.Redis | None = None
-    ) -> MerchantClient:
+    ) -> FleetClient:
         """A MerchantClient in this process, default windows, its own key prefix."""
         settings = Settings(
             api_key=API_KEY,
@@ -446,7 +446,7 @@ class CountingConnection(redis.Connection):
 class StormProcess:
     """One client standing for one process: its own copy, turn and Redis pool, counted."""
 
-    client: MerchantClient
+    client: FleetClient
     commands: Counter[str]
     exchanges: list[float]  # seconds each exchange this client made took
 
@@ -469,9 +469,7 @@ def storm_process(bench: Bench, prefix: str) -> StormProcess:
     return StormProcess(client, counting.counts, timed)
 
 
-def concurrent_calls(
-    clients: list[MerchantClient], callers: int
-) -> tuple[list[float], Counter[str]]:
+def concurrent_calls(clients: list[FleetClient], callers: int) -> tuple[list[float], Counter[str]]:
     """``callers`` threads call at once, spread over ``clients``; latency of each from the
     common start, in seconds."""
     started: list[float] = []
@@ -520,7 +518,7 @@ def storm_round(bench: Bench, renewed_elsewhere: bool) -> StormRound:
     prefix = f"bench-storm-{uuid.uuid4().hex[:8]}"
     processes = [storm_process(bench, prefix) for _ in range(STORM_PROCESSES)]
     clients = [p.client for p in processes]
-    other: MerchantClient | None = None
+    other: FleetClient | None = None
     try:
         for client in clients:
             client.request("GET", PING)  # the first token; a new account each round

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import redis
 import requests
 
-from .client import MerchantClient, new_session, redis_from_url
+from .client import FleetClient, MerchantClient, new_session, redis_from_url
 from .exceptions import ConfigurationError
 from .settings import Settings
 
@@ -136,7 +136,7 @@ class AccountClients:
 
     def __init__(self, accounts: Mapping[str, Settings]) -> None:
         self.accounts = dict(accounts)
-        self._clients: dict[str, MerchantClient] = {}
+        self._clients: dict[str, FleetClient] = {}
         self._redis: redis.Redis | None = None
         self._lock = threading.Lock()
 
@@ -144,7 +144,7 @@ class AccountClients:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> AccountClients:
         return cls(load_accounts(environ))
 
-    def get(self, account: str | None = None) -> MerchantClient:
+    def get(self, account: str | None = None) -> FleetClient:
         """The client of ``account`` (the only or ``default`` account when None)."""
         name = account or self.default_name()
         client = self._clients.get(name)

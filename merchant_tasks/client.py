@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import redis
 import requests
@@ -100,13 +100,20 @@ class TokenSource(Protocol):
     def accepted(self, token: Token) -> None: ...
 
 
-class MerchantClient:
-    """Calls the merchant API under ``/open-api/v1`` with the account's shared token."""
+SourceT = TypeVar("SourceT", bound=TokenSource)
+
+
+class MerchantClient(Generic[SourceT]):
+    """Calls the merchant API under ``/open-api/v1`` with the account's shared token.
+
+    Needs only a ``TokenSource``; ``FleetClient`` is the one the fleet wires up, whose
+    source is the ``TokenManager``.
+    """
 
     def __init__(
         self,
         base_url: str,
-        manager: TokenManager,
+        manager: SourceT,
         *,
         session: requests.Session | None = None,
         timeout: tuple[float, float] = (3.05, 10.0),
@@ -126,7 +133,7 @@ class MerchantClient:
         )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> MerchantClient:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FleetClient:
         """A client configured by the MERCHANT_* variables (see README.md)."""
         return cls.from_settings(Settings.from_env(os.environ if environ is None else environ))
 
@@ -137,7 +144,7 @@ class MerchantClient:
         *,
         redis_client: redis.Redis | None = None,
         session: requests.Session | None = None,
-    ) -> MerchantClient:
+    ) -> FleetClient:
         session = session or new_session()
         store = TokenStore(
             redis_client or redis_from_url(settings.redis_url),
@@ -151,7 +158,7 @@ class MerchantClient:
             renew_mandatory=settings.renew_mandatory,
             exchange_timeout=settings.connect_timeout + settings.read_timeout,
         )
-        return cls(
+        return MerchantClient(
             settings.base_url,
             manager,
             session=session,
@@ -280,6 +287,9 @@ class MerchantClient:
                 resendable=status in SAFE_TO_RESEND_STATUSES or method in IDEMPOTENT_METHODS,
             )
         raise ApiError(f"{method} {path} failed with HTTP {status}", status=status, excerpt=excerpt)
+
+
+FleetClient = MerchantClient[TokenManager]
 
 
 def new_session() -> requests.Session:

@@ -17,7 +17,7 @@ from celery.utils.time import get_exponential_backoff_interval
 
 from .accounts import AccountClients
 from .celery_app import app
-from .client import MerchantClient
+from .client import FleetClient
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def clients() -> AccountClients:
     return _clients
 
 
-def client(account: str | None = None) -> MerchantClient:
+def client(account: str | None = None) -> FleetClient:
     """The client of ``account`` (the only or ``default`` account when None)."""
     return clients().get(account)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 import redis
 
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.local import RedisServer
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
@@ -137,7 +137,7 @@ def settings(sandbox: Sandbox, redis_url: str, key_prefix: str, secret_file: Pat
 
 
 @pytest.fixture
-def client(settings: Settings, redis_client: redis.Redis) -> MerchantClient:
+def client(settings: Settings, redis_client: redis.Redis) -> FleetClient:
     return MerchantClient.from_settings(settings, redis_client=redis_client)
 
 

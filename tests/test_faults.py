@@ -44,7 +44,7 @@ from werkzeug.wrappers import Request, Response
 
 from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, WatchedSandbox, redis_value, shows
 from merchant_tasks.celery_app import load_config
-from merchant_tasks.client import MerchantClient, new_session, redis_from_url
+from merchant_tasks.client import FleetClient, MerchantClient, new_session, redis_from_url
 from merchant_tasks.exceptions import (
     ApiError,
     ConfigurationError,
@@ -369,7 +369,7 @@ class CallLoop:
 
     def __init__(
         self,
-        client: MerchantClient,
+        client: FleetClient,
         threads: int,
         evidence: Evidence,
         where: str,
@@ -1144,7 +1144,7 @@ def _no_sleep(_: float) -> None:
     pass
 
 
-def _fuzz_client(url: str, redis_client: redis.Redis, key_prefix: str) -> MerchantClient:
+def _fuzz_client(url: str, redis_client: redis.Redis, key_prefix: str) -> FleetClient:
     """A client with no sleeps (waits are not what is fuzzed) and a namespace of its own."""
     store = TokenStore(redis_client, f"{key_prefix}:fuzz:{uuid.uuid4().hex[:10]}")
     session = new_session()
@@ -1610,7 +1610,7 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
     evidence.needle("TLS test: the Redis password", password)
     trust = f"ssl_ca_certs={cert}&ssl_cert_reqs=required"
     admin = redis_from_url(f"rediss://127.0.0.1:{port}/0?{trust}")
-    clients: list[MerchantClient] = []
+    clients: list[FleetClient] = []
     try:
         admin.acl_setuser(
             "merchant",
@@ -1671,7 +1671,7 @@ def test_security_settings_never_show_the_redis_password(secret_file: Path) -> N
 
 def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     celery_outage: CeleryOutage,
-    client: MerchantClient,
+    client: FleetClient,
     sandbox: Sandbox,
     settings: Settings,
     secret_file: Path,

@@ -345,6 +345,10 @@ class TokenManager:
         one final."""
         expected = self.store.generation()
         current = self.store.load()
+        if current is not None and current.expires_at <= self.clock() < current.kept_until:
+            # a final token just expired on our clock may live on the server's for as long
+            # as its exchange took: asking before then would be handed it back again
+            self.sleep(max(0.0, current.kept_until - self.clock()))
         issued_at = self.clock()  # before the exchange: the token is at least this old
         if current is not None and current.expires_at <= issued_at:
             current = None
@@ -393,6 +397,7 @@ class TokenManager:
             generation=expected + 1,
             renewed_by=owner(),
             reason=reason.value,
+            lag=max(0.0, self.clock() - issued_at),
         )
         written, stored_generation = self.store.save(token)
         self.store.record_exchange(reason, Outcome.OK, self.clock())

@@ -47,7 +47,7 @@ EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last
 BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
 # failures in a row are counted and the back-off grows; a success deletes it
 
-# KEYS: token, generation. ARGV: expected generation, token JSON, expires_at (Redis seconds).
+# KEYS: token, generation. ARGV: expected generation, token JSON, kept until (Redis seconds).
 # Returns {1, new generation} when written, {0, current generation} when another write
 # came first, {-1, current generation} when the token has already expired.
 _SAVE_IF_GENERATION = """
@@ -223,7 +223,7 @@ class TokenStore:
                 list[int],
                 self._save(
                     keys=[self.token_key, self.generation_key],
-                    args=[token.generation - 1, token.to_json(), repr(token.expires_at)],
+                    args=[token.generation - 1, token.to_json(), repr(token.kept_until)],
                 ),
             )
         written, generation = int(result[0]), int(result[1])

@@ -41,6 +41,14 @@ class Token:
     reason: str = ""  # a RenewalReason (a str); "" for tokens stored by older versions
     final: bool = False  # the token endpoint hands this token back until it expires:
     # renewing before expiry is futile (docs/design.md, "An answer no better")
+    lag: float = 0.0  # seconds the issuing exchange took: the server's expiry is at most
+    # this much later than ``expires_at`` (which counts from before the request was sent)
+
+    @property
+    def kept_until(self) -> float:
+        """Until when the store keeps it: a final token until the server surely let it go,
+        so whoever renews it can wait for that rather than be handed it back again."""
+        return self.expires_at + (self.lag if self.final else 0.0)
 
     @property
     def fingerprint(self) -> str:
@@ -84,6 +92,7 @@ class Token:
                 "renewed_by": self.renewed_by,
                 "reason": self.reason,
                 "final": self.final,
+                "lag": self.lag,
             },
             separators=(",", ":"),
         )
@@ -99,6 +108,7 @@ class Token:
             renewed_by=str(data.get("renewed_by", "")),
             reason=str(data.get("reason", "")),
             final=bool(data.get("final", False)),
+            lag=float(data.get("lag", 0.0)),
         )
 
 

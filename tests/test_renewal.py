@@ -422,6 +422,26 @@ def test_an_exchange_handing_back_the_stored_token_marks_it_final_until_it_expir
     assert len(exchange.calls) == 2
 
 
+def test_a_final_token_is_renewed_only_once_the_server_surely_let_it_go(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+) -> None:
+    """Its expiry counts from before the request that issued it was sent: the server's may
+    be as much later as that exchange took (``lag``). The renewal waits for that rather
+    than be handed the same token back with 0 s left."""
+    now = clock.now
+    final = Token("tok-final", now - 100.0, now + 1.0, 1, "x", "mandatory", final=True, lag=0.3)
+    assert store.save(final) == (True, 1)
+    clock.now += 1.1  # expired on our clock, maybe not yet on the server's
+    sleep.advance_clock = True
+    assert manager.token().value == "tok-issued-1"
+    assert sleep.waits == [pytest.approx(0.2)]
+    assert exchange.calls == [pytest.approx(now + 1.3)]
+
+
 def test_an_answer_expiring_no_later_than_the_stored_token_is_no_better(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:

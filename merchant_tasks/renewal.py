@@ -26,6 +26,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+from redis.exceptions import RedisError
 from tenacity import (
     Retrying,
     retry_if_exception,
@@ -178,9 +179,10 @@ class TokenManager:
         self._accepted = token.generation
         try:
             self.store.mark_accepted(token.generation)
-        except StoreUnavailable:
-            self._accepted = 0  # try again with the next call
-            log.debug("could not record an accepted token: the store is unavailable")
+        except (StoreUnavailable, RedisError) as exc:
+            # not retried with every call (each would wait for Redis): this process still
+            # knows, and the other processes using this generation record it too
+            log.warning("could not record that the API accepted a token: %s", type(exc).__name__)
 
     # -- beat, operators, 401s -----------------------------------------------------------
 

@@ -57,7 +57,7 @@ from merchant_tasks.local import RedisServer, free_port, stop_group, wait_until
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
-from merchant_tasks.store import RedisClock, TokenStore
+from merchant_tasks.store import BreakerRecord, RedisClock, TokenStore
 from merchant_tasks.token import Token, fingerprint
 
 if TYPE_CHECKING:
@@ -1442,6 +1442,53 @@ def test_row12_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_r
         f"\nrow 12: {exchanges} exchanges in {run:.1f} s, "
         f"{sandbox.calls()['unauthorized']} 401s for {len(reports)} processes"
     )
+
+
+# -- 2b. recovery after a long endpoint outage (half-open breaker) ---------------------------
+
+
+def test_row2b_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_ends(
+    sandbox: Sandbox,
+    settings: Settings,
+    redis_client: redis.Redis,
+    callers: Callers,
+    secret_file: Path,
+) -> None:
+    """The token endpoint fails until the token has expired and the breaker has backed off
+    to a 60 s pause. Three caller processes get TokenEndpointUnavailable meanwhile. Once the
+    endpoint is back, one probe fleet-wide every 2 s finds it: every process recovers well
+    before the pause would have ended, and the failed attempts stay at about one per probe
+    interval, not one per call."""
+    lifetime = 3.0
+    sandbox.app.configure({"lifetime": lifetime})
+    account = _windows(settings, lifetime, before=2.0, mandatory=1.0)
+    store = _store_of(account, redis_client)
+    callers.start(_process_env(account, secret_file), [{}] * 3)
+    callers.go()
+    wait_until(lambda: callers.each_has("0", "ok", at_least=3), "calls that succeed", 60.0)
+    sandbox.app.configure({"token_error_rate": 1.0, "error_status": 503})
+    callers.phase("down")
+    wait_until(
+        lambda: callers.each_has("down", "TokenEndpointUnavailable"),
+        "calls failing without a token",
+        60.0,
+    )
+    now = store.time()  # as after many failures in a row: a pause of a minute
+    store.open_breaker(BreakerRecord("unavailable", now + 60.0, 7, "", "HTTP 503"), now)
+    failed_before = sandbox.exchanges()["failed"]
+    sandbox.app.configure({"token_error_rate": 0.0})
+    callers.phase("up")
+    back = time.monotonic()
+    wait_until(lambda: callers.each_has("up", "ok"), "every process recovering", 30.0)
+    recovered_in = time.monotonic() - back
+    reports = callers.stop()
+
+    record = store.load_breaker()
+    assert record is None or record.until <= store.time()  # the probe's success closed it
+    assert sandbox.exchanges()["failed"] - failed_before <= 2  # probes, not calls
+    for report in reports:
+        assert set(_outcomes(report, "0")) == {"ok"}, report
+    print(f"\nrow 2b: every process recovered {recovered_in:.1f} s after the endpoint was back")
 
 
 # -- 13. revocations in quick succession ---------------------------------------------------

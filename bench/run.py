@@ -15,7 +15,10 @@ only our traffic) and the sandbox emulator in its own process. Scenarios (see RE
    per process that waited for another's renewal;
 3. hot path: MerchantClient.request against a raw requests.Session with a fixed bearer
    header, interleaved rounds; Redis commands per call from INFO commandstats;
-4. Celery: merchant_tasks.call_api against a bare task doing the same GET, same worker.
+4. Celery: merchant_tasks.call_api against a bare task doing the same GET, same worker;
+5-7. many accounts and sealing (bench/many_accounts.py): beat's check of 1,000 accounts
+   against the old loop, a cold start of 1,000 accounts through beat and a worker, and the
+   hot path with the token sealed at rest against the same in clear.
 
 The output is markdown tables, then one JSON object as the last line. The exit status is 1
 only when a scenario could not run; a missed goal is reported, never an error.
@@ -49,6 +52,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, ClassVar
 
+import many_accounts
 import redis
 import requests
 from harness import (
@@ -1111,11 +1115,15 @@ def run(plan: Plan, profile_path: Path | None, only: str | None = None) -> tuple
         stack.callback(store.close)
         bench = Bench(plan, workdir, redis_url, sandbox_url, secret_file, control, store, base_env)
         bench.children += [redis_child, sandbox_child]
+        accounts_plan = many_accounts.QUICK if plan is QUICK else many_accounts.FULL
         scenarios: list[tuple[str, Callable[[], None]]] = [
             ("fleet", lambda: fleet(bench)),
             ("storm", lambda: storm(bench)),
             ("hot path", lambda: hot_path(bench, profile_path)),
             ("celery", lambda: celery_scenario(bench)),
+            ("accounts check", lambda: many_accounts.check_scenario(bench, accounts_plan)),
+            ("cold start", lambda: many_accounts.cold_start_scenario(bench, accounts_plan)),
+            ("sealing", lambda: many_accounts.sealing_scenario(bench, accounts_plan)),
         ]
         for name, scenario in scenarios:
             if only is not None and name != only:
@@ -1172,6 +1180,10 @@ def report(bench: Bench, leftovers: list[str], elapsed: float) -> int:
         "hot_path_ratio",
         "redis_ops_per_call",
         "celery_ratio",
+        "accounts_check_ms",
+        "accounts_check_redis_roundtrips",
+        "accounts_cold_start_max_exchanges_per_s",
+        "sealing_hot_path_ratio",
     )
     summary: dict[str, Any] = {key: bench.results.get(key) for key in keys}
     summary.update(bench.results)

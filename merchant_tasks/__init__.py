@@ -24,6 +24,7 @@ from .exceptions import (
     TokenEndpointUnavailable,
     TokenExchangeError,
     TokenRejected,
+    TokenUnreadable,
 )
 from .settings import Settings
 
@@ -43,6 +44,7 @@ __all__ = [
     "TokenEndpointUnavailable",
     "TokenExchangeError",
     "TokenRejected",
+    "TokenUnreadable",
 ]
 
 

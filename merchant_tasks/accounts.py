@@ -10,6 +10,11 @@ MERCHANT_ACCOUNTS_FILE names a TOML or JSON file with more (or all) of them::
     api_secret_file = "/run/secrets/eu-shop"     # secrets come from files, never this file
     # optional: token_lifetime, renew_before, renew_mandatory, allow_insecure_http
 
+MERCHANT_ACCOUNTS_SOURCE="package.module:function" names a function of the platform's own
+(reading its database, say) that returns more of them: a mapping of account name to a
+``Settings`` or to an entry of the file's form. The sources add up; a name defined twice is
+an error.
+
 What an account does not set (Redis, key prefix, timeouts, windows) comes from the
 MERCHANT_* variables. Tokens, locks, breakers and counters are keyed by environment and
 API key, so accounts never share them. A sandbox account and a production account may not
@@ -18,6 +23,7 @@ share a base URL: a key of one environment must never reach the other.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -32,6 +38,7 @@ import redis
 import requests
 
 from .client import FleetClient, MerchantClient, new_session, redis_from_url
+from .due import claim_renewals, due_accounts, release_renewal
 from .exceptions import ConfigurationError
 from .settings import Settings
 
@@ -63,24 +70,32 @@ def load_accounts(environ: Mapping[str, str] | None = None) -> dict[str, Setting
     accounts: dict[str, Settings] = {}
     if env.get("MERCHANT_API_KEY") or env.get("MERCHANT_API_KEY_FILE"):
         accounts[DEFAULT_ACCOUNT] = Settings.from_env(env)
-    path = env.get("MERCHANT_ACCOUNTS_FILE")
-    if path:
-        for name, settings in _read_accounts_file(Path(path), env).items():
+    sources = [
+        ("MERCHANT_ACCOUNTS_FILE", _read_accounts_file),
+        ("MERCHANT_ACCOUNTS_SOURCE", _call_accounts_source),
+    ]
+    for variable, read in sources:
+        value = env.get(variable)
+        if not value:
+            continue
+        for name, settings in read(value, env).items():
             if name in accounts:
                 raise ConfigurationError(
-                    f"MERCHANT_ACCOUNTS_FILE: account {name!r} is also defined by MERCHANT_API_KEY"
+                    f"{variable}: account {name!r} is also defined elsewhere "
+                    "(MERCHANT_API_KEY, MERCHANT_ACCOUNTS_FILE or MERCHANT_ACCOUNTS_SOURCE)"
                 )
             accounts[name] = settings
     if not accounts:
         raise ConfigurationError(
-            "no account configured: set MERCHANT_API_KEY (one account) or "
-            "MERCHANT_ACCOUNTS_FILE (several)"
+            "no account configured: set MERCHANT_API_KEY (one account), "
+            "MERCHANT_ACCOUNTS_FILE or MERCHANT_ACCOUNTS_SOURCE (several)"
         )
     _check_environments_apart(accounts)
     return accounts
 
 
-def _read_accounts_file(path: Path, env: Mapping[str, str]) -> dict[str, Settings]:
+def _read_accounts_file(value: str, env: Mapping[str, str]) -> dict[str, Settings]:
+    path = Path(value)
     where = f"MERCHANT_ACCOUNTS_FILE ({path})"
     try:
         text = path.read_text(encoding="utf-8")
@@ -93,12 +108,57 @@ def _read_accounts_file(path: Path, env: Mapping[str, str]) -> dict[str, Setting
     entries = document.get("accounts") if isinstance(document, dict) else None
     if not isinstance(entries, dict) or not entries:
         raise ConfigurationError(f"{where}: needs an 'accounts' table with at least one account")
+    return _accounts_from_entries(where, entries, env)
+
+
+def _call_accounts_source(value: str, env: Mapping[str, str]) -> dict[str, Settings]:
+    """Accounts from ``package.module:function``: a platform's own store of accounts.
+
+    The function takes no argument and returns a mapping of account name to either a
+    ``Settings`` or an entry of the accounts file's form (its keys, secrets from files).
+    """
+    where = f"MERCHANT_ACCOUNTS_SOURCE ({value})"
+    module_name, _, attribute = value.partition(":")
+    if not (module_name and attribute):
+        raise ConfigurationError(f"{where}: must be 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"{where}: cannot import {module_name!r} ({exc})") from None
+    except Exception as exc:  # its module-level code failed: only the type, as below
+        raise ConfigurationError(
+            f"{where}: importing {module_name!r} raised {type(exc).__name__}"
+        ) from exc
+    source = getattr(module, attribute, None)
+    if not callable(source):
+        raise ConfigurationError(f"{where}: {module_name!r} has no function {attribute!r}")
+    try:
+        entries = source()
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{where}: {exc}") from None
+    except Exception as exc:
+        # the platform's own error may carry a database URL: only its type is shown here;
+        # the chained exception keeps the rest for whoever debugs the platform's code
+        raise ConfigurationError(f"{where}: the function raised {type(exc).__name__}") from exc
+    if not isinstance(entries, Mapping) or not entries:
+        raise ConfigurationError(f"{where}: must return a mapping with at least one account")
+    return _accounts_from_entries(where, entries, env)
+
+
+def _accounts_from_entries(
+    where: str, entries: Mapping[Any, Any], env: Mapping[str, str]
+) -> dict[str, Settings]:
+    """Validate named entries: each a ``Settings`` or a table of the accounts file's keys,
+    what it does not set coming from the MERCHANT_* variables."""
     base = {k: v for k, v in env.items() if k not in _PER_ACCOUNT}
     accounts: dict[str, Settings] = {}
     for name, entry in entries.items():
-        if not _NAME.match(name):
+        if not (isinstance(name, str) and _NAME.match(name)):
             raise ConfigurationError(f"{where}: account name {name!r} must be a short identifier")
-        if not isinstance(entry, dict):
+        if isinstance(entry, Settings):
+            accounts[name] = entry
+            continue
+        if not isinstance(entry, Mapping):
             raise ConfigurationError(f"{where}: account {name!r} must be a table")
         unknown = sorted(set(entry) - set(_ACCOUNT_KEYS))
         if unknown:
@@ -132,12 +192,13 @@ def _check_environments_apart(accounts: Mapping[str, Settings]) -> None:
 
 
 class AccountClients:
-    """This process's clients, one per account: one Redis pool, one HTTP session each."""
+    """This process's clients, one per account, each made on its first use (one HTTP
+    session each; one Redis pool per Redis server)."""
 
     def __init__(self, accounts: Mapping[str, Settings]) -> None:
         self.accounts = dict(accounts)
         self._clients: dict[str, FleetClient] = {}
-        self._redis: redis.Redis | None = None
+        self._redis: dict[str, redis.Redis] = {}  # by URL
         self._lock = threading.Lock()
 
     @classmethod
@@ -158,14 +219,35 @@ class AccountClients:
         with self._lock:
             client = self._clients.get(name)
             if client is None:
-                if self._redis is None:
-                    self._redis = redis_from_url(settings.redis_url)
                 session: requests.Session = new_session()  # cookies never cross accounts
                 client = MerchantClient.from_settings(
-                    settings, redis_client=self._redis, session=session
+                    settings, redis_client=self._redis_for(settings.redis_url), session=session
                 )
                 self._clients[name] = client
         return client
+
+    def redis_for(self, url: str) -> redis.Redis:
+        """This process's Redis client (one pool) for ``url``, shared by its accounts."""
+        with self._lock:
+            return self._redis_for(url)
+
+    def _redis_for(self, url: str) -> redis.Redis:
+        client = self._redis.get(url)
+        if client is None:
+            client = self._redis[url] = redis_from_url(url)
+        return client
+
+    def due(self) -> list[str]:
+        """The accounts due for renewal with no renewal task pending (``due.py``): one
+        round trip per Redis server when none is due, no client built."""
+        due = due_accounts(self.accounts, self.redis_for)
+        return claim_renewals(due, self.accounts, self.redis_for) if due else []
+
+    def renewal_done(self, name: str) -> None:
+        """``name``'s renewal task has run: beat may send the next one."""
+        settings = self.accounts.get(name)
+        if settings is not None:
+            release_renewal(settings, self.redis_for(settings.redis_url))
 
     def default_name(self) -> str:
         if len(self.accounts) == 1:

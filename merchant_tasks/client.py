@@ -40,6 +40,7 @@ from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRej
 from .exchange import TOKEN_PATH, TokenExchange, parse_retry_after
 from .policy import refused_after_renewal_message
 from .renewal import TokenManager
+from .sealing import codec_for
 from .settings import Settings
 from .store import TokenStore
 from .token import Token, fingerprint
@@ -149,6 +150,7 @@ class MerchantClient(Generic[SourceT]):
         store = TokenStore(
             redis_client or redis_from_url(settings.redis_url),
             TokenStore.namespace_for(settings.key_prefix, settings.environment, settings.api_key),
+            codec_for(settings.token_key_file, settings.token_key_previous_file),
         )
         manager = TokenManager(
             store,

@@ -3,6 +3,7 @@
 ```
 MerchantError                      base; ``retryable`` says whether trying later can help
 ├── ConfigurationError             a setting is missing or invalid (names the variable)
+│   └── TokenUnreadable            the stored token is sealed with a key this process lacks
 ├── StoreUnavailable               Redis cannot be reached                        retryable
 ├── TokenExchangeError             the token endpoint did not give us a token
 │   ├── CredentialsRejected        the API key or secret was refused (4xx)
@@ -31,6 +32,11 @@ class MerchantError(Exception):
 
 class ConfigurationError(MerchantError):
     """A setting is missing or invalid; the message names the variable."""
+
+
+class TokenUnreadable(ConfigurationError):
+    """The stored token is sealed with a key this process does not have; no exchange is
+    made over it. Set MERCHANT_TOKEN_KEY_FILE to the key the rest of the fleet uses."""
 
 
 class StoreUnavailable(MerchantError):

@@ -64,6 +64,10 @@ class LocalCopy:
             return None
         return copy[0]
 
+    def forget(self) -> None:
+        """Drop the copy: the next call reads Redis."""
+        self._copy = None
+
     def now(self) -> float:
         """The monotonic clock this copy is timed by."""
         return self._monotonic()

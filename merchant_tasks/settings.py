@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .exceptions import ConfigurationError
+from .sealing import codec_for
 
 ENVIRONMENTS = ("sandbox", "production")
 SANDBOX_DEFAULT_BASE_URL = "http://127.0.0.1:8480"  # the local emulator, `merchant-tasks sandbox`
@@ -82,6 +83,8 @@ class Settings:
     connect_timeout: float = CONNECT_TIMEOUT
     read_timeout: float = READ_TIMEOUT
     allow_insecure_http: bool = False
+    token_key_file: str | None = None  # seals the token at rest (sealing.py)
+    token_key_previous_file: str | None = None  # still opens tokens while rotating
 
     def __post_init__(self) -> None:
         if self.environment not in ENVIRONMENTS:
@@ -153,6 +156,7 @@ class Settings:
             connect_timeout=env.seconds("MERCHANT_CONNECT_TIMEOUT", CONNECT_TIMEOUT),
             read_timeout=env.seconds("MERCHANT_READ_TIMEOUT", READ_TIMEOUT),
             allow_insecure_http=env.flag("MERCHANT_ALLOW_INSECURE_HTTP"),
+            **env.token_keys(),
         )
 
 
@@ -192,6 +196,13 @@ class _Environment:
                 "MERCHANT_API_SECRET or MERCHANT_API_SECRET_FILE is required (the API Secret)"
             )
         return Secret(value)
+
+    def token_keys(self) -> dict[str, str | None]:
+        """The token key files, checked now (readable, 32 bytes, cryptography installed)."""
+        key_file = self._environ.get("MERCHANT_TOKEN_KEY_FILE") or None
+        previous_file = self._environ.get("MERCHANT_TOKEN_KEY_PREVIOUS_FILE") or None
+        codec_for(key_file, previous_file)
+        return {"token_key_file": key_file, "token_key_previous_file": previous_file}
 
     def seconds(self, name: str, default: float) -> float:
         raw = self.get(name)

@@ -3,7 +3,8 @@
 Keys, under ``<prefix>:<environment>:<api key>:``
 
 - ``token``      the current token as JSON (value, issue and expiry times, generation, who
-                 renewed and why); its TTL is the token's time left, so it expires with it
+                 renewed and why); its TTL is the token's time left, so it expires with it;
+                 the value is sealed when a codec is given (``sealing.py``)
 - ``generation`` a counter that only grows; a write names the generation it replaces and
                  is refused if another write came first, so an older token never
                  overwrites a newer one
@@ -31,13 +32,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 import redis
 from redis.lock import Lock
 
 from .exceptions import StoreUnavailable
+from .sealing import PLAIN_TEXT, TokenCodec
 from .token import Token
 
 log = logging.getLogger(__name__)
@@ -133,9 +135,10 @@ class RedisClock:
 class TokenStore:
     """Reads and writes one account's token, lock, breaker and counters in Redis."""
 
-    def __init__(self, client: redis.Redis, namespace: str) -> None:
+    def __init__(self, client: redis.Redis, namespace: str, codec: TokenCodec = PLAIN_TEXT) -> None:
         self.redis = client
         self.namespace = namespace
+        self.codec = codec  # how the token value is kept at rest (sealing.py)
         self.token_key = f"{namespace}:token"
         self.generation_key = f"{namespace}:generation"
         self.lock_key = f"{namespace}:lock"
@@ -178,6 +181,7 @@ class TokenStore:
         if parsed is not None and parsed[0] == raw:
             return parsed[1]
         token = Token.from_json(raw)
+        token = replace(token, value=self.codec.open(token.value, self.namespace))
         with self._parsed_lock:
             self._parsed = (raw, token)
         return token
@@ -223,11 +227,14 @@ class TokenStore:
                 list[int],
                 self._save(
                     keys=[self.token_key, self.generation_key],
-                    args=[token.generation - 1, token.to_json(), repr(token.kept_until)],
+                    args=[token.generation - 1, self._stored_form(token), repr(token.kept_until)],
                 ),
             )
         written, generation = int(result[0]), int(result[1])
         return written == 1, generation
+
+    def _stored_form(self, token: Token) -> str:
+        return replace(token, value=self.codec.seal(token.value, self.namespace)).to_json()
 
     def announce(self, generation: int) -> bool:
         """Tell waiting processes that ``generation`` is stored. Best effort (they poll too):

@@ -1,12 +1,14 @@
 """Celery tasks: thin wrappers over the client and the token manager.
 
 ``call_api`` decides only how Celery should retry what the client raised; ``renew_token``
-asks the manager to renew if the advisory window has begun. Neither sees a token or the
+finds the accounts due for renewal and sends ``renew_account`` for each, which asks the
+account's manager to renew if the advisory window has begun. Neither sees a token or the
 secret in its arguments or result: the token stays in Redis and in the worker's memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -16,8 +18,9 @@ from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 
 from .accounts import AccountClients
-from .celery_app import app
+from .celery_app import RENEWAL_QUEUE, app
 from .client import FleetClient
+from .due import claim_ttl
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected
 
 log = logging.getLogger(__name__)
@@ -90,14 +93,34 @@ def call_api(
 
 @app.task(name="merchant_tasks.renew_token", ignore_result=True)
 def renew_token() -> None:
-    """Beat's check of every account: renew where the advisory window has begun.
+    """Beat's check of every account: one renewal task per account that is due.
 
-    One GET per account when nothing is due.
+    One pipelined round trip per Redis server, and no client built, when nothing is due
+    (``due.py``); each due account is renewed by its own task, so a slow or failing
+    account never delays another.
     """
     fleet = clients()
-    for name in fleet.accounts:
-        try:
-            fleet.get(name).manager.renew()
-        except MerchantError as exc:
-            # beat ticks again soon, and callers renew in the mandatory window; say why here
-            log.warning("scheduled token renewal of account %s failed: %s", name, exc)
+    try:
+        due = fleet.due()
+    except MerchantError as exc:
+        log.warning("scheduled token check failed: %s", exc)  # beat ticks again soon
+        return
+    for name in due:
+        settings = fleet.accounts[name]
+        # sent once while pending (see due.py); after the advisory window a renewal
+        # nobody ran is dropped and beat sends another
+        renew_account.apply_async((name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings))
+
+
+@app.task(name="merchant_tasks.renew_account", ignore_result=True)
+def renew_account(account: str) -> None:
+    """Renew ``account``'s token if its advisory window has begun (sent by renew_token)."""
+    fleet = clients()
+    try:
+        fleet.get(account).manager.renew()
+    except MerchantError as exc:
+        # beat checks again soon, and callers renew in the mandatory window; say why here
+        log.warning("scheduled token renewal of account %s failed: %s", account, exc)
+    finally:
+        with contextlib.suppress(MerchantError):  # the claim expires by itself
+            fleet.renewal_done(account)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,3 +215,110 @@ api_secret_file = "{production_secret}"
     assert stores["default"].generation() == 2
     assert stores["live"].generation() == 1
     assert stores["live"].counters() == {"exchanges:mandatory:ok": 1}
+
+
+# -- accounts from the platform's own source ---------------------------------------------
+
+_SOURCE = """
+from merchant_tasks.settings import Secret, Settings
+
+def accounts():
+    return {
+        "db-shop": {"api_key": "db-key", "api_secret_file": SECRET_FILE, "renew_before": 600},
+        "built": Settings(api_key="built-key", secret=Secret("from-the-database")),
+    }
+
+def failing():
+    raise RuntimeError("could not connect to postgresql://admin:hunter2@db/accounts")
+
+def nothing():
+    return {}
+
+not_callable = 3
+"""
+
+
+@pytest.fixture
+def source_module(
+    tmp_path: Path, secret_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    """An importable module of account sources, named uniquely for this test."""
+    name = f"platform_accounts_{uuid.uuid4().hex[:8]}"
+    _write(tmp_path / f"{name}.py", _SOURCE.replace("SECRET_FILE", repr(str(secret_file))))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_a_source_function_adds_accounts_checked_like_the_file_and_the_variables(
+    source_module: str, secret_file: Path, tmp_path: Path
+) -> None:
+    accounts_file = _write(
+        tmp_path / "accounts.toml",
+        f'[accounts.file-shop]\napi_key = "file-key"\napi_secret_file = "{secret_file}"\n',
+    )
+    accounts = load_accounts(
+        {
+            "MERCHANT_API_KEY": "k1",
+            "MERCHANT_API_SECRET_FILE": str(secret_file),
+            "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
+            "MERCHANT_ACCOUNTS_SOURCE": f"{source_module}:accounts",
+            "MERCHANT_RENEW_BEFORE": "300",
+        }
+    )
+    assert set(accounts) == {DEFAULT_ACCOUNT, "file-shop", "db-shop", "built"}
+    assert accounts["db-shop"].api_key == "db-key"
+    assert accounts["db-shop"].renew_before == 600
+    assert accounts["db-shop"].secret.reveal() == TEST_SECRET
+    assert accounts["built"].secret.reveal() == "from-the-database"
+
+
+@pytest.mark.parametrize(
+    ("function", "message"),
+    [
+        ("", "must be 'package.module:function'"),
+        (":accounts", "must be 'package.module:function'"),
+        ("no_such_module_here:accounts", "cannot import 'no_such_module_here'"),
+        ("MODULE:missing", "has no function 'missing'"),
+        ("MODULE:not_callable", "has no function 'not_callable'"),
+        ("MODULE:failing", "the function raised RuntimeError"),
+        ("MODULE:nothing", "must return a mapping with at least one account"),
+    ],
+)
+def test_a_bad_source_is_an_error_naming_the_variable_and_never_the_platforms_message(
+    source_module: str, function: str, message: str
+) -> None:
+    value = function.replace("MODULE", source_module) or source_module
+    with pytest.raises(ConfigurationError, match=message) as caught:
+        load_accounts({"MERCHANT_ACCOUNTS_SOURCE": value})
+    assert str(caught.value).startswith("MERCHANT_ACCOUNTS_SOURCE")
+    assert "hunter2" not in str(caught.value)
+
+
+def test_an_account_defined_by_two_sources_is_an_error(
+    source_module: str, secret_file: Path, tmp_path: Path
+) -> None:
+    accounts_file = _write(
+        tmp_path / "accounts.toml",
+        f'[accounts.db-shop]\napi_key = "other"\napi_secret_file = "{secret_file}"\n',
+    )
+    with pytest.raises(ConfigurationError, match="account 'db-shop' is also defined"):
+        load_accounts(
+            {
+                "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
+                "MERCHANT_ACCOUNTS_SOURCE": f"{source_module}:accounts",
+            }
+        )
+
+
+def test_loading_a_thousand_accounts_builds_no_client(tmp_path: Path, secret_file: Path) -> None:
+    entries = "".join(
+        f'[accounts.shop-{n}]\napi_key = "key-{n}"\napi_secret_file = "{secret_file}"\n'
+        for n in range(1000)
+    )
+    fleet = AccountClients.from_env(
+        {"MERCHANT_ACCOUNTS_FILE": str(_write(tmp_path / "accounts.toml", entries))}
+    )
+    assert len(fleet.accounts) == 1000
+    assert fleet._clients == {}
+    assert fleet._redis == {}

@@ -415,6 +415,38 @@ def test_two_beats_at_once_do_not_double_the_token_exchanges(
     assert sandbox.exchanges()["rejected"] == 0
 
 
+# -- 4b. several accounts: one renewal task each --------------------------------------------
+
+
+def test_beat_renews_each_account_in_its_own_task_and_a_failing_account_delays_no_other(
+    fleet: Fleet, sandbox: Sandbox, tmp_path: Path, secret_file: Path
+) -> None:
+    refused_key = "a-key-the-api-does-not-know"
+    accounts_file = tmp_path / "accounts.toml"
+    accounts_file.write_text(
+        f'[accounts.refused]\napi_key = "{refused_key}"\n'
+        f'api_secret_file = "{secret_file}"\nbase_url = "{sandbox.url}"\n'
+    )
+    fleet.env["MERCHANT_ACCOUNTS_FILE"] = str(accounts_file)  # beside "default"
+    fleet.start_worker("w", concurrency=2)
+    fleet.start_beat("b")
+    default = fleet.store()
+    wait_until(lambda: default.generation() >= 3, "two scheduled renewals of 'default'", 60.0)
+
+    worker_log = fleet.logs()["worker-w.log"]
+    assert "merchant_tasks.renew_account" in worker_log
+    assert "scheduled token renewal of account refused failed" in worker_log
+    refused = TokenStore(
+        default.redis,
+        TokenStore.namespace_for(fleet.key_prefix, "sandbox", refused_key),
+    )
+    assert refused.generation() == 0
+    assert refused.counters().get("exchanges:scheduled:rejected", 0) >= 1
+    counters = default.counters()
+    assert counters.get("exchanges:scheduled:ok", 0) >= 2, counters
+    assert counters.get("exchanges:mandatory:ok", 0) == 0, counters
+
+
 # -- 5. beat down --------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ token the emulators issued. Lifetimes are seconds; assertions are on counts and 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import json
@@ -1716,6 +1717,12 @@ def test_security_settings_never_show_the_redis_password(secret_file: Path) -> N
 # -- the leak search (keep last: it searches what every test above saw) -----------------------
 
 
+def _token_key_file(path: Path) -> Path:
+    """A token key file as an operator makes one: 32 random bytes, URL-safe base64."""
+    path.write_text(base64.urlsafe_b64encode(os.urandom(32)).decode() + "\n")
+    return path
+
+
 def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     celery_outage: CeleryOutage,
     client: FleetClient,
@@ -1759,6 +1766,27 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     attempt(lambda: client.request("GET", "/open-api/v1/payments/pay_missing"))
     texts += [repr(client), repr(client.manager), repr(settings), str(settings.secret)]
     texts += [repr(client.manager.store.load())]
+    # tokens sealed at rest: the key files' content is searched for, and so is the sealed
+    # token key itself (with a key, Redis holds no token in clear)
+    token_keys = [_token_key_file(secret_file.parent / name) for name in ("key", "other-key")]
+    for n, path in enumerate(token_keys):
+        evidence.needle(f"token key file #{n}", path.read_text().strip())
+    sealed_settings = dataclasses.replace(
+        settings, key_prefix=f"{settings.key_prefix}:sealed", token_key_file=str(token_keys[0])
+    )
+    sealed = MerchantClient.from_settings(sealed_settings)
+    attempt(lambda: sealed.request("GET", PING))
+    attempt(lambda: sealed.manager.renew(force=True))
+    other = MerchantClient.from_settings(
+        dataclasses.replace(sealed_settings, token_key_file=str(token_keys[1]))
+    )
+    attempt(lambda: other.request("GET", PING))  # TokenUnreadable: another key
+    texts += [repr(sealed.manager.store), repr(sealed.manager.store.codec), repr(other)]
+    evidence.add(
+        "leak search: the sealed token key",
+        redis_value(sealed.manager.store.redis, sealed.manager.store.token_key.encode()),
+    )
+    assert any("MERCHANT_TOKEN_KEY_FILE" in text for text in texts)
     evidence.add("leak search: this process's errors and reprs", "\n".join(texts))
     evidence.add("leak search: DEBUG log so far", "\n".join(debug_logs.lines))
     evidence.emulator("leak search", sandbox.app)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
 
 from conftest import TEST_API_KEY, Sandbox
+from merchant_tasks.accounts import AccountClients
 from merchant_tasks.client import MerchantClient, redis_from_url
 from merchant_tasks.local import wait_until
 from merchant_tasks.settings import Secret, Settings
@@ -70,6 +72,10 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     client.manager.renew(force=True)
     assert sandbox.exchanges()["ok"] == 3
     wait_until(lambda: signal.heard >= heard + 2, "both renewals announced", 10.0)
+    # beat's check and its claims (due.py): one pipeline of TIME and GETs, SET NX, DEL
+    fleet = AccountClients({"default": settings, "other": replace(settings, api_key="other")})
+    assert fleet.due() == ["other"]
+    fleet.renewal_done("other")
 
 
 def test_the_acl_user_cannot_touch_keys_outside_its_prefix(

@@ -1,0 +1,288 @@
+"""Beat's fleet-wide check: which accounts are due, at what cost, and what beat sends."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis.connection import Connection
+
+from conftest import TEST_API_KEY, Sandbox
+from merchant_tasks import tasks
+from merchant_tasks.accounts import AccountClients
+from merchant_tasks.celery_app import RENEWAL_QUEUE
+from merchant_tasks.due import (
+    SPREAD_TICKS,
+    claim_key,
+    claim_ttl,
+    due_accounts,
+    namespace_of,
+    renewal_point,
+)
+from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.local import free_port
+from merchant_tasks.settings import TOKEN_LIFETIME, Secret, Settings
+from merchant_tasks.token import Token
+
+ACCOUNTS = 1000
+
+
+class CountingConnection(Connection):
+    """A Redis connection that counts what it sends: one packet per round trip."""
+
+    sent = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sent += 1
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture
+def counting_redis(redis_url: str, key_prefix: str) -> Iterator[redis.Redis]:
+    pool = redis.ConnectionPool.from_url(redis_url, connection_class=CountingConnection)
+    client = redis.Redis(connection_pool=pool)
+    yield client
+    keys = list(client.scan_iter(match=f"{key_prefix}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def _account(key_prefix: str, n: int, redis_url: str, **windows: float) -> Settings:
+    return Settings(
+        api_key=f"key-{n}",
+        secret=Secret("unused"),
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+        **windows,  # type: ignore[arg-type]
+    )
+
+
+def _fleet(key_prefix: str, redis_url: str, count: int) -> dict[str, Settings]:
+    return {f"shop-{n}": _account(key_prefix, n, redis_url) for n in range(count)}
+
+
+def _store_tokens(client: redis.Redis, time_left: float, *accounts: Settings) -> None:
+    """Store a token with ``time_left`` seconds to live (by Redis's clock) for each account,
+    in one pipeline."""
+    seconds, micros = client.time()
+    now = seconds + micros / 1e6
+    token = Token("v", now - 60, now + time_left, 1)
+    pipe = client.pipeline(transaction=False)
+    for settings in accounts:
+        pipe.set(f"{namespace_of(settings)}:token", token.to_json(), px=int(time_left * 1000))
+    pipe.execute()
+
+
+# -- the renewal point ---------------------------------------------------------------------
+
+
+def test_each_account_renews_at_its_own_fixed_point_inside_the_advisory_window(
+    key_prefix: str, redis_url: str
+) -> None:
+    accounts = _fleet(key_prefix, redis_url, 400)
+    points = [renewal_point(s) for s in accounts.values()]
+    first = next(iter(accounts.values()))
+    lowest = first.renew_mandatory + SPREAD_TICKS * first.renew_interval
+    assert all(lowest <= p <= first.renew_before for p in points)
+    # fixed: the same settings give the same point on every host and after every restart
+    assert renewal_point(replace(first)) == points[0]
+    # spread over the window, not bunched at one end
+    window = first.renew_before - lowest
+    assert max(points) - min(points) > 0.9 * window
+    assert abs(statistics.mean(points) - (lowest + window / 2)) < 0.1 * window
+
+
+def test_the_point_is_renew_before_when_the_window_leaves_no_room_to_spread(
+    key_prefix: str, redis_url: str
+) -> None:
+    narrow = _account(
+        key_prefix,
+        1,
+        redis_url,
+        renew_before=100,
+        renew_mandatory=90,
+        renew_interval=60,
+    )
+    assert renewal_point(narrow) == 100
+
+
+# -- the check -----------------------------------------------------------------------------
+
+
+def test_a_thousand_accounts_with_nothing_due_cost_one_round_trip(
+    counting_redis: redis.Redis, key_prefix: str, redis_url: str
+) -> None:
+    accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
+    _store_tokens(counting_redis, TOKEN_LIFETIME - 60, *accounts.values())
+    before = CountingConnection.sent
+    assert due_accounts(accounts, lambda url: counting_redis) == []
+    assert CountingConnection.sent - before == 1
+
+
+def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_not(
+    redis_client: redis.Redis, key_prefix: str, redis_url: str
+) -> None:
+    accounts = _fleet(key_prefix, redis_url, 6)
+    s = list(accounts.values())
+    _store_tokens(redis_client, TOKEN_LIFETIME - 60, s[0])  # fresh
+    _store_tokens(redis_client, renewal_point(s[1]) + 5, s[1])  # just before its point
+    _store_tokens(redis_client, renewal_point(s[2]) - 5, s[2])  # just past it
+    _store_tokens(redis_client, s[3].renew_mandatory / 2, s[3])  # in the mandatory window
+    redis_client.set(f"{namespace_of(s[4])}:token", b"not json", px=60_000)
+    # s[5]: nothing stored
+    assert due_accounts(accounts, lambda url: redis_client) == [
+        "shop-2",
+        "shop-3",
+        "shop-4",
+        "shop-5",
+    ]
+
+
+def test_tokens_issued_together_fall_due_over_the_window_not_at_once(
+    redis_client: redis.Redis, key_prefix: str, redis_url: str
+) -> None:
+    """After a cold start every token has the same time left: a quarter of the way into
+    the spread, about a quarter of the accounts are due; none before it, all after."""
+    accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
+    first = next(iter(accounts.values()))
+    top = first.renew_before
+    bottom = first.renew_mandatory + SPREAD_TICKS * first.renew_interval
+
+    def due_with_time_left(time_left: float) -> int:
+        _store_tokens(redis_client, time_left, *accounts.values())
+        return len(due_accounts(accounts, lambda url: redis_client))
+
+    assert due_with_time_left(top + 10) == 0
+    assert 0.15 * ACCOUNTS < due_with_time_left(top - (top - bottom) / 4) < 0.35 * ACCOUNTS
+    assert due_with_time_left(bottom - 10) == ACCOUNTS
+
+
+def test_accounts_on_two_redis_servers_cost_one_round_trip_per_server(
+    counting_redis: redis.Redis, key_prefix: str, redis_url: str
+) -> None:
+    other_url = redis_url.rsplit("/", 1)[0] + "/1"
+    pool = redis.ConnectionPool.from_url(other_url, connection_class=CountingConnection)
+    other = redis.Redis(connection_pool=pool)
+    accounts = {
+        **_fleet(key_prefix, redis_url, 3),
+        **{f"other-{n}": _account(key_prefix, 100 + n, other_url) for n in range(3)},
+    }
+    counting_redis.ping()  # connect first: the connection's own handshake is not counted
+    other.ping()
+    before = CountingConnection.sent
+    due = due_accounts(accounts, lambda url: other if url == other_url else counting_redis)
+    assert sorted(due) == sorted(accounts)
+    assert CountingConnection.sent - before == 2
+    other.close()
+
+
+def test_an_unreachable_redis_is_store_unavailable_naming_the_variable(
+    key_prefix: str,
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
+    with pytest.raises(StoreUnavailable, match="MERCHANT_REDIS_URL"):
+        due_accounts(_fleet(key_prefix, url, 2), lambda _: client)
+    client.close()
+
+
+# -- beat's task ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """What renew_token sends, recorded instead of published."""
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def record(args: tuple[Any, ...], **options: Any) -> None:
+        calls.append((args, options))
+
+    monkeypatch.setattr(tasks.renew_account, "apply_async", record)
+    return calls
+
+
+def test_beat_sends_one_renewal_task_per_due_account_on_the_renewal_queue_and_builds_no_client(
+    monkeypatch: pytest.MonkeyPatch,
+    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    redis_client: redis.Redis,
+    key_prefix: str,
+    redis_url: str,
+) -> None:
+    accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
+    _store_tokens(redis_client, TOKEN_LIFETIME - 60, *list(accounts.values())[2:])
+    fleet = AccountClients(accounts)
+    monkeypatch.setattr(tasks, "_clients", fleet)
+    tasks.renew_token()
+    assert [args for args, _ in sent] == [("shop-0",), ("shop-1",)]
+    assert {options["queue"] for _, options in sent} == {RENEWAL_QUEUE}
+    assert fleet._clients == {}  # clients are made by the renewal tasks, per account
+
+
+def test_beat_sends_an_accounts_renewal_again_only_once_the_pending_one_has_run(
+    monkeypatch: pytest.MonkeyPatch,
+    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    redis_client: redis.Redis,
+    key_prefix: str,
+    redis_url: str,
+) -> None:
+    accounts = _fleet(key_prefix, redis_url, 3)
+    fleet = AccountClients(accounts)
+    monkeypatch.setattr(tasks, "_clients", fleet)
+    tasks.renew_token()
+    assert len(sent) == 3
+    tasks.renew_token()  # a second beat, or the next tick while the tasks wait in the queue
+    assert len(sent) == 3
+    ttl = redis_client.pttl(claim_key(accounts["shop-0"]))
+    assert 0 < ttl <= claim_ttl(accounts["shop-0"]) * 1000
+    assert sent[0][1]["expires"] == claim_ttl(accounts["shop-0"])
+    fleet.renewal_done("shop-0")  # as renew_account does when it has run, even failing
+    tasks.renew_token()
+    assert [args for args, _ in sent[3:]] == [("shop-0",)]
+
+
+def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    key_prefix: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    monkeypatch.setattr(tasks, "_clients", AccountClients(_fleet(key_prefix, url, 3)))
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.tasks"):
+        tasks.renew_token()
+    assert sent == []
+    assert "scheduled token check failed" in caplog.text
+
+
+def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
+    monkeypatch: pytest.MonkeyPatch,
+    sandbox: Sandbox,
+    secret_file: Path,
+    redis_client: redis.Redis,
+    key_prefix: str,
+    redis_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    good = Settings(
+        api_key=TEST_API_KEY,
+        secret=Secret(path=secret_file),
+        base_url=sandbox.url,
+        redis_url=redis_url,
+        key_prefix=key_prefix,
+    )
+    bad = replace(good, api_key="unknown-key")
+    monkeypatch.setattr(tasks, "_clients", AccountClients({"bad": bad, "good": good}))
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.tasks"):
+        tasks.renew_account("bad")
+        tasks.renew_account("good")
+    assert "scheduled token renewal of account bad failed" in caplog.text
+    assert redis_client.exists(f"{namespace_of(good)}:token")
+    assert not redis_client.exists(claim_key(bad), claim_key(good))  # beat may send again
+    assert sandbox.exchanges()["ok"] == 1

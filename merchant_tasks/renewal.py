@@ -2,10 +2,11 @@
 
 ``TokenManager`` puts the parts together (docs/design.md, "Who does what"):
 ``policy.RenewalPolicy`` says when to renew and what a 401 means, ``single_flight``
-makes one caller renew while the others wait, ``breaker.Breaker`` pauses exchanges
-after failures, ``local_copy.LocalCopy`` spares Redis reads. This module owns the
-exchange-and-save step: exchange (the callable passed in: nothing here speaks HTTP),
-decide whether the answer is better than the stored token, store it, wake waiters.
+makes one caller renew while the others wait, ``renewer.Renewer`` exchanges and stores
+(the exchange is a callable passed in: nothing here speaks HTTP), ``breaker.Breaker``
+pauses exchanges after failures, ``local_copy.LocalCopy`` spares Redis reads. This
+module owns what a 401 leads to within a process: one thread asks the store, its
+siblings wait for its token.
 
 - ``token()`` is the callers' path: the stored token while it has more than the mandatory
   window left; otherwise one caller renews and the others keep the still-valid token or
@@ -17,7 +18,6 @@ decide whether the answer is better than the stored token, store it, wake waiter
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import random
@@ -27,19 +27,9 @@ import weakref
 from collections.abc import Callable
 
 from redis.exceptions import RedisError
-from tenacity import (
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exception,
-    wait_random_exponential,
-)
 
 from .breaker import Breaker
 from .exceptions import (
-    CredentialsRejected,
-    ExchangeRateLimited,
-    MalformedTokenResponse,
     RenewalTimeout,
     StoreUnavailable,
     TokenEndpointUnavailable,
@@ -49,15 +39,12 @@ from .exceptions import (
 from .exchange import IssuedToken
 from .local_copy import LOCAL_COPY_TTL, LocalCopy
 from .policy import (
-    FORCED_RENEWAL_BUDGET,
-    FORCED_RENEWAL_PERIOD,
     CounterName,
-    Outcome,
     Refusal,
     RenewalPolicy,
-    budget_spent_message,
     never_accepted_message,
 )
+from .renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, Renewer
 from .single_flight import Prelude, SingleFlight, owner, release
 from .store import RedisClock, TokenStore
 from .token import RenewalReason, Token, TokenState
@@ -65,11 +52,7 @@ from .wakeup import RenewalSignal
 
 log = logging.getLogger(__name__)
 
-EXCHANGE_ATTEMPTS = 3  # tries of one renewal against a failing endpoint, while holding the lock
-EXCHANGE_RETRY_WAIT_MAX = 4.0  # longest pause between those tries
 LOCK_MARGIN = 5.0  # seconds of lock TTL beyond the longest renewal we allow ourselves
-ZERO_LIFETIME_RETRY = 1.0  # expires_in is in whole seconds: a token handed back with 0 left
-# is gone within a second, and then the server issues a new one
 
 Clock = Callable[[], float]
 Satisfied = Callable[[Token | None], bool]
@@ -115,6 +98,15 @@ class TokenManager:
         # holder took the lock and died (the lock expires within lock_ttl), and then see
         # the next holder take it and need its whole renewal (within lock_ttl again)
         self.wait_limit = 2 * self.lock_ttl
+        self.renewer = Renewer(
+            store,
+            lambda: self.exchange(),
+            self.policy,
+            self.breaker,
+            self.copy,
+            clock=lambda: self.clock(),
+            sleep=lambda seconds: self.sleep(seconds),
+        )
         self.flight = SingleFlight(
             store,
             self.signal,
@@ -336,138 +328,10 @@ class TokenManager:
 
         return self.flight.run(
             look,
-            lambda: self._exchange_and_save(reason, probe=bool(probing)),
+            lambda: self.renewer.renew(reason, probe=bool(probing)),
             fallback,
             prelude=prelude,
         )
-
-    def _exchange_and_save(self, reason: RenewalReason, *, probe: bool = False) -> Token:
-        """Exchange (retrying a failing endpoint a few times, once for a half-open probe)
-        and store the answer if it is better than the stored token; else mark the stored
-        one final."""
-        expected = self.store.generation()
-        current = self.store.load()
-        if current is not None and current.expires_at <= self.clock() < current.kept_until:
-            # a final token just expired on our clock may live on the server's for as long
-            # as its exchange took: asking before then would be handed it back again
-            self.sleep(max(0.0, current.kept_until - self.clock()))
-        issued_at = self.clock()  # before the exchange: the token is at least this old
-        if current is not None and current.expires_at <= issued_at:
-            current = None
-        if reason == RenewalReason.FORCED:
-            self._spend_forced_budget(issued_at)
-
-        def exchange() -> IssuedToken:
-            issued = self.exchange()
-            if issued.expires_in <= 0 and current is None:
-                # its last token, in its last second: a new one comes once that is over
-                raise TokenEndpointUnavailable(
-                    "token endpoint handed back a token that expires now (expires_in 0)",
-                    retry_after=ZERO_LIFETIME_RETRY,
-                )
-            return issued
-
-        retrying = Retrying(
-            # a Retry-After longer than we may hold the lock is left to the breaker
-            retry=retry_if_exception(
-                lambda exc: (
-                    isinstance(exc, TokenEndpointUnavailable | MalformedTokenResponse)
-                    and (getattr(exc, "retry_after", None) or 0) <= EXCHANGE_RETRY_WAIT_MAX
-                )
-            ),
-            wait=wait_random_exponential(multiplier=0.5, max=EXCHANGE_RETRY_WAIT_MAX)
-            + wait_exception(lambda exc: getattr(exc, "retry_after", None) or 0.0),
-            stop=stop_after_attempt(1 if probe else EXCHANGE_ATTEMPTS),
-            sleep=self.sleep,
-            reraise=True,
-        )
-        try:
-            issued: IssuedToken = retrying(exchange)
-        except TokenExchangeError as exc:
-            self.store.record_exchange(reason, _outcome(exc), self.clock())
-            self.breaker.trip(exc)
-            raise
-        forced = reason == RenewalReason.FORCED
-        expires_at = issued_at + issued.expires_in
-        if current is not None and self.policy.no_better(issued.value, expires_at, current, forced):
-            self.store.record_exchange(reason, Outcome.UNCHANGED, self.clock())
-            return self._keep_final(current, expected, forced)
-        token = Token(
-            value=issued.value,
-            issued_at=issued_at,
-            expires_at=expires_at,
-            generation=expected + 1,
-            renewed_by=owner(),
-            reason=reason.value,
-            lag=max(0.0, self.clock() - issued_at),
-        )
-        written, stored_generation = self.store.save(token)
-        self.store.record_exchange(reason, Outcome.OK, self.clock())
-        if written:
-            self._stored(token)
-            log.info(
-                "renewed token for %s: generation %d, %s, valid %.0f s",
-                self.store.namespace,
-                token.generation,
-                reason,
-                issued.expires_in,
-            )
-            return token
-        if stored_generation == expected:
-            raise MalformedTokenResponse(
-                f"token endpoint issued a token valid {issued.expires_in:g} s, "
-                "which expired before it could be stored"
-            )
-        return self._newer_than_ours(stored_generation)
-
-    def _keep_final(self, current: Token, expected: int, forced: bool) -> Token:
-        """The exchange handed back ``current`` (or worse): no exchange before it expires."""
-        if forced:
-            raise TokenRejected(
-                "the token endpoint handed back the token the API refuses (HTTP 401); "
-                f"it is renewed once it expires, in {current.expires_at - self.clock():.0f} s"
-            )
-        if current.final:
-            return current
-        final = dataclasses.replace(current, generation=expected + 1, final=True)
-        written, stored_generation = self.store.save(final)
-        if not written:
-            return self._newer_than_ours(stored_generation)
-        self._stored(final)
-        log.info(
-            "the token endpoint handed back the stored token for %s: no renewal before it "
-            "expires in %.0f s",
-            self.store.namespace,
-            final.expires_at - self.clock(),
-        )
-        return final
-
-    def _stored(self, token: Token) -> None:
-        """``token`` was written: keep it, close the breaker, wake the fleet's waiters."""
-        self.copy.keep(token)  # the other threads of this process find it there
-        self.breaker.reset()
-        self.store.announce(token.generation)  # best effort: waiters also poll
-
-    def _newer_than_ours(self, stored_generation: int) -> Token:
-        # our lock expired during a slow exchange and a newer token was stored meanwhile
-        newer = self.store.load()
-        log.warning(
-            "discarded a token from a slow exchange: generation %d was stored meanwhile",
-            stored_generation,
-        )
-        if newer is None:
-            raise RenewalTimeout("a newer token was stored during a slow exchange and expired")
-        return newer
-
-    def _spend_forced_budget(self, now: float) -> None:
-        """Count a forced renewal; past the budget, open the breaker instead."""
-        spent = self.store.forced_in_period(now, FORCED_RENEWAL_PERIOD)
-        if spent >= FORCED_RENEWAL_BUDGET:
-            message = budget_spent_message(spent, FORCED_RENEWAL_PERIOD)
-            self.breaker.trip_revoked(FORCED_RENEWAL_PERIOD, message)
-            raise TokenRejected(message)
-        self.store.log_forced(now)
-        self.store.count(CounterName.FORCED_RENEWALS)
 
 
 # A fork copies the locks as they are: one held by a parent's thread would stay held in the
@@ -481,11 +345,3 @@ def _remake_locks_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_remake_locks_after_fork)
-
-
-def _outcome(exc: TokenExchangeError) -> Outcome:
-    if isinstance(exc, CredentialsRejected):
-        return Outcome.REJECTED
-    if isinstance(exc, ExchangeRateLimited):
-        return Outcome.RATE_LIMITED
-    return Outcome.FAILED

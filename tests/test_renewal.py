@@ -39,7 +39,8 @@ from merchant_tasks.exceptions import (
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
 from merchant_tasks.policy import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD
-from merchant_tasks.renewal import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, TokenManager
+from merchant_tasks.renewal import TokenManager
+from merchant_tasks.renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX
 from merchant_tasks.single_flight import POLL_INITIAL, POLL_MAX
 from merchant_tasks.store import BreakerRecord, TokenStore
 from merchant_tasks.token import Token, fingerprint

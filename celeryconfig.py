@@ -15,7 +15,9 @@ broker_url = _redis
 result_backend = _redis
 
 # Delivery: at least once. A task is acknowledged after it ran; a worker killed mid-task
-# puts it back. Calls to non-idempotent endpoints should carry an idempotency key.
+# puts it back; a call that succeeded is not run again (call_api's completion record).
+# Calls to non-idempotent endpoints should still carry an idempotency key
+# (call_api(..., idempotency_key=...)): a worker can die after the API answered.
 task_acks_late = True
 task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1

@@ -4,7 +4,8 @@ Reading order follows the token's life: ``token`` (the value), ``exchange`` (get
 ``store`` (keeping it in Redis), ``policy`` (when it is renewed, what a 401 means),
 ``single_flight``, ``wakeup``, ``renewer``, ``breaker``, ``local_copy`` and ``renewal``
 (who renews it, and how the fleet waits), ``client`` (using it), then the Celery wiring
-(``celery_app``, ``tasks``). The design, its windows, guards and rules: docs/design.md.
+(``celery_app``, ``worker_pools``, ``completions``, ``tasks``). The design, its windows,
+guards and rules: docs/design.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ Configuration is layered, each layer overriding the one before:
    renewal on its own queue, JSON only);
 2. ``celeryconfig.py`` from the working directory, if importable (the repo root has the
    documented one; edit it or put your own on the path);
-3. ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND`` from the environment.
+3. ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND`` from the environment;
+4. at worker start, the broker's and result backend's connection pools are raised to fit
+   the worker's concurrency (see ``worker_pools``), whatever the pool (-P).
 
 Broker and result backend default to MERCHANT_REDIS_URL, the token store's Redis.
 """
@@ -19,9 +21,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery import Celery
+from celery.signals import celeryd_after_setup
 from kombu.entity import Queue
 
 from .settings import DEFAULT_REDIS_URL, RENEW_INTERVAL
+from .worker_pools import size_pools_at_worker_start
 
 CALLS_QUEUE = "celery"  # Celery's default queue: app code needs no routing to enqueue calls
 RENEWAL_QUEUE = "merchant-renewal"  # its own queue, so a backlog of calls never delays it
@@ -92,3 +96,12 @@ def load_config(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 app = Celery("merchant_tasks")
 app.conf.update(load_config())
+
+
+def _size_connection_pools(sender: str, instance: Any, **_: Any) -> None:
+    """Fit the pools to this worker's concurrency, before it opens a broker connection."""
+    if instance.app is app:
+        size_pools_at_worker_start(instance)
+
+
+celeryd_after_setup.connect(_size_connection_pools)

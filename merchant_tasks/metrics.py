@@ -22,6 +22,8 @@ _SIMPLE_COUNTERS: dict[str, str] = {
     CounterName.FORCED_RENEWALS: "Forced renewals after a 401 that went on to an exchange.",
     CounterName.LOCK_WAITS: "Renewals that waited for another process holding the lock.",
     CounterName.NEVER_ACCEPTED: "401s on a token the API never accepted (no renewal made).",
+    "redelivered_completed_calls": "Redelivered calls that had already succeeded: answered "
+    "from their completion record, the API not called again.",
 }
 
 

@@ -25,7 +25,11 @@ Business endpoints, with Authorization: Bearer <token>
   GET  /open-api/v1/merchant/profile  200 {"appid": <api key>, "environment": <label>}
   POST /open-api/v1/echo              200 {"echo": <JSON body>}; 400 invalid_json
   POST /open-api/v1/payments          201 {"id": "pay_<n>", "amount": ..., "status": "created"}
-                                      from a JSON object with "amount"; 400 otherwise
+                                      from a JSON object with "amount"; 400 otherwise.
+                                      With an Idempotency-Key header, a repeat of the key
+                                      returns the first payment (201, Idempotent-Replayed:
+                                      true) and creates none; 422 idempotency_key_reused
+                                      when the body differs
   GET  /open-api/v1/payments/{id}     200 the payment; 404 not_found
     checked in this order:
     401  missing_token / invalid_token / token_expired / token_revoked,
@@ -82,6 +86,7 @@ GRANT_TYPE = "client_credential"
 # A visible prefix makes emulator tokens easy to spot in a leak search.
 TOKEN_PREFIX = "sbx_"
 SHUTDOWN_POLL = 0.1  # seconds; how quickly stop() returns
+IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 EXCHANGE_OUTCOMES = ("ok", "rejected", "rate_limited", "failed")
 # "rejected" (400/405 on a known endpoint) is not in the brief's list: without it such calls vanish.
@@ -269,6 +274,7 @@ class SandboxApp:
         self._tokens: dict[str, _Token] = {}
         self._exchange_times: deque[float] = deque()  # admitted exchanges in the rate window
         self._payments: dict[str, dict[str, Any]] = {}
+        self._idempotent: dict[str, tuple[Any, dict[str, Any]]] = {}  # key -> (body, payment)
         self._counters = self._zero_counters()
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
@@ -290,6 +296,11 @@ class SandboxApp:
             now = self.clock.now()
             active = sum(not t.revoked and now < t.expires_at for t in self._tokens.values())
             return {**copy.deepcopy(self._counters), "active_tokens": active}
+
+    def payments(self) -> list[dict[str, Any]]:
+        """Every payment created, oldest first."""
+        with self._lock:
+            return copy.deepcopy(list(self._payments.values()))
 
     def issued_tokens(self) -> list[str]:
         """Every token ever issued, for leak searches."""
@@ -469,10 +480,20 @@ class SandboxApp:
             body = _json_object(request)
             if "amount" not in body:
                 raise _Refusal(400, "invalid_body", "a payment needs an amount")
+            key = request.headers.get(IDEMPOTENCY_HEADER)
             with self._lock:
+                if key is not None and key in self._idempotent:
+                    first_body, payment = self._idempotent[key]
+                    if first_body != body:
+                        raise _Refusal(
+                            422, "idempotency_key_reused", "this key came with another body"
+                        )
+                    return _json(201, payment, {"Idempotent-Replayed": "true"})
                 payment_id = f"pay_{len(self._payments) + 1}"
                 payment = {"id": payment_id, "amount": body["amount"], "status": "created"}
                 self._payments[payment_id] = payment
+                if key is not None:
+                    self._idempotent[key] = (body, payment)
             return _json(201, payment)
         with self._lock:  # get_payment
             found = self._payments.get(args["id"])

@@ -1,9 +1,11 @@
 """Celery tasks: thin wrappers over the client and the token manager.
 
-``call_api`` decides only how Celery should retry what the client raised; ``renew_token``
-finds the accounts due for renewal and sends ``renew_account`` for each, which asks the
-account's manager to renew if the advisory window has begun. Neither sees a token or the
-secret in its arguments or result: the token stays in Redis and in the worker's memory.
+``call_api`` decides how Celery should retry what the client raised, and answers a
+redelivery of a call that already succeeded from its completion record (``completions``)
+instead of calling the API again; ``renew_token`` finds the accounts due for renewal and
+sends ``renew_account`` for each, which asks the account's manager to renew if the advisory
+window has begun. None sees a token or the secret in its arguments or result: the token
+stays in Redis and in the worker's memory.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 
 from .accounts import AccountClients
-from .celery_app import RENEWAL_QUEUE, app
+from .celery_app import RENEWAL_QUEUE, VISIBILITY_TIMEOUT, app
 from .client import FleetClient
+from .completions import RECORD_TTL_FACTOR, CompletionRecords
 from .due import claim_ttl
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected
 
@@ -30,6 +33,7 @@ TRANSIENT_BACKOFF_FACTOR = 2  # seconds; doubles per retry, full jitter
 COUNTDOWN_MAX = 300  # far below the broker's visibility timeout (3600 s), so no redelivery
 REJECTED_RETRY_PACE = 60  # seconds between retries while the credentials are refused
 REJECTED_RETRY_WINDOW = 900  # default of MERCHANT_REJECTED_RETRY_WINDOW: time to rotate
+IDEMPOTENCY_HEADER = "Idempotency-Key"  # the header most payment APIs read (IETF draft name)
 
 _clients: AccountClients | None = None
 _clients_lock = threading.Lock()
@@ -57,6 +61,13 @@ def _forget_parent_clients(**_: Any) -> None:
     _clients = None
 
 
+def completion_records(api: FleetClient) -> CompletionRecords:
+    """The completion records of ``api``'s account, kept past the broker's visibility timeout."""
+    options = app.conf.broker_transport_options or {}
+    visibility_timeout = float(options.get("visibility_timeout", VISIBILITY_TIMEOUT))
+    return CompletionRecords(api.manager.store, RECORD_TTL_FACTOR * visibility_timeout)
+
+
 @app.task(bind=True, name="merchant_tasks.call_api")
 def call_api(
     self: Any,
@@ -65,10 +76,26 @@ def call_api(
     json: Any = None,
     params: dict[str, Any] | None = None,
     account: str | None = None,
+    idempotency_key: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Any:
-    """Call the merchant API as ``account`` and return the decoded JSON body."""
+    """Call the merchant API as ``account`` and return the decoded JSON body.
+
+    A redelivery of a call that already succeeded returns that call's result without
+    calling the API. ``idempotency_key`` is sent as the ``Idempotency-Key`` header (give the
+    same key to every attempt of one operation, e.g. the order id); ``headers`` are more
+    request headers (never credentials: they show in Flower like every argument).
+    """
+    task_id: str | None = self.request.id
     try:
-        return client(account).request(method, path, json=json, params=params)
+        api = client(account)
+        records = completion_records(api)
+        earlier = records.earlier_run(task_id) if task_id else None
+        if earlier is not None:
+            return earlier.result
+        if idempotency_key is not None:
+            headers = {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
+        result = api.request(method, path, json=json, params=params, headers=headers)
     except (CredentialsRejected, TokenRejected) as exc:
         # the secret may be rotated meanwhile: retry slowly for a while, then fail clearly
         window = float(os.environ.get("MERCHANT_REJECTED_RETRY_WINDOW", REJECTED_RETRY_WINDOW))
@@ -89,6 +116,9 @@ def call_api(
             countdown=min(COUNTDOWN_MAX, max(1, countdown, retry_after)),
             max_retries=TRANSIENT_MAX_RETRIES,
         ) from None
+    if task_id:
+        records.record(task_id, result)  # before the task returns, so before the ack
+    return result
 
 
 @app.task(name="merchant_tasks.renew_token", ignore_result=True)

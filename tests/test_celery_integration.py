@@ -11,296 +11,47 @@ like the workers; it never imports ``merchant_tasks.tasks`` and never runs a tas
 from __future__ import annotations
 
 import base64
-import contextlib
 import math
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import redis
-from celery import Celery
 
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, redis_value, shows
-from merchant_tasks.celery_app import load_config
+from celery_fleet import (
+    ECHO,
+    LIFETIME,
+    LONG_LIFETIME,
+    LONG_RENEW_BEFORE,
+    LONG_RENEW_INTERVAL,
+    LONG_RENEW_MANDATORY,
+    PING,
+    RENEW_BEFORE,
+    RENEW_INTERVAL,
+    RENEW_MANDATORY,
+    RESULT_TIMEOUT,
+    Fleet,
+    running_fleet,
+    running_on,
+)
+from conftest import TEST_SECRET, Sandbox, redis_value, shows
 from merchant_tasks.exceptions import ApiError, CredentialsRejected
-from merchant_tasks.local import RedisServer, stop_group, wait_until
+from merchant_tasks.local import wait_until
 from merchant_tasks.store import TokenStore
 
 pytestmark = pytest.mark.integration
 
-PING = "/open-api/v1/ping"
-ECHO = "/open-api/v1/echo"
-CALL_API = "merchant_tasks.call_api"
-
-# Short windows (seconds): lifetime, advisory window, mandatory window, beat interval.
-LIFETIME = 6.0
-RENEW_BEFORE = 3.0
-RENEW_MANDATORY = 1.0
-RENEW_INTERVAL = 0.5
-# Long windows, for tests in which no renewal may interfere.
-LONG_LIFETIME = 600.0
-LONG_RENEW_BEFORE = 300.0
-LONG_RENEW_MANDATORY = 100.0
-LONG_RENEW_INTERVAL = 60.0
-
-READY_TIMEOUT = 60.0  # the first task's result: worker start-up on a busy machine
-RESULT_TIMEOUT = 30.0
-CALL_PERIOD = 0.125  # seconds between two enqueued calls while "calls flow"
 API_LATENCY = 6.0  # the emulator's delay on business calls in the worker-loss tests
 KILL_VISIBILITY_TIMEOUT = 10  # seconds; above API_LATENCY, so a re-run is not re-delivered
 
 
-# -- processes -----------------------------------------------------------------------------
-
-
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[str]:
-    """A redis-server of this test's own: broker, result backend and token store."""
-    with RedisServer(tmp_path / "redis") as server:
-        yield server.url
-
-
-@dataclass
-class Child:
-    """A worker, beat or monitor process and its log file."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(encoding="utf-8", errors="replace")
-
-
-class Fleet:
-    """The Celery processes of one test, the client that feeds them, and what they touch."""
-
-    def __init__(
-        self,
-        tmp_path: Path,
-        sandbox: Sandbox,
-        redis_url: str,
-        key_prefix: str,
-        secret_file: Path,
-    ) -> None:
-        self.tmp_path = tmp_path
-        self.sandbox = sandbox
-        self.redis_url = redis_url
-        self.key_prefix = key_prefix
-        self.marker = f"mt-it-{uuid.uuid4().hex[:10]}"  # in every child's command line
-        self.workdir = tmp_path / "run"  # the children's cwd: no celeryconfig.py here
-        self.workdir.mkdir()
-        self.children: list[Child] = []
-        self._app: Any = None
-        self._redis_clients: list[redis.Redis] = []
-        env = {
-            **os.environ,
-            "MERCHANT_ENVIRONMENT": "sandbox",
-            "MERCHANT_API_KEY": TEST_API_KEY,
-            "MERCHANT_API_SECRET_FILE": str(secret_file),
-            "MERCHANT_BASE_URL": sandbox.url,
-            "MERCHANT_REDIS_URL": redis_url,
-            "MERCHANT_KEY_PREFIX": key_prefix,
-        }
-        for name in ("MERCHANT_API_SECRET", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
-            env.pop(name, None)
-        self.env = env
-        self.windows(LIFETIME, RENEW_BEFORE, RENEW_MANDATORY, RENEW_INTERVAL)
-
-    def windows(self, lifetime: float, before: float, mandatory: float, interval: float) -> None:
-        """Token lifetime (the emulator's too) and renewal windows, before any child starts."""
-        assert not self.children, "set the windows before starting processes"
-        self.env.update(
-            {
-                "MERCHANT_TOKEN_LIFETIME": f"{lifetime:g}",
-                "MERCHANT_RENEW_BEFORE": f"{before:g}",
-                "MERCHANT_RENEW_MANDATORY": f"{mandatory:g}",
-                "MERCHANT_RENEW_INTERVAL": f"{interval:g}",
-            }
-        )
-        self.sandbox.app.configure({"lifetime": lifetime})
-
-    # -- children ------------------------------------------------------------------------
-
-    def _spawn(self, name: str, argv: list[str], cwd: Path) -> Child:
-        log = self.tmp_path / f"{name}.log"
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                argv,
-                env=self.env,
-                cwd=cwd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        child = Child(name, process, log)
-        self.children.append(child)
-        return child
-
-    def _celery(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "celery", "-A", "merchant_tasks", *args]
-
-    def start_worker(self, label: str, concurrency: int = 2, cwd: Path | None = None) -> Child:
-        return self._spawn(
-            f"worker-{label}",
-            self._celery(
-                "worker",
-                "--pool=prefork",
-                f"--concurrency={concurrency}",
-                "--without-gossip",
-                "--without-mingle",
-                "-n",
-                f"{self.marker}-{label}@%h",
-                "--loglevel=DEBUG",
-            ),
-            cwd or self.workdir,
-        )
-
-    def start_beat(self, label: str) -> Child:
-        schedule = self.tmp_path / f"{self.marker}-{label}-schedule"
-        return self._spawn(
-            f"beat-{label}",
-            self._celery("beat", "-s", str(schedule), "--loglevel=DEBUG"),
-            self.workdir,
-        )
-
-    def start_monitor(self) -> Child:
-        """``redis-cli monitor``: every command any process sends to the private Redis."""
-        binary = shutil.which("redis-cli")
-        if binary is None:
-            pytest.fail("redis-cli is not on PATH")
-        port = self.redis_url.rsplit(":", 1)[1].split("/")[0]
-        return self._spawn("redis-monitor", [binary, "-p", port, "monitor"], self.workdir)
-
-    def stop(self) -> None:
-        """Stop every child, the last started first, and close the client app."""
-        while self.children:
-            stop_group(self.children.pop().process)
-        if self._app is not None:
-            self._app.close()
-            self._app = None
-
-    def leftovers(self) -> str:
-        """Processes still running with this fleet's marker in their command line."""
-        found = subprocess.run(
-            ["pgrep", "-af", self.marker], capture_output=True, text=True, check=False
-        )
-        return found.stdout.strip()
-
-    def logs(self) -> dict[str, str]:
-        return {path.name: path.read_text(errors="replace") for path in self._log_paths()}
-
-    def _log_paths(self) -> list[Path]:
-        return sorted(self.tmp_path.glob("*.log"))
-
-    def log_tails(self, lines: int = 25) -> str:
-        parts = []
-        for path in self._log_paths():
-            if path.name == "redis-monitor.log":
-                continue  # it holds the token key's writes: not for failure messages
-            tail = path.read_text(errors="replace").splitlines()[-lines:]
-            parts.append(f"--- {path.name} (last {lines} lines)\n" + "\n".join(tail))
-        return "\n".join(parts)
-
-    # -- the test's side -----------------------------------------------------------------
-
-    @property
-    def app(self) -> Any:
-        """A Celery app configured like the workers (package defaults, our Redis)."""
-        if self._app is None:
-            app = Celery("test-client")
-            config = load_config(
-                {
-                    **self.env,
-                    # whatever celeryconfig the test process may import, use our Redis
-                    "CELERY_BROKER_URL": self.redis_url,
-                    "CELERY_RESULT_BACKEND": self.redis_url,
-                }
-            )
-            config["imports"] = ()  # the client never imports the tasks module
-            app.conf.update(config)
-            self._app = app
-        return self._app
-
-    def call(self, method: str, path: str, json: Any = None) -> Any:
-        kwargs = {} if json is None else {"json": json}
-        return self.app.send_task(CALL_API, args=[method, path], kwargs=kwargs)
-
-    def get(self, result: Any, timeout: float = RESULT_TIMEOUT) -> Any:
-        try:
-            return result.get(timeout=timeout)
-        except Exception as exc:
-            raise AssertionError(f"task {result.id} gave {exc!r}\n{self.log_tails()}") from exc
-
-    def wait_ready(self) -> None:
-        """The first call's result: the worker is up, consuming and reaching the emulator."""
-        assert self.get(self.call("GET", PING), READY_TIMEOUT) == {"ok": True}
-
-    def wait_for_nodes(self, count: int) -> None:
-        def answering() -> bool:
-            replies = self.app.control.ping(timeout=0.5) or []
-            return len(replies) >= count
-
-        wait_until(answering, f"{count} workers answering a ping", READY_TIMEOUT)
-
-    def store(self) -> TokenStore:
-        client = redis.Redis.from_url(self.redis_url)
-        self._redis_clients.append(client)
-        return TokenStore(
-            client, TokenStore.namespace_for(self.key_prefix, "sandbox", TEST_API_KEY)
-        )
-
-    def close(self) -> None:
-        self.stop()
-        for client in self._redis_clients:
-            client.close()
-
-    def send_calls_for(self, seconds: float) -> list[Any]:
-        """Enqueue a ping or an echo every CALL_PERIOD for ``seconds``; return the results."""
-        results = []
-        deadline = time.monotonic() + seconds
-        n = 0
-        while time.monotonic() < deadline:
-            if n % 2:
-                results.append(self.call("POST", ECHO, json={"n": n}))
-            else:
-                results.append(self.call("GET", PING))
-            n += 1
-            time.sleep(CALL_PERIOD)
-        return results
-
-    def expect_all_ok(self, results: list[Any]) -> None:
-        answers = [self.get(r) for r in results]
-        for n, answer in enumerate(answers):
-            assert answer == ({"echo": {"n": n}} if n % 2 else {"ok": True})
-
-
-@pytest.fixture
-def fleet(
-    tmp_path: Path,
-    sandbox: Sandbox,
-    private_redis: str,
-    key_prefix: str,
-    secret_file: Path,
-) -> Iterator[Fleet]:
-    fleet = Fleet(tmp_path, sandbox, private_redis, key_prefix, secret_file)
-    try:
+def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
+    with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
         yield fleet
-    finally:
-        fleet.close()
-    # killed groups vanish at once; allow a moment for the process table to catch up
-    with contextlib.suppress(AssertionError):
-        wait_until(lambda: not fleet.leftovers(), "children gone", 5.0)
-    assert not fleet.leftovers(), "processes left behind"
 
 
 def _settled_exchanges(fleet: Fleet, sandbox: Sandbox) -> tuple[int, dict[str, int]]:
@@ -472,33 +223,11 @@ def test_with_beat_down_workers_renew_in_the_mandatory_window(
 # -- 6. worker loss ------------------------------------------------------------------------
 
 
-def _running_on(fleet: Fleet, result: Any, timeout: float = RESULT_TIMEOUT) -> tuple[str, int]:
-    """The node name and pool process id executing the task, asked over the broker."""
-    task_id = result.id
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not result.ready():
-        active = fleet.app.control.inspect(timeout=0.5).active() or {}
-        for node, tasks in active.items():
-            for task in tasks:
-                if task["id"] == task_id:
-                    return str(node), int(task["worker_pid"])
-        time.sleep(0.05)
-    raise AssertionError(f"task {task_id} was not seen running\n{fleet.log_tails()}")
-
-
 def test_a_worker_killed_mid_task_has_its_call_rerun_by_another_worker(
     fleet: Fleet, sandbox: Sandbox
 ) -> None:
     fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
-    config_dir = fleet.tmp_path / "short-visibility"
-    config_dir.mkdir()
-    (config_dir / "celeryconfig.py").write_text(
-        "broker_transport_options = {\n"
-        f"    'visibility_timeout': {KILL_VISIBILITY_TIMEOUT},\n"
-        "    'unacked_restore_interval': 1,  # sweep for abandoned messages every second\n"
-        "    'unacked_restore_throttle': 1,\n"
-        "}\n"
-    )
+    config_dir = fleet.short_visibility_dir(KILL_VISIBILITY_TIMEOUT)
     workers = {
         label: fleet.start_worker(label, concurrency=1, cwd=config_dir) for label in ("a", "b")
     }
@@ -507,7 +236,7 @@ def test_a_worker_killed_mid_task_has_its_call_rerun_by_another_worker(
     sandbox.app.configure({"api_latency": API_LATENCY})
 
     result = fleet.call("POST", ECHO, json={"order": "kill-me"})
-    node, _ = _running_on(fleet, result)
+    node, _ = running_on(fleet, result)
     wait_until(lambda: sandbox.app.arrived(ECHO) == 1, "the call reaching the API", 20.0)
     label = node.split("@")[0].rsplit("-", 1)[1]
     victim = workers[label]
@@ -530,7 +259,7 @@ def test_a_pool_child_killed_mid_task_has_its_call_requeued_at_once(
     sandbox.app.configure({"api_latency": API_LATENCY})
 
     result = fleet.call("POST", ECHO, json={"order": "kill-my-child"})
-    _, child_pid = _running_on(fleet, result)
+    _, child_pid = running_on(fleet, result)
     assert child_pid != worker.process.pid
     wait_until(lambda: sandbox.app.arrived(ECHO) == 1, "the call reaching the API", 20.0)
     os.kill(child_pid, signal.SIGKILL)

@@ -1492,10 +1492,10 @@ def test_row2b_after_an_outage_longer_than_the_token_calls_recover_before_the_pa
     print(f"\nrow 2b: every process recovered {recovered_in:.1f} s after the endpoint was back")
 
 
-# -- 13. revocations in quick succession ---------------------------------------------------
+# -- 17. revocations in quick succession ---------------------------------------------------
 
 
-def test_row13_revoke_all_every_two_seconds_under_load_fails_no_call(
+def test_row17_revoke_all_every_two_seconds_under_load_fails_no_call(
     sandbox: Sandbox, settings: Settings, secret_file: Path, callers: Callers
 ) -> None:
     """An operator's revoke-all every 2 s, five times, while three processes call: every
@@ -1523,10 +1523,10 @@ def test_row13_revoke_all_every_two_seconds_under_load_fails_no_call(
     assert sandbox.calls()["unauthorized"] >= revocations
 
 
-# -- 14. a token server that hands back its live token ---------------------------------------
+# -- 18. a token server that hands back its live token ---------------------------------------
 
 
-def test_row14_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_lifetime(
+def test_row18_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_lifetime(
     sandbox: Sandbox,
     settings: Settings,
     secret_file: Path,
@@ -1545,7 +1545,7 @@ def test_row14_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_
 
     counters = _store_of(account, redis_client).counters()
     exchanges = sandbox.exchanges()["ok"]
-    print(f"\nrow 14: {exchanges} exchanges in {run:.1f} s, counters {counters}")
+    print(f"\nrow 18: {exchanges} exchanges in {run:.1f} s, counters {counters}")
     for report in reports:
         assert set(_outcomes(report, "0")) == {"ok"}, report
     assert counters.get("exchanges:mandatory:unchanged", 0) >= 1

@@ -392,6 +392,24 @@ def test_payments_are_created_and_read_back() -> None:
     assert error_of(missing) == "not_found"
 
 
+def test_a_payment_repeated_with_its_idempotency_key_is_the_first_one_and_creates_none() -> None:
+    client = Client(make_app())
+    token = token_of(client)
+    auth = {"Authorization": f"Bearer {token}"}
+    once = {**auth, "Idempotency-Key": "order-17"}
+    first = client.post("/open-api/v1/payments", headers=once, json={"amount": 1250})
+    again = client.post("/open-api/v1/payments", headers=once, json={"amount": 1250})
+    other = client.post("/open-api/v1/payments", headers=auth, json={"amount": 1250})
+    assert first.status_code == again.status_code == 201
+    assert body_of(again) == body_of(first) == {"id": "pay_1", "amount": 1250, "status": "created"}
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert body_of(other)["id"] == "pay_2"  # no key: a new payment
+    reused = client.post("/open-api/v1/payments", headers=once, json={"amount": 5})
+    assert reused.status_code == 422
+    assert error_of(reused) == "idempotency_key_reused"
+    assert call(client, token, "/open-api/v1/payments/pay_3").status_code == 404
+
+
 @pytest.mark.parametrize("body", [{"currency": "EUR"}, [1250]])
 def test_a_payment_without_an_amount_is_400(body: Any) -> None:
     client = Client(make_app())

@@ -1,0 +1,89 @@
+"""Completion records: a redelivered call whose earlier run succeeded is not run again.
+
+Celery delivers ``call_api`` at least once and keeps the task id across redeliveries (a
+failed acknowledgement, a worker lost after the task ended, the visibility timeout). When a
+call succeeds, ``call_api`` writes ``<account namespace>:completed:<task id>`` holding the
+call's JSON result, before the task returns and so before its message is acknowledged.
+A delivery that finds the record returns that result without calling the API.
+
+The record outlives the visibility timeout: a message whose acknowledgement was lost comes
+back within that timeout (plus the restore sweep), or at once when its worker stops. It
+holds the API's answer only, never a token or the secret.
+
+What is left: the API answered but the worker died before the record was written; and two
+deliveries running at once (a task outlasting the visibility timeout). Only an idempotency
+key that the API understands closes those: ``call_api(..., idempotency_key=...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, cast
+
+from .exceptions import StoreUnavailable
+from .store import TokenStore
+from .store import _unavailable_as_error as unavailable_as_error
+
+log = logging.getLogger(__name__)
+
+RECORD_TTL_FACTOR = 2  # records live twice the visibility timeout: a lost ack's redelivery
+# comes within one timeout plus kombu's restore sweep (seconds to a few minutes)
+REDELIVERED_COUNTER = "redelivered_completed_calls"  # fleet-wide, in the account's counters
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The result a call returned the first time it ran."""
+
+    result: Any
+
+
+class CompletionRecords:
+    """One account's completion records, in its token store's Redis and namespace.
+
+    Both methods are best effort: with the store unreachable a call goes ahead (its token
+    may still come from the process's copy) and the guarantee falls back to at least once.
+    """
+
+    def __init__(self, store: TokenStore, ttl: float) -> None:
+        self.store = store
+        self.ttl = ttl
+
+    def __repr__(self) -> str:
+        return f"CompletionRecords(namespace={self.store.namespace!r})"
+
+    def key(self, task_id: str) -> str:
+        return f"{self.store.namespace}:completed:{task_id}"
+
+    def earlier_run(self, task_id: str) -> Completed | None:
+        """The successful earlier run of ``task_id``, counted as a redelivery, or None."""
+        try:
+            with unavailable_as_error():
+                raw = self.store.redis.get(self.key(task_id))
+            if raw is None:
+                return None
+            self.store.count(REDELIVERED_COUNTER)
+        except StoreUnavailable as exc:
+            log.warning("no completion record of call %s could be read (%s)", task_id, exc)
+            return None
+        log.warning(
+            "call %s already succeeded: its result is returned, the API not called", task_id
+        )
+        return Completed(json.loads(cast(bytes, raw))["result"])
+
+    def record(self, task_id: str, result: Any) -> None:
+        """Remember that ``task_id`` succeeded with ``result`` (the API's decoded JSON)."""
+        try:
+            with unavailable_as_error():
+                self.store.redis.set(
+                    self.key(task_id), json.dumps({"result": result}), px=int(self.ttl * 1000)
+                )
+        except StoreUnavailable as exc:
+            log.warning(
+                "completion record of call %s not written (%s): a redelivery would call the "
+                "API again",
+                task_id,
+                exc,
+            )

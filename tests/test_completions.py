@@ -1,0 +1,94 @@
+"""Completion records in a real Redis: found once written, counted, kept past the visibility
+timeout, and never in the way of a call when Redis is unreachable."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry, generate_latest
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from merchant_tasks.completions import REDELIVERED_COUNTER, CompletionRecords
+from merchant_tasks.metrics import FleetCollector
+from merchant_tasks.status import AccountStatus, format_status
+from merchant_tasks.store import TokenStore
+
+VISIBILITY_TIMEOUT = 3600.0
+TTL = 2 * VISIBILITY_TIMEOUT
+
+
+@pytest.fixture
+def records(redis_client: redis.Redis, key_prefix: str) -> CompletionRecords:
+    return CompletionRecords(TokenStore(redis_client, f"{key_prefix}:sandbox:k"), TTL)
+
+
+def test_a_recorded_call_is_found_with_its_result_and_the_redelivery_is_counted(
+    records: CompletionRecords,
+) -> None:
+    result = {"id": "pay_1", "amount": 1200, "items": [1, None], "note": "é"}
+    records.record("task-1", result)
+
+    earlier = records.earlier_run("task-1")
+
+    assert earlier is not None
+    assert earlier.result == result
+    assert records.store.counters() == {REDELIVERED_COUNTER: 1}
+
+
+def test_an_empty_body_is_a_completed_call_too(records: CompletionRecords) -> None:
+    records.record("task-1", None)
+    earlier = records.earlier_run("task-1")
+    assert earlier is not None
+    assert earlier.result is None
+
+
+def test_a_call_never_recorded_is_not_found_and_not_counted(records: CompletionRecords) -> None:
+    records.record("task-1", {"ok": True})
+    assert records.earlier_run("task-2") is None
+    assert records.store.counters() == {}
+
+
+def test_a_record_lives_twice_the_visibility_timeout_under_the_accounts_namespace(
+    records: CompletionRecords, key_prefix: str
+) -> None:
+    records.record("task-1", {"ok": True})
+    key = records.key("task-1")
+    assert key == f"{key_prefix}:sandbox:k:completed:task-1"
+    ttl = records.store.redis.pttl(key)
+    assert VISIBILITY_TIMEOUT * 1000 < ttl <= TTL * 1000
+
+
+def test_with_redis_unreachable_the_call_goes_ahead_and_the_lost_record_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # nothing listens on port 1; no reconnection attempts, so the test is quick
+    dead = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    records = CompletionRecords(TokenStore(dead, "mt-test:sandbox:k"), TTL)
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.completions"):
+        assert records.earlier_run("task-1") is None
+        records.record("task-1", {"ok": True})
+    assert "no completion record of call task-1 could be read" in caplog.text
+    assert "a redelivery would call the API again" in caplog.text
+    dead.close()
+
+
+def test_status_and_metrics_show_the_redelivered_calls_answered_from_their_record() -> None:
+    status = AccountStatus(
+        account="default",
+        environment="sandbox",
+        api_key="k",
+        now=0.0,
+        state="missing",
+        counters={REDELIVERED_COUNTER: 3},
+    )
+    assert "redelivered_completed_calls=3" in format_status(status)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(lambda: {"default": status}))
+    text = generate_latest(registry).decode()
+    assert (
+        'merchant_tasks_redelivered_completed_calls_total{account="default",'
+        'environment="sandbox"} 3.0'
+    ) in text

@@ -1,0 +1,195 @@
+"""Every worker pool Celery users pick, with a real worker, the emulator and a 401 storm.
+
+Each test runs ``celery -A merchant_tasks worker -P <pool> -c N`` against a redis-server of
+its own, creates a few hundred payments through ``call_api`` and revokes every token
+midway. Every payment must be created exactly once, the storm must cost one exchange, the
+worker must never fail to acknowledge a message, and after a warm shutdown nothing may be
+left to deliver again (a failed ack leaves its message behind, and the next worker would
+create that payment a second time). Unit tests first: how the worker's connection pools
+are sized for its concurrency at start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_fleet import (
+    LONG_LIFETIME,
+    LONG_RENEW_BEFORE,
+    LONG_RENEW_INTERVAL,
+    LONG_RENEW_MANDATORY,
+    Fleet,
+    running_fleet,
+)
+from conftest import Sandbox
+from merchant_tasks.celery_app import CALLS_QUEUE, VISIBILITY_TIMEOUT, package_defaults
+from merchant_tasks.completions import REDELIVERED_COUNTER
+from merchant_tasks.local import wait_until
+from merchant_tasks.worker_pools import CONSUMER_CONNECTIONS, size_pools, worker_concurrency
+
+PAYMENTS = "/open-api/v1/payments"
+CALLS = 600  # the reported failure: 600 calls, gevent, 50 at once
+REVOKE_AFTER = 200  # payments created before every token is revoked
+API_LATENCY = 0.1  # seconds per call: the tasks running at once end together, as in a storm
+STORM_TIMEOUT = 180.0  # the first answers on a busy 2-core machine (the rest follow at once)
+ACK_FAILURES = ("Couldn't ack", "MaxConnectionsError", "Too many connections")
+
+needs_gevent = pytest.mark.skipif(
+    importlib.util.find_spec("gevent") is None, reason="gevent is an extra: pip install .[gevent]"
+)
+
+
+# -- sizing, at worker start -----------------------------------------------------------------
+
+
+def _conf(**overrides: Any) -> Any:
+    app = Celery("sizing", set_as_current=False)
+    app.conf.update({**package_defaults({}), **overrides})
+    return app.conf
+
+
+def test_a_worker_of_50_gets_broker_pools_of_50_plus_the_consumers_own_connections() -> None:
+    conf = _conf()
+    sizes = size_pools(conf, 50)
+    assert sizes.connections == 50 + CONSUMER_CONNECTIONS
+    assert conf.broker_transport_options == {
+        "visibility_timeout": VISIBILITY_TIMEOUT,  # kept
+        "max_connections": 60,
+    }
+    assert conf.broker_pool_limit == 60
+    assert conf.redis_max_connections is None  # redis-py's default of 100 is enough
+
+
+def test_a_worker_of_200_gets_a_result_backend_pool_of_210() -> None:
+    conf = _conf()
+    size_pools(conf, 200)
+    assert conf.redis_max_connections == 210
+    assert conf.broker_transport_options["max_connections"] == 210
+
+
+def test_larger_or_unlimited_pools_are_left_alone() -> None:
+    conf = _conf(
+        broker_transport_options={"max_connections": 500},
+        redis_max_connections=400,
+        broker_pool_limit=None,
+    )
+    assert size_pools(conf, 50).raised == ()
+    assert conf.broker_transport_options == {"max_connections": 500}
+    assert conf.redis_max_connections == 400
+    assert conf.broker_pool_limit is None
+
+
+def test_a_cap_set_too_small_is_raised_with_a_warning_naming_the_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    conf = _conf(broker_transport_options={"max_connections": 10, "visibility_timeout": 60})
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker_pools"):
+        size_pools(conf, 50)
+    assert conf.broker_transport_options == {"max_connections": 60, "visibility_timeout": 60}
+    assert "broker_transport_options['max_connections'] allows 10 connections" in caplog.text
+
+
+def test_the_concurrency_is_the_autoscale_maximum_when_larger() -> None:
+    assert worker_concurrency(SimpleNamespace(concurrency=4, max_concurrency=None)) == 4
+    assert worker_concurrency(SimpleNamespace(concurrency=4, max_concurrency=40)) == 40
+
+
+# -- real workers --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
+    with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
+        fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+        yield fleet
+
+
+def _payments_created(sandbox: Sandbox) -> int:
+    counts = sandbox.app.counters()["endpoints"].get(f"POST {PAYMENTS}", {})
+    return int(counts.get("ok", 0))
+
+
+def _storm(fleet: Fleet, sandbox: Sandbox) -> list[Any]:
+    """Enqueue CALLS payments, revoke every token once REVOKE_AFTER exist; the answers."""
+    fleet.wait_ready()
+    sandbox.app.configure({"api_latency": API_LATENCY})
+    results = [fleet.call("POST", PAYMENTS, json={"amount": n + 1}) for n in range(CALLS)]
+    wait_until(
+        lambda: _payments_created(sandbox) >= REVOKE_AFTER,
+        f"{REVOKE_AFTER} payments before the revoke-all",
+        STORM_TIMEOUT,
+    )
+    sandbox.app.revoke_all()
+    return [fleet.get(result, STORM_TIMEOUT) for result in results]
+
+
+def _assert_each_payment_once_one_exchange_no_failed_ack(
+    fleet: Fleet, sandbox: Sandbox, answers: list[Any], concurrency: int
+) -> None:
+    assert [answer["amount"] for answer in answers] == [n + 1 for n in range(CALLS)]
+    assert len({answer["id"] for answer in answers}) == CALLS
+    assert sandbox.calls()["unauthorized"] >= 1  # the storm did meet the revoked token
+    assert sandbox.exchanges()["ok"] == 2  # the first token, and one for the storm
+    counters = fleet.store().counters()
+    assert counters.get("exchanges:forced:ok", 0) == 1
+    assert counters.get(REDELIVERED_COUNTER, 0) == 0  # no call came back while running
+
+    broker = fleet.store().redis
+    fleet.stop()  # a warm shutdown: a message whose ack failed is put back on the queue now
+    log = fleet.logs()["worker-w.log"]
+    assert "succeeded in" in log
+    assert f"connection pools sized for {concurrency} tasks at once" in log
+    failures = [line for line in log.splitlines() if any(f in line for f in ACK_FAILURES)]
+    assert not failures, failures[:5]
+    assert broker.llen(CALLS_QUEUE) == 0, "calls were put back to be delivered again"
+    assert broker.hlen("unacked") == 0
+    assert _payments_created(sandbox) == CALLS
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("pool", "concurrency"),
+    [
+        pytest.param("prefork", 4, id="prefork"),
+        pytest.param("threads", 50, id="threads"),
+        pytest.param("gevent", 50, id="gevent", marks=needs_gevent),
+    ],
+)
+def test_each_pool_survives_a_401_storm_with_each_call_once_one_exchange_and_no_failed_ack(
+    fleet: Fleet, sandbox: Sandbox, pool: str, concurrency: int
+) -> None:
+    fleet.start_worker("w", concurrency=concurrency, pool=pool)
+    answers = _storm(fleet, sandbox)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, concurrency)
+
+
+@pytest.mark.integration
+@needs_gevent
+def test_a_broker_pool_capped_in_celeryconfig_is_raised_at_start_and_no_ack_fails(
+    fleet: Fleet, sandbox: Sandbox
+) -> None:
+    config_dir = fleet.tmp_path / "capped"
+    config_dir.mkdir()
+    (config_dir / "celeryconfig.py").write_text(
+        "import logging\n"
+        "from celery.signals import worker_ready\n"
+        "broker_transport_options = {'max_connections': 10}  # too few for -c 50\n"
+        "def _report(sender, **_):  # the pool the consumer's channel really has\n"
+        "    cap = sender.task_consumer.channel.max_connections\n"
+        "    logging.getLogger('probe').warning('consumer channel pool: %s', cap)\n"
+        "worker_ready.connect(_report)\n"
+    )
+    fleet.start_worker("w", concurrency=50, pool="gevent", cwd=config_dir)
+    answers = _storm(fleet, sandbox)
+    log = fleet.logs()["worker-w.log"]
+    assert "broker_transport_options['max_connections'] allows 10 connections" in log
+    assert "consumer channel pool: 60" in log
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 50)

@@ -87,7 +87,15 @@ class RenewalSignal:
 
 def _listen(signal_ref: weakref.ref[RenewalSignal], client: redis.Redis, channel: str) -> None:
     """The subscriber thread: holds only a weak reference, so it ends with its signal."""
-    pubsub = PubSub(client.connection_pool)
+    try:
+        # Redis and RedisCluster both make their own kind of PubSub here
+        pubsub: PubSub = client.pubsub()  # type: ignore[no-untyped-call]
+    except (redis.RedisError, OSError, AttributeError) as exc:
+        log.info("renewal announcements unavailable (%s); waiters poll", type(exc).__name__)
+        owner = signal_ref()
+        if owner is not None:
+            owner._subscribed(False)
+        return
     try:
         pubsub.subscribe(channel)
         while True:
@@ -101,7 +109,10 @@ def _listen(signal_ref: weakref.ref[RenewalSignal], client: redis.Redis, channel
                 signal._heard()
             del signal
     except (redis.RedisError, OSError, ValueError) as exc:
-        log.info("renewal announcements lost (%s); waiters poll until resubscribed", exc)
+        log.info(
+            "renewal announcements lost (%s); waiters poll until resubscribed",
+            type(exc).__name__,
+        )
     finally:
         owner = signal_ref()
         if owner is not None:

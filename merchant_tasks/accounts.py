@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import redis
 import requests
 
-from .client import FleetClient, MerchantClient, new_session, redis_from_url
+from . import redis_topology
+from .client import FleetClient, MerchantClient, new_session
 from .due import claim_renewals, due_accounts, release_renewal
 from .exceptions import ConfigurationError
+from .redis_topology import StoreClient
 from .settings import Settings
 
 DEFAULT_ACCOUNT = "default"
@@ -198,7 +199,7 @@ class AccountClients:
     def __init__(self, accounts: Mapping[str, Settings]) -> None:
         self.accounts = dict(accounts)
         self._clients: dict[str, FleetClient] = {}
-        self._redis: dict[str, redis.Redis] = {}  # by URL
+        self._redis: dict[str, StoreClient] = {}  # by URL
         self._lock = threading.Lock()
 
     @classmethod
@@ -226,15 +227,17 @@ class AccountClients:
                 self._clients[name] = client
         return client
 
-    def redis_for(self, url: str) -> redis.Redis:
+    def redis_for(self, url: str) -> StoreClient:
         """This process's Redis client (one pool) for ``url``, shared by its accounts."""
         with self._lock:
             return self._redis_for(url)
 
-    def _redis_for(self, url: str) -> redis.Redis:
+    def _redis_for(self, url: str) -> StoreClient:
         client = self._redis.get(url)
         if client is None:
-            client = self._redis[url] = redis_from_url(url)
+            # the accounts of one URL share the topology variables (MERCHANT_REDIS_*)
+            settings = next(s for s in self.accounts.values() if s.redis_url == url)
+            client = self._redis[url] = redis_topology.redis_for(settings)
         return client
 
     def due(self) -> list[str]:

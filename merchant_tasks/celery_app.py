@@ -23,8 +23,11 @@ from typing import Any
 from celery import Celery
 from celery.signals import celeryd_after_setup
 from kombu.entity import Queue
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
-from .settings import DEFAULT_REDIS_URL, RENEW_INTERVAL
+from .redis_topology import DEFAULT_SENTINEL_MASTER, is_kombu_redis_url, is_sentinel_url
+from .settings import DEFAULT_REDIS_URL, RENEW_INTERVAL, read_variable
 from .worker_pools import size_pools_at_worker_start
 
 CALLS_QUEUE = "celery"  # Celery's default queue: app code needs no routing to enqueue calls
@@ -32,6 +35,21 @@ RENEWAL_QUEUE = "merchant-renewal"  # its own queue, so a backlog of calls never
 VISIBILITY_TIMEOUT = 3600  # seconds an unacknowledged message waits before redelivery
 RESULT_EXPIRES = 3600  # results are for the caller waiting on them, not an archive
 RESULT_BACKEND_RETRIES = 20  # Celery backs off between them: about a minute of Redis restart
+# publishing (an enqueue, or a task's own retry) waits out a broker that is away for about
+# a minute (a Redis restart, a Sentinel failover: 30 s before the sentinels even call the
+# master down, by default) instead of failing after Celery's 0.6 s: a task whose retry
+# cannot be published is rejected, and its call dropped
+PUBLISH_RETRY_POLICY = {
+    "max_retries": 30,
+    "interval_start": 0,
+    "interval_step": 1,
+    "interval_max": 2,
+}
+# what only kombu's Redis transports read (visibility_timeout, sentinel_kwargs, ...): never
+# sent to another broker such as RabbitMQ
+REDIS_ONLY_TRANSPORT_OPTIONS = frozenset(kombu_redis.SentinelChannel.from_transport_options) - (
+    frozenset(virtual.Channel.from_transport_options)
+)
 
 
 def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -42,8 +60,9 @@ def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
         "broker_url": redis_url,
         "result_backend": redis_url,
         "broker_connection_retry_on_startup": True,
-        "broker_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT},
-        "result_backend_transport_options": {"visibility_timeout": VISIBILITY_TIMEOUT},
+        "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
+        "broker_transport_options": transport_options(redis_url, {}, environ),
+        "result_backend_transport_options": transport_options(redis_url, {}, environ),
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": ["json"],
@@ -91,7 +110,32 @@ def load_config(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         config["broker_url"] = env["CELERY_BROKER_URL"]
     if env.get("CELERY_RESULT_BACKEND"):
         config["result_backend"] = env["CELERY_RESULT_BACKEND"]
+    for url, options in (
+        ("broker_url", "broker_transport_options"),
+        ("result_backend", "result_backend_transport_options"),
+    ):
+        config[options] = transport_options(config[url], config.get(options) or {}, env)
     return config
+
+
+def transport_options(
+    url: str, chosen: Mapping[str, Any], environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """Transport options for the broker or result backend at ``url``: ``chosen`` (from
+    celeryconfig.py) over our defaults for a Redis URL; without the Redis-only ones for
+    any other (RabbitMQ)."""
+    if not is_kombu_redis_url(url):
+        return {k: v for k, v in chosen.items() if k not in REDIS_ONLY_TRANSPORT_OPTIONS}
+    defaults: dict[str, Any] = {"visibility_timeout": VISIBILITY_TIMEOUT}
+    if is_sentinel_url(url):
+        # the token store's sentinel settings serve Celery too: one value for both
+        defaults["master_name"] = (
+            read_variable(environ, "MERCHANT_REDIS_SENTINEL_MASTER") or DEFAULT_SENTINEL_MASTER
+        )
+        password = read_variable(environ, "MERCHANT_REDIS_SENTINEL_PASSWORD")
+        if password:
+            defaults["sentinel_kwargs"] = {"password": password}
+    return {**defaults, **chosen}
 
 
 app = Celery("merchant_tasks")

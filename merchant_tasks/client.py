@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-import redis
 import requests
 from requests.adapters import HTTPAdapter
 from tenacity import (
@@ -39,6 +38,7 @@ from urllib3.exceptions import NewConnectionError
 from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
 from .exchange import TOKEN_PATH, TokenExchange, parse_retry_after
 from .policy import refused_after_renewal_message
+from .redis_topology import StoreClient, redis_for
 from .renewal import TokenManager
 from .sealing import codec_for
 from .settings import Settings
@@ -143,13 +143,18 @@ class MerchantClient(Generic[SourceT]):
         cls,
         settings: Settings,
         *,
-        redis_client: redis.Redis | None = None,
+        redis_client: StoreClient | None = None,
         session: requests.Session | None = None,
     ) -> FleetClient:
         session = session or new_session()
         store = TokenStore(
-            redis_client or redis_from_url(settings.redis_url),
-            TokenStore.namespace_for(settings.key_prefix, settings.environment, settings.api_key),
+            redis_client or redis_for(settings),
+            TokenStore.namespace_for(
+                settings.key_prefix,
+                settings.environment,
+                settings.api_key,
+                hash_tag=settings.redis_cluster,
+            ),
             codec_for(settings.token_key_file, settings.token_key_previous_file),
         )
         manager = TokenManager(
@@ -301,13 +306,6 @@ def new_session() -> requests.Session:
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session
-
-
-def redis_from_url(url: str) -> redis.Redis:
-    """The token store's Redis client, with timeouts so a dead Redis fails fast."""
-    return redis.Redis.from_url(
-        url, socket_connect_timeout=2.0, socket_timeout=5.0, health_check_interval=30
-    )
 
 
 def _check_path(path: str) -> None:

@@ -28,8 +28,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 
-import redis
+from redis.cluster import RedisCluster
 
+from .redis_topology import StoreClient
 from .settings import Settings
 from .store import TokenStore, _unavailable_as_error
 from .token import Token
@@ -42,7 +43,9 @@ _HASH_SPAN = 2**64  # the renewal point's fraction of the window: 8 bytes of SHA
 
 def namespace_of(settings: Settings) -> str:
     """The account's key namespace in the token store."""
-    return TokenStore.namespace_for(settings.key_prefix, settings.environment, settings.api_key)
+    return TokenStore.namespace_for(
+        settings.key_prefix, settings.environment, settings.api_key, hash_tag=settings.redis_cluster
+    )
 
 
 def renewal_point(settings: Settings) -> float:
@@ -68,7 +71,7 @@ class _Entry:
 
 
 def due_accounts(
-    accounts: Mapping[str, Settings], redis_for: Callable[[str], redis.Redis]
+    accounts: Mapping[str, Settings], redis_for: Callable[[str], StoreClient]
 ) -> list[str]:
     """Names of the accounts whose token is missing or past its renewal point.
 
@@ -89,7 +92,7 @@ def due_accounts(
 def claim_renewals(
     names: list[str],
     accounts: Mapping[str, Settings],
-    redis_for: Callable[[str], redis.Redis],
+    redis_for: Callable[[str], StoreClient],
 ) -> list[str]:
     """The due accounts beat may send a renewal task for: those without one pending.
 
@@ -110,7 +113,7 @@ def claim_renewals(
     return claimed
 
 
-def release_renewal(settings: Settings, client: redis.Redis) -> None:
+def release_renewal(settings: Settings, client: StoreClient) -> None:
     """The renewal task has run: beat may send the next one."""
     with _unavailable_as_error():
         client.delete(claim_key(settings))
@@ -126,13 +129,16 @@ def claim_ttl(settings: Settings) -> float:
     return settings.renew_before - settings.renew_mandatory
 
 
-def _due_on_server(client: redis.Redis, entries: list[_Entry]) -> list[str]:
+def _due_on_server(client: StoreClient, entries: list[_Entry]) -> list[str]:
     pipe = client.pipeline(transaction=False)
-    pipe.time()
+    clustered = isinstance(client, RedisCluster)  # its pipelines refuse TIME: read it apart
+    if not clustered:
+        pipe.time()
     for entry in entries:
         pipe.get(entry.token_key)
     with _unavailable_as_error():
-        replies = pipe.execute()
+        clock = [client.time()] if clustered else []
+        replies = [*clock, *pipe.execute()]
     seconds, micros = cast(tuple[int, int], replies[0])
     now = seconds + micros / 1e6
     due: list[str] = []

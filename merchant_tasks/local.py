@@ -67,8 +67,8 @@ def redis_server_command(port: int, workdir: Path, *options: str) -> list[str]:
     ]  # fmt: skip
 
 
-def redis_answers(port: int) -> bool:
-    probe = redis.Redis(port=port, socket_connect_timeout=0.2)
+def redis_answers(port: int, password: str | None = None) -> bool:
+    probe = redis.Redis(port=port, password=password, socket_connect_timeout=0.2)
     try:
         return bool(probe.ping())
     except redis.RedisError:

@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .exceptions import ConfigurationError
+from .redis_topology import DEFAULT_SENTINEL_MASTER, is_sentinel_url, parse_sentinel_url
 from .sealing import codec_for
 
 ENVIRONMENTS = ("sandbox", "production")
@@ -83,6 +84,9 @@ class Settings:
     connect_timeout: float = CONNECT_TIMEOUT
     read_timeout: float = READ_TIMEOUT
     allow_insecure_http: bool = False
+    redis_sentinel_master: str = DEFAULT_SENTINEL_MASTER
+    redis_sentinel_password: str | None = field(default=None, repr=False)
+    redis_cluster: bool = False
     token_key_file: str | None = None  # seals the token at rest (sealing.py)
     token_key_previous_file: str | None = None  # still opens tokens while rotating
 
@@ -104,7 +108,7 @@ class Settings:
                 "MERCHANT_BASE_URL must be https:// in production "
                 "(set MERCHANT_ALLOW_INSECURE_HTTP=1 only for a local test double)"
             )
-        _check_url("MERCHANT_REDIS_URL", self.redis_url, ("redis", "rediss", "unix"))
+        self._check_redis_topology()
         for name, value in (
             ("MERCHANT_TOKEN_LIFETIME", self.token_lifetime),
             ("MERCHANT_RENEW_BEFORE", self.renew_before),
@@ -120,6 +124,23 @@ class Settings:
                 "MERCHANT_RENEW_MANDATORY < MERCHANT_RENEW_BEFORE < MERCHANT_TOKEN_LIFETIME "
                 f"must hold (got {self.renew_mandatory:g} < {self.renew_before:g} < "
                 f"{self.token_lifetime:g})"
+            )
+
+    def _check_redis_topology(self) -> None:
+        if is_sentinel_url(self.redis_url):
+            parse_sentinel_url(self.redis_url, "MERCHANT_REDIS_URL")
+            if self.redis_cluster:
+                raise ConfigurationError(
+                    "MERCHANT_REDIS_CLUSTER=1 needs the redis:// or rediss:// URL of a cluster "
+                    "node in MERCHANT_REDIS_URL, not sentinel:// addresses"
+                )
+            if not self.redis_sentinel_master:
+                raise ConfigurationError("MERCHANT_REDIS_SENTINEL_MASTER must not be empty")
+        elif self.redis_cluster:
+            _check_url("MERCHANT_REDIS_URL", self.redis_url, ("redis", "rediss"))
+        else:
+            _check_url(
+                "MERCHANT_REDIS_URL", self.redis_url, ("redis", "rediss", "unix", "sentinel")
             )
 
     @property
@@ -156,8 +177,17 @@ class Settings:
             connect_timeout=env.seconds("MERCHANT_CONNECT_TIMEOUT", CONNECT_TIMEOUT),
             read_timeout=env.seconds("MERCHANT_READ_TIMEOUT", READ_TIMEOUT),
             allow_insecure_http=env.flag("MERCHANT_ALLOW_INSECURE_HTTP"),
+            redis_sentinel_master=env.get("MERCHANT_REDIS_SENTINEL_MASTER")
+            or DEFAULT_SENTINEL_MASTER,
+            redis_sentinel_password=env.get("MERCHANT_REDIS_SENTINEL_PASSWORD") or None,
+            redis_cluster=env.flag("MERCHANT_REDIS_CLUSTER"),
             **env.token_keys(),
         )
+
+
+def read_variable(environ: Mapping[str, str], name: str) -> str | None:
+    """One variable or its ``_FILE`` variant, as ``Settings.from_env`` reads it."""
+    return _Environment(environ).get(name)
 
 
 class _Environment:

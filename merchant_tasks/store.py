@@ -1,6 +1,7 @@
 """The token store: Redis keys for one account (environment and API key).
 
-Keys, under ``<prefix>:<environment>:<api key>:``
+Keys, under ``<prefix>:<environment>:<api key>:`` (``<prefix>:{<environment>:<api key>}:``
+on a Redis Cluster: the hash tag keeps them in one slot, as the save script and the lock need)
 
 - ``token``      the current token as JSON (value, issue and expiry times, generation, who
                  renewed and why); its TTL is the token's time left, so it expires with it;
@@ -36,9 +37,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 import redis
+from redis.exceptions import ClusterError, RedisClusterException
 from redis.lock import Lock
 
 from .exceptions import StoreUnavailable
+from .redis_topology import StoreClient
 from .sealing import PLAIN_TEXT, TokenCodec
 from .token import Token
 
@@ -49,19 +52,25 @@ EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last
 BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
 # failures in a row are counted and the back-off grows; a success deletes it
 
-# KEYS: token, generation. ARGV: expected generation, token JSON, kept until (Redis seconds).
-# Returns {1, new generation} when written, {0, current generation} when another write
-# came first, {-1, current generation} when the token has already expired.
+# KEYS: token, generation. ARGV: expected generation, token JSON, kept until (Redis seconds),
+# the highest generation the writer has seen stored. Returns {1, new generation} when
+# written, {0, current generation} when another write came first, {-1, expected generation}
+# when the token has already expired. A stored generation below the expected one is
+# accepted only when the writer saw the expected one stored: Redis lost writes (a
+# failover, a restart without persistence), and the token is written above them.
 _SAVE_IF_GENERATION = """
 local current = tonumber(redis.call('GET', KEYS[2]) or '0')
-if current ~= tonumber(ARGV[1]) then return {0, current} end
+local expected = tonumber(ARGV[1])
+if current ~= expected and not (current < expected and expected <= tonumber(ARGV[4])) then
+  return {0, current}
+end
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 local ttl_ms = math.floor(tonumber(ARGV[3]) * 1000) - now_ms
-if ttl_ms <= 0 then return {-1, current} end
+if ttl_ms <= 0 then return {-1, expected} end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
-redis.call('SET', KEYS[2], current + 1)
-return {1, current + 1}
+redis.call('SET', KEYS[2], expected + 1)
+return {1, expected + 1}
 """
 
 # KEYS: accepted. ARGV: generation. Raises the key to ARGV[1]: one write per generation.
@@ -135,7 +144,7 @@ class RedisClock:
 class TokenStore:
     """Reads and writes one account's token, lock, breaker and counters in Redis."""
 
-    def __init__(self, client: redis.Redis, namespace: str, codec: TokenCodec = PLAIN_TEXT) -> None:
+    def __init__(self, client: StoreClient, namespace: str, codec: TokenCodec = PLAIN_TEXT) -> None:
         self.redis = client
         self.namespace = namespace
         self.codec = codec  # how the token value is kept at rest (sealing.py)
@@ -154,9 +163,19 @@ class TokenStore:
         self._look_after_401 = client.register_script(_LOOK_AFTER_401)
         self._parsed: tuple[bytes, Token] | None = None
         self._parsed_lock = threading.Lock()
+        # the highest generation this process has seen stored: Redis may lose the last
+        # writes in a failover (asynchronous replication), and a process that used a token
+        # must never go back to an older one
+        self._seen_generation = 0
 
     @staticmethod
-    def namespace_for(prefix: str, environment: str, api_key: str) -> str:
+    def namespace_for(
+        prefix: str, environment: str, api_key: str, *, hash_tag: bool = False
+    ) -> str:
+        """The account's key namespace; with ``hash_tag`` (Redis Cluster), its keys share
+        one hash slot, as the save script and the lock need."""
+        if hash_tag:
+            return f"{prefix}:{{{environment}:{api_key}}}"
         return f"{prefix}:{environment}:{api_key}"
 
     def __repr__(self) -> str:
@@ -169,7 +188,11 @@ class TokenStore:
         return seconds + micros / 1e6
 
     def load(self) -> Token | None:
-        """The stored token, or None. One GET; an unchanged value is not parsed again."""
+        """The stored token, or None. One GET; an unchanged value is not parsed again.
+
+        None too when the stored token is older than one this process has seen stored
+        (Redis lost writes): it is renewed rather than used again.
+        """
         with _unavailable_as_error():
             raw = cast(bytes | None, self.redis.get(self.token_key))
         return self._parse(raw)
@@ -179,11 +202,16 @@ class TokenStore:
             return None
         parsed = self._parsed
         if parsed is not None and parsed[0] == raw:
-            return parsed[1]
-        token = Token.from_json(raw)
-        token = replace(token, value=self.codec.open(token.value, self.namespace))
-        with self._parsed_lock:
-            self._parsed = (raw, token)
+            token = parsed[1]
+        else:
+            token = Token.from_json(raw)
+            token = replace(token, value=self.codec.open(token.value, self.namespace))
+            with self._parsed_lock:
+                self._parsed = (raw, token)
+        if token.generation < self._seen_generation:
+            return None
+        if token.generation > self._seen_generation:
+            self._see(token.generation)
         return token
 
     def look_after_401(
@@ -211,10 +239,12 @@ class TokenStore:
         return self._parse(raw), lock, outcome == -1
 
     def generation(self) -> int:
-        """The generation of the last token written (0 if none ever was)."""
+        """The generation of the last token written (0 if none ever was), or the highest
+        this process has seen stored if Redis has lost writes since."""
         with _unavailable_as_error():
             raw = self.redis.get(self.generation_key)
-        return int(cast(bytes, raw)) if raw is not None else 0
+        stored = int(cast(bytes, raw)) if raw is not None else 0
+        return max(stored, self._seen_generation)
 
     def save(self, token: Token) -> tuple[bool, int]:
         """Write ``token`` if it is the successor of the stored generation.
@@ -227,11 +257,22 @@ class TokenStore:
                 list[int],
                 self._save(
                     keys=[self.token_key, self.generation_key],
-                    args=[token.generation - 1, self._stored_form(token), repr(token.kept_until)],
+                    args=[
+                        token.generation - 1,
+                        self._stored_form(token),
+                        repr(token.kept_until),
+                        self._seen_generation,
+                    ],
                 ),
             )
         written, generation = int(result[0]), int(result[1])
+        if written == 1:
+            self._see(generation)
         return written == 1, generation
+
+    def _see(self, generation: int) -> None:
+        with self._parsed_lock:
+            self._seen_generation = max(self._seen_generation, generation)
 
     def _stored_form(self, token: Token) -> str:
         return replace(token, value=self.codec.seal(token.value, self.namespace)).to_json()
@@ -336,7 +377,7 @@ class TokenStore:
 def _unavailable_as_error() -> Iterator[None]:
     try:
         yield
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException) as exc:
         raise StoreUnavailable(
             f"token store (Redis) unavailable: {type(exc).__name__}; check MERCHANT_REDIS_URL"
         ) from exc

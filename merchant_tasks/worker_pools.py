@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from .redis_topology import is_kombu_redis_url
+
 log = logging.getLogger(__name__)
 
 CONSUMER_CONNECTIONS = 10  # beyond one per task: the consumer's fetch, restores of unacked
@@ -51,7 +53,9 @@ def size_pools(conf: Any, concurrency: int) -> PoolSizes:
     needed = connections_needed(concurrency)
     raised: list[str] = []
     options = dict(conf.broker_transport_options or {})
-    if (options.get("max_connections") or KOMBU_CHANNEL_CAP) < needed:
+    if is_kombu_redis_url(conf.broker_url or "") and (
+        (options.get("max_connections") or KOMBU_CHANNEL_CAP) < needed
+    ):  # a Redis transport's cap: another broker (RabbitMQ) has no such option
         _warn_if_set(options.get("max_connections"), _BROKER_CAP, needed)
         options["max_connections"] = needed
         conf.broker_transport_options = options

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -297,6 +298,24 @@ def running_on(fleet: Fleet, result: Any, timeout: float = RESULT_TIMEOUT) -> tu
                     return str(node), int(task["worker_pid"])
         time.sleep(0.05)
     raise AssertionError(f"task {task_id} was not seen running\n{fleet.log_tails()}")
+
+
+def echo_calls(sandbox: Sandbox) -> int:
+    """Times the emulator answered POST /echo, whatever the outcome."""
+    counts = sandbox.app.counters()["endpoints"].get(f"POST {ECHO}", {})
+    return sum(counts.values())
+
+
+def kill_the_worker_running(fleet: Fleet, workers: dict[str, Child], result: Any) -> str:
+    """SIGKILL the worker (and its pool child, at once) whose call ``result`` reached the
+    API; returns the label of the survivor among ``workers`` (two of them)."""
+    node, _ = running_on(fleet, result)
+    wait_until(lambda: fleet.sandbox.app.arrived(ECHO) == 1, "the call reaching the API", 20.0)
+    label = node.split("@")[0].rsplit("-", 1)[1]
+    victim = workers[label]
+    os.killpg(victim.process.pid, signal.SIGKILL)
+    victim.process.wait()
+    return next(other for other in workers if other != label)
 
 
 @contextlib.contextmanager

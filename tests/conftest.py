@@ -19,6 +19,7 @@ import redis
 
 from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.local import RedisServer
+from merchant_tasks.redis_topology import StoreClient
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
 
@@ -144,7 +145,7 @@ def client(settings: Settings, redis_client: redis.Redis) -> FleetClient:
 # -- the leak searches' readers (test_faults.py, test_celery_integration.py) ----------------
 
 
-def redis_value(client: redis.Redis, key: bytes) -> bytes:
+def redis_value(client: StoreClient, key: bytes) -> bytes:
     """A key and everything in it, read by type (members only, for sorted sets)."""
     kind = client.type(key)
     values: list[Any] = [key]

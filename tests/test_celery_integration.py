@@ -34,6 +34,8 @@ from celery_fleet import (
     RENEW_MANDATORY,
     RESULT_TIMEOUT,
     Fleet,
+    echo_calls,
+    kill_the_worker_running,
     running_fleet,
     running_on,
 )
@@ -73,12 +75,6 @@ def _settled_exchanges(fleet: Fleet, sandbox: Sandbox) -> tuple[int, dict[str, i
 
     wait_until(settled, "the emulator's and the store's exchange counts to agree", 10.0)
     return seen[-1]
-
-
-def _echo_calls(sandbox: Sandbox) -> int:
-    """Times the emulator answered POST /echo, whatever the outcome."""
-    counts = sandbox.app.counters()["endpoints"].get(f"POST {ECHO}", {})
-    return sum(counts.values())
 
 
 # -- 1. plain calls ------------------------------------------------------------------------
@@ -236,17 +232,11 @@ def test_a_worker_killed_mid_task_has_its_call_rerun_by_another_worker(
     sandbox.app.configure({"api_latency": API_LATENCY})
 
     result = fleet.call("POST", ECHO, json={"order": "kill-me"})
-    node, _ = running_on(fleet, result)
-    wait_until(lambda: sandbox.app.arrived(ECHO) == 1, "the call reaching the API", 20.0)
-    label = node.split("@")[0].rsplit("-", 1)[1]
-    victim = workers[label]
-    os.killpg(victim.process.pid, signal.SIGKILL)  # the worker and its pool child, at once
-    victim.process.wait()
+    survivor = kill_the_worker_running(fleet, workers, result)
 
     assert fleet.get(result, 60.0) == {"echo": {"order": "kill-me"}}
-    survivor = workers["b" if label == "a" else "a"]
-    assert result.id in survivor.log_text()
-    assert _echo_calls(sandbox) == 2  # received by the killed worker's child, then again
+    assert result.id in workers[survivor].log_text()
+    assert echo_calls(sandbox) == 2  # received by the killed worker's child, then again
 
 
 def test_a_pool_child_killed_mid_task_has_its_call_requeued_at_once(
@@ -266,7 +256,7 @@ def test_a_pool_child_killed_mid_task_has_its_call_requeued_at_once(
 
     assert fleet.get(result, 60.0) == {"echo": {"order": "kill-my-child"}}
     assert worker.process.poll() is None  # the worker itself lived on
-    assert _echo_calls(sandbox) == 2
+    assert echo_calls(sandbox) == 2
 
 
 # -- 7. no secret, no token outside the token key -------------------------------------------

@@ -45,7 +45,7 @@ from werkzeug.wrappers import Request, Response
 
 from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, WatchedSandbox, redis_value, shows
 from merchant_tasks.celery_app import load_config
-from merchant_tasks.client import FleetClient, MerchantClient, new_session, redis_from_url
+from merchant_tasks.client import FleetClient, MerchantClient, new_session
 from merchant_tasks.exceptions import (
     ApiError,
     ConfigurationError,
@@ -55,6 +55,7 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import RedisServer, free_port, stop_group, wait_until
+from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
@@ -1495,10 +1496,10 @@ def test_row2b_after_an_outage_longer_than_the_token_calls_recover_before_the_pa
     print(f"\nrow 2b: every process recovered {recovered_in:.1f} s after the endpoint was back")
 
 
-# -- 17. revocations in quick succession ---------------------------------------------------
+# -- 20. revocations in quick succession ---------------------------------------------------
 
 
-def test_row17_revoke_all_every_two_seconds_under_load_fails_no_call(
+def test_row20_revoke_all_every_two_seconds_under_load_fails_no_call(
     sandbox: Sandbox, settings: Settings, secret_file: Path, callers: Callers
 ) -> None:
     """An operator's revoke-all every 2 s, five times, while three processes call: every
@@ -1526,10 +1527,10 @@ def test_row17_revoke_all_every_two_seconds_under_load_fails_no_call(
     assert sandbox.calls()["unauthorized"] >= revocations
 
 
-# -- 18. a token server that hands back its live token ---------------------------------------
+# -- 21. a token server that hands back its live token ---------------------------------------
 
 
-def test_row18_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_lifetime(
+def test_row21_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_lifetime(
     sandbox: Sandbox,
     settings: Settings,
     secret_file: Path,
@@ -1548,7 +1549,7 @@ def test_row18_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_
 
     counters = _store_of(account, redis_client).counters()
     exchanges = sandbox.exchanges()["ok"]
-    print(f"\nrow 18: {exchanges} exchanges in {run:.1f} s, counters {counters}")
+    print(f"\nrow 21: {exchanges} exchanges in {run:.1f} s, counters {counters}")
     for report in reports:
         assert set(_outcomes(report, "0")) == {"ok"}, report
     assert counters.get("exchanges:mandatory:unchanged", 0) >= 1

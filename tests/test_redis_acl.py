@@ -12,8 +12,9 @@ import redis
 
 from conftest import TEST_API_KEY, Sandbox
 from merchant_tasks.accounts import AccountClients
-from merchant_tasks.client import MerchantClient, redis_from_url
+from merchant_tasks.client import MerchantClient
 from merchant_tasks.local import wait_until
+from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.settings import Secret, Settings
 
 pytestmark = pytest.mark.integration

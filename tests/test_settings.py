@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.redis_topology import parse_sentinel_url
 from merchant_tasks.settings import (
     CONNECT_TIMEOUT,
     DEFAULT_KEY_PREFIX,
@@ -386,3 +387,65 @@ def test_settings_built_directly_are_validated_too() -> None:
         Settings(api_key="", secret=Secret(SECRET))
     with pytest.raises(ConfigurationError, match="MERCHANT_ENVIRONMENT"):
         Settings(api_key=API_KEY, secret=Secret(SECRET), environment="staging")
+
+
+# -- Redis topologies: Sentinel, Cluster ----------------------------------------------------
+
+
+def test_a_sentinel_url_in_celerys_form_is_accepted_with_master_and_sentinel_password(
+    env: dict[str, str],
+) -> None:
+    url = "sentinel://:master-pw@s1.example.test:26379/2;sentinel://:master-pw@s2.example.test/2"
+    env.update(
+        {
+            "MERCHANT_REDIS_URL": url,
+            "MERCHANT_REDIS_SENTINEL_MASTER": "payments",
+            "MERCHANT_REDIS_SENTINEL_PASSWORD": "hunter2-sentinel-pw",
+        }
+    )
+    settings = Settings.from_env(env)
+    assert settings.redis_url == url
+    assert settings.redis_sentinel_master == "payments"
+    assert settings.redis_sentinel_password == "hunter2-sentinel-pw"
+    assert "hunter2" not in repr(settings)
+    assert "master-pw" not in repr(settings)
+    parsed = parse_sentinel_url(url)
+    assert parsed.sentinels == (("s1.example.test", 26379), ("s2.example.test", 26379))
+    assert (parsed.db, parsed.password) == (2, "master-pw")
+
+
+def test_the_sentinel_master_defaults_to_mymaster(env: dict[str, str]) -> None:
+    env["MERCHANT_REDIS_URL"] = "sentinel://s1.example.test:26379"
+    assert Settings.from_env(env).redis_sentinel_master == "mymaster"
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("sentinel://:hunter2-pw@s1:26379;redis://:hunter2-pw@s2:26379", "must start with"),
+        ("sentinel://:hunter2-pw@:26379", "no host"),
+        ("sentinel://:hunter2-pw@s1:port", "not a number"),
+        ("sentinel://:hunter2-pw@s1:26379/zero", "database number"),
+        ("sentinel://:hunter2-pw@s1:26379/0;sentinel://:hunter2-pw@s2:26379/1", "same database"),
+        ("sentinel://:hunter2-pw@s1:26379/0?ssl=true", "not supported"),
+        ("sentinel://;", "no host"),
+    ],
+)
+def test_an_invalid_sentinel_url_names_the_variable_and_never_echoes_the_password(
+    env: dict[str, str], url: str, says: str
+) -> None:
+    env["MERCHANT_REDIS_URL"] = url
+    with pytest.raises(ConfigurationError, match="MERCHANT_REDIS_URL") as caught:
+        Settings.from_env(env)
+    assert says in str(caught.value)
+    assert "hunter2" not in str(caught.value)
+
+
+def test_cluster_mode_needs_a_redis_url_of_a_node(env: dict[str, str]) -> None:
+    env.update({"MERCHANT_REDIS_CLUSTER": "1", "MERCHANT_REDIS_URL": "redis://node-1:7000/0"})
+    assert Settings.from_env(env).redis_cluster is True
+    for url in ("sentinel://:hunter2-pw@s1:26379", "unix:///run/redis.sock"):
+        env["MERCHANT_REDIS_URL"] = url
+        with pytest.raises(ConfigurationError, match="MERCHANT_REDIS_URL") as caught:
+            Settings.from_env(env)
+        assert "hunter2" not in str(caught.value)

@@ -384,3 +384,60 @@ def test_the_clock_over_a_dead_store_raises_store_unavailable() -> None:
     clock = RedisClock(TokenStore(dead_redis(), NAMESPACE).time)
     with pytest.raises(StoreUnavailable):
         clock()
+
+
+# -- Redis losing writes (a Sentinel failover, a restart without persistence) --------------
+
+
+def lose_writes_back_to(fake_redis: redis.Redis, store: TokenStore, token: Token) -> None:
+    """What a failover to a replica that missed the last writes leaves: ``token`` again."""
+    fake_redis.set(store.token_key, token.to_json())
+    fake_redis.set(store.generation_key, token.generation)
+
+
+def test_a_token_older_than_one_this_process_saw_stored_is_not_used_again(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    first = make_token(1)
+    store.save(first)
+    assert store.load() == first
+    store.save(make_token(2))
+    lose_writes_back_to(fake_redis, store, first)
+
+    assert store.load() is None  # renewed rather than used: generations never go back
+    assert store.generation() == 2  # the next token is written above what was lost
+
+
+def test_after_lost_writes_the_next_token_is_saved_above_them(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    first = make_token(1)
+    store.save(first)
+    store.save(make_token(2))
+    lose_writes_back_to(fake_redis, store, first)
+
+    third = make_token(store.generation() + 1, value="tok-after-failover")
+    assert store.save(third) == (True, 3)
+    assert store.load() == third
+
+
+def test_another_process_that_never_saw_the_lost_write_keeps_the_strict_succession(
+    fake_redis: redis.Redis,
+) -> None:
+    ours, theirs = TokenStore(fake_redis, NAMESPACE), TokenStore(fake_redis, NAMESPACE)
+    first = make_token(1)
+    ours.save(first)
+    ours.save(make_token(2))
+    lose_writes_back_to(fake_redis, ours, first)
+
+    assert theirs.load() == first  # it never used generation 2: nothing goes back for it
+    assert theirs.save(make_token(3)) == (False, 1)  # and it may not skip a generation
+    assert ours.save(make_token(3, value="tok-from-the-process-that-saw-2")) == (True, 3)
+    assert theirs.load() is not None
+    assert theirs.load() == ours.load()
+
+
+def test_with_a_hash_tag_every_key_of_an_account_names_the_same_tag() -> None:
+    namespace = TokenStore.namespace_for("mt", "sandbox", "app-1", hash_tag=True)
+    assert namespace == "mt:{sandbox:app-1}"
+    assert TokenStore.namespace_for("mt", "sandbox", "app-1") == "mt:sandbox:app-1"

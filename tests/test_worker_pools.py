@@ -97,6 +97,13 @@ def test_a_cap_set_too_small_is_raised_with_a_warning_naming_the_setting(
     assert "broker_transport_options['max_connections'] allows 10 connections" in caplog.text
 
 
+def test_an_amqp_broker_gets_no_redis_transport_cap_but_a_pool_limit() -> None:
+    conf = _conf(broker_url="amqp://guest:guest@127.0.0.1:5672//", broker_transport_options={})
+    size_pools(conf, 50)
+    assert conf.broker_transport_options == {}  # max_connections is a Redis transport option
+    assert conf.broker_pool_limit == 60
+
+
 def test_the_concurrency_is_the_autoscale_maximum_when_larger() -> None:
     assert worker_concurrency(SimpleNamespace(concurrency=4, max_concurrency=None)) == 4
     assert worker_concurrency(SimpleNamespace(concurrency=4, max_concurrency=40)) == 40

@@ -78,14 +78,11 @@ class TokenManager:
         wake_ups: bool = True,
     ) -> None:
         self.store = store
-        self.exchange = exchange
         self.policy = RenewalPolicy(renew_before, renew_mandatory)
-        self.clock: Clock = clock or RedisClock(store.time)
-        self.sleep = sleep
+        self._clock: Clock = clock or RedisClock(store.time)
+        self._sleep = sleep
         self.copy = LocalCopy(local_copy_ttl, monotonic)
-        self.breaker = Breaker(
-            store, lambda: self.clock(), secret_fingerprint, rng or random.Random()
-        )
+        self.breaker = Breaker(store, self._clock, secret_fingerprint, rng or random.Random())
         self.signal = RenewalSignal(store) if wake_ups else None
         # the lock outlives the longest renewal: every attempt timing out plus the waits
         # between them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
@@ -98,22 +95,24 @@ class TokenManager:
         # holder took the lock and died (the lock expires within lock_ttl), and then see
         # the next holder take it and need its whole renewal (within lock_ttl again)
         self.wait_limit = 2 * self.lock_ttl
+        # the parts get the callables themselves, not closures over this manager: no
+        # reference cycle, so a manager is freed as soon as it is dropped
         self.renewer = Renewer(
             store,
-            lambda: self.exchange(),
+            exchange,
             self.policy,
             self.breaker,
             self.copy,
-            clock=lambda: self.clock(),
-            sleep=lambda seconds: self.sleep(seconds),
+            clock=self._clock,
+            sleep=sleep,
         )
         self.flight = SingleFlight(
             store,
             self.signal,
             lock_ttl=self.lock_ttl,
             wait_limit=self.wait_limit,
-            clock=lambda: self.clock(),
-            sleep=lambda seconds: self.sleep(seconds),
+            clock=self._clock,
+            sleep=sleep,
         )
         self._accepted = 0  # the highest generation this process recorded as accepted
         self._forcing = 0  # the generation a thread of this process is renewing after a 401
@@ -127,6 +126,32 @@ class TokenManager:
 
     def __repr__(self) -> str:
         return f"TokenManager(store={self.store!r})"
+
+    @property
+    def exchange(self) -> Callable[[], IssuedToken]:
+        """The exchange (a test or a benchmark may wrap it)."""
+        return self.renewer.exchange
+
+    @exchange.setter
+    def exchange(self, exchange: Callable[[], IssuedToken]) -> None:
+        self.renewer.exchange = exchange
+
+    @property
+    def clock(self) -> Clock:
+        """The store's clock, shared by every part."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Clock) -> None:
+        self._clock = self.breaker.clock = self.renewer.clock = self.flight.clock = clock
+
+    @property
+    def sleep(self) -> Callable[[float], None]:
+        return self._sleep
+
+    @sleep.setter
+    def sleep(self, sleep: Callable[[float], None]) -> None:
+        self._sleep = self.renewer.sleep = self.flight.sleep = sleep
 
     # -- callers -------------------------------------------------------------------------
 

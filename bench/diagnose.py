@@ -49,11 +49,11 @@ from harness import (
 )
 
 from merchant_tasks.client import FleetClient, MerchantClient, new_session
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import DEFAULT_TIMEOUTS, Secret, Settings
 
 API_KEY = "bench-app-id"
 PING = "/open-api/v1/ping"
-TIMEOUT = (3.05, 10.0)
+TIMEOUT = DEFAULT_TIMEOUTS
 
 
 @contextlib.contextmanager

@@ -72,7 +72,7 @@ from harness import (
 )
 
 from merchant_tasks.client import FleetClient, MerchantClient
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import DEFAULT_KEY_PREFIX, Secret, Settings, child_env
 
 API_KEY = "bench-app-id"
 PING = "/open-api/v1/ping"
@@ -178,36 +178,31 @@ class Bench:
     errors: list[str] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
 
-    def env(self, **extra: str) -> dict[str, str]:
-        """The children's environment: the MERCHANT_* contract, nothing inherited of it."""
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("MERCHANT_", "CELERY_", "BENCH_"))
-        }
-        env.update(
-            MERCHANT_ENVIRONMENT="sandbox",
-            MERCHANT_API_KEY=API_KEY,
-            MERCHANT_API_SECRET_FILE=str(self.secret_file),
-            MERCHANT_BASE_URL=self.sandbox_url,
-            MERCHANT_REDIS_URL=self.redis_url,
-            PYTHONUNBUFFERED="1",
-        )
-        env.update(extra)
-        return env
-
-    def client(
-        self, prefix: str, base_url: str | None = None, redis_client: redis.Redis | None = None
-    ) -> FleetClient:
-        """A MerchantClient in this process, default windows, its own key prefix."""
-        settings = Settings(
+    def settings(self, prefix: str, base_url: str | None = None, **fields: Any) -> Settings:
+        """The emulator's account with its own key prefix (default windows unless given)."""
+        return Settings(
             api_key=API_KEY,
             secret=Secret(path=self.secret_file),
             base_url=base_url or self.sandbox_url,
             redis_url=self.redis_url,
             key_prefix=prefix,
+            **fields,
         )
-        return MerchantClient.from_settings(settings, redis_client=redis_client)
+
+    def env(self, settings: Settings | None = None, **extra: str) -> dict[str, str]:
+        """The children's environment: ``settings.to_env()`` (the emulator's account with
+        the default key prefix when None), ``extra`` on top, nothing inherited of ours."""
+        base = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
+        account = settings or self.settings(DEFAULT_KEY_PREFIX)
+        return {**child_env(account, base), "PYTHONUNBUFFERED": "1", **extra}
+
+    def client(
+        self, prefix: str, base_url: str | None = None, redis_client: redis.Redis | None = None
+    ) -> FleetClient:
+        """A MerchantClient in this process, default windows, its own key prefix."""
+        return MerchantClient.from_settings(
+            self.settings(prefix, base_url), redis_client=redis_client
+        )
 
     def spawn(self, name: str, argv: list[str], **kwargs: Any) -> Child:
         child = spawn(name, argv, self.workdir / f"{name}.log", **kwargs)
@@ -268,12 +263,15 @@ def fleet_run(bench: Bench, contender: str, revoke_on_issue: bool) -> FleetRun:
     bench.control.revoke_all()  # nothing issued for an earlier run stays usable
     tag = uuid.uuid4().hex[:8]
     ready_key, go_key = f"bench:{tag}:ready", f"bench:{tag}:go"
+    windows = bench.settings(
+        f"bench-{tag}",
+        token_lifetime=plan.lifetime,
+        renew_before=plan.advisory,
+        renew_mandatory=plan.mandatory,
+        renew_interval=plan.renew_interval,
+    )
     env = bench.env(
-        MERCHANT_KEY_PREFIX=f"bench-{tag}",
-        MERCHANT_TOKEN_LIFETIME=repr(plan.lifetime),
-        MERCHANT_RENEW_BEFORE=repr(plan.advisory),
-        MERCHANT_RENEW_MANDATORY=repr(plan.mandatory),
-        MERCHANT_RENEW_INTERVAL=repr(plan.renew_interval),
+        windows,
         BENCH_REDIS_URL=bench.redis_url,
         BENCH_READY_KEY=ready_key,
         BENCH_GO_KEY=go_key,
@@ -954,7 +952,7 @@ def celery_scenario(bench: Bench) -> None:
             f"bench-{uuid.uuid4().hex[:6]}@%h",
         ],
         env=bench.env(
-            MERCHANT_KEY_PREFIX=prefix,
+            bench.settings(prefix),
             PYTHONPATH=pythonpath,
             BENCH_STATIC_TOKEN_KEY=STATIC_TOKEN_KEY,
         ),

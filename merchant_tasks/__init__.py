@@ -10,6 +10,9 @@ guards and rules: docs/design.md.
 
 from __future__ import annotations
 
+import logging
+from importlib.metadata import PackageNotFoundError, version
+
 from .client import MerchantClient
 from .exceptions import (
     ApiError,
@@ -20,6 +23,7 @@ from .exceptions import (
     MalformedApiResponse,
     MalformedTokenResponse,
     MerchantError,
+    MissingExtra,
     RenewalTimeout,
     StoreUnavailable,
     TokenEndpointUnavailable,
@@ -28,6 +32,11 @@ from .exceptions import (
     TokenUnreadable,
 )
 from .settings import Settings
+
+try:
+    __version__ = version("merchant-tasks")
+except PackageNotFoundError:  # a source tree used without installing it
+    __version__ = "0+unknown"
 
 __all__ = [
     "ApiError",
@@ -39,6 +48,7 @@ __all__ = [
     "MalformedTokenResponse",
     "MerchantClient",
     "MerchantError",
+    "MissingExtra",
     "RenewalTimeout",
     "Settings",
     "StoreUnavailable",
@@ -46,7 +56,12 @@ __all__ = [
     "TokenExchangeError",
     "TokenRejected",
     "TokenUnreadable",
+    "__version__",
 ]
+
+# a library leaves logging to its application: without this, Python's last-resort handler
+# printed warnings to stderr next to the CLI's own message (the same error twice)
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> object:

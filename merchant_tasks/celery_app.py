@@ -4,34 +4,45 @@ Configuration is layered, each layer overriding the one before:
 
 1. the package defaults below (safe for production: late acknowledgement, prefetch 1,
    renewal on its own queue, JSON only);
-2. ``celeryconfig.py`` from the working directory, if importable (the repo root has the
-   documented one; edit it or put your own on the path);
+2. ``celeryconfig.py`` from the working directory, if importable (``deploy/celeryconfig.py``
+   is the container image's, and an example);
 3. ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND`` from the environment;
 4. at worker start, the broker's and result backend's connection pools are raised to fit
    the worker's concurrency (see ``worker_pools``), whatever the pool (-P).
 
-Broker and result backend default to MERCHANT_REDIS_URL, the token store's Redis.
+Broker and result backend default to MERCHANT_REDIS_URL (or MERCHANT_REDIS_URL_FILE), the
+token store's Redis: the defaults are built from the validated ``FleetSettings``, so a
+setting is read and checked in one place. A configuration mistake stops ``celery -A
+merchant_tasks ...`` with a one-line message naming the variable, and a worker with no
+account configured stops at start rather than failing every task.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from celery.signals import celeryd_after_setup
-from kombu.entity import Queue
+from celery.signals import celeryd_after_setup, worker_init
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from .exceptions import ConfigurationError
 from .redis_topology import DEFAULT_SENTINEL_MASTER, is_kombu_redis_url, is_sentinel_url
-from .settings import DEFAULT_REDIS_URL, RENEW_INTERVAL, read_variable
+from .routing import CALLS_QUEUE as CALLS_QUEUE  # re-exported: the queues' names
+from .routing import RENEWAL_QUEUE as RENEWAL_QUEUE
+from .routing import remove_stale_bindings, task_queues
+from .settings import FleetSettings, read_variable
 from .worker_pools import size_pools_at_worker_start
 
-CALLS_QUEUE = "celery"  # Celery's default queue: app code needs no routing to enqueue calls
-RENEWAL_QUEUE = "merchant-renewal"  # its own queue, so a backlog of calls never delays it
+log = logging.getLogger(__name__)
+
+EXIT_CONFIGURATION = 2  # the exit code of a configuration mistake, as the CLI's
 VISIBILITY_TIMEOUT = 3600  # seconds an unacknowledged message waits before redelivery
 RESULT_EXPIRES = 3600  # results are for the caller waiting on them, not an archive
 RESULT_BACKEND_RETRIES = 20  # Celery backs off between them: about a minute of Redis restart
@@ -54,8 +65,9 @@ REDIS_ONLY_TRANSPORT_OPTIONS = frozenset(kombu_redis.SentinelChannel.from_transp
 
 def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     """The settings merchant-tasks relies on; celeryconfig.py may change any of them."""
-    redis_url = environ.get("MERCHANT_REDIS_URL") or DEFAULT_REDIS_URL
-    interval = float(environ.get("MERCHANT_RENEW_INTERVAL") or RENEW_INTERVAL)
+    fleet = FleetSettings.from_env(environ)
+    redis_url = fleet.redis_url
+    interval = fleet.renew_interval
     return {
         "broker_url": redis_url,
         "result_backend": redis_url,
@@ -76,7 +88,7 @@ def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "task_queues": (Queue(CALLS_QUEUE), Queue(RENEWAL_QUEUE)),
+        "task_queues": task_queues(),  # each bound to its own routing key
         "task_default_queue": CALLS_QUEUE,
         "task_routes": {"merchant_tasks.renew_token": {"queue": RENEWAL_QUEUE}},
         "beat_schedule": {
@@ -138,8 +150,69 @@ def transport_options(
     return {**defaults, **chosen}
 
 
+def isolated_config(redis_url: str, key_prefix: str) -> dict[str, Any]:
+    """Broker and results on ``redis_url`` with every Celery key under ``key_prefix``.
+
+    For a fleet sharing a Redis with another (the demo, a test's worker): its queues,
+    bindings and results never mix with the other's.
+    """
+    defaults = package_defaults({"MERCHANT_REDIS_URL": redis_url})
+    prefixed = {"global_keyprefix": f"{key_prefix}:celery:"}
+    return {
+        "broker_url": redis_url,
+        "result_backend": redis_url,
+        **{
+            name: {**defaults[name], **prefixed}
+            for name in ("broker_transport_options", "result_backend_transport_options")
+        },
+    }
+
+
+def write_config_module(path: Path, config: Mapping[str, Any]) -> None:
+    """A celeryconfig.py holding ``config``, for children started in its directory; only
+    its owner may read it (the URLs may hold a password)."""
+    lines = ['"""Written by merchant-tasks for one run; deleted with it."""']
+    lines += [f"{name} = {value!r}" for name, value in config.items()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.chmod(0o600)
+
+
+def _started_by_celery_command() -> bool:
+    """Whether this process is ``celery ...`` (its CLI module is loaded), not a library user."""
+    return "celery.bin.celery" in sys.modules
+
+
+def _exit_with(exc: ConfigurationError) -> None:
+    """A configuration mistake under ``celery ...``: one line on stderr, no traceback."""
+    print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    raise SystemExit(EXIT_CONFIGURATION)
+
+
+def _check_worker_start(sender: Any = None, **_: Any) -> None:
+    """Before consuming: every account's settings load, and no stale binding remains."""
+    from .accounts import load_accounts  # the worker's own import: the app needs no account
+
+    if getattr(sender, "app", None) is not app:
+        return  # another Celery app's worker in a process that imported this module
+    try:
+        load_accounts()
+    except ConfigurationError as exc:
+        _exit_with(exc)
+    try:
+        remove_stale_bindings(app)
+    except Exception as exc:  # the broker may be down at start: Celery keeps retrying it
+        log.warning("could not check the broker for stale queue bindings: %r", exc)
+
+
+worker_init.connect(_check_worker_start)
+
 app = Celery("merchant_tasks")
-app.conf.update(load_config())
+try:
+    app.conf.update(load_config())
+except ConfigurationError as exc:
+    if not _started_by_celery_command():
+        raise
+    _exit_with(exc)
 
 
 def _size_connection_pools(sender: str, instance: Any, **_: Any) -> None:

@@ -18,7 +18,8 @@ import click
 
 from .accounts import AccountClients
 from .exceptions import ConfigurationError, MerchantError, StoreUnavailable
-from .sandbox import DEFAULT_PORT, SandboxApp, SandboxConfig, SandboxServer
+from .extras import require
+from .settings import SANDBOX_DEFAULT_PORT, TOKEN_LIFETIME
 from .status import AccountStatus, account_status, format_status
 
 EXIT_FAILED = 1
@@ -33,7 +34,7 @@ def main() -> None:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Loopback address to bind.")
-@click.option("--port", default=DEFAULT_PORT, show_default=True, type=int)
+@click.option("--port", default=SANDBOX_DEFAULT_PORT, show_default=True, type=int)
 @click.option("--api-key", envvar="MERCHANT_API_KEY", required=True, help="[MERCHANT_API_KEY]")
 @click.option(
     "--secret-file",
@@ -41,7 +42,9 @@ def main() -> None:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="File holding the API secret [MERCHANT_API_SECRET_FILE].",
 )
-@click.option("--lifetime", default=7200.0, show_default=True, help="Token lifetime, seconds.")
+@click.option(
+    "--lifetime", default=float(TOKEN_LIFETIME), show_default=True, help="Token lifetime, seconds."
+)
 @click.option("--revoke-on-issue", is_flag=True, help="Issuing a token revokes earlier ones.")
 @click.option("--rate-limit", type=int, help="Token exchanges allowed per --rate-window.")
 @click.option("--rate-window", default=60.0, show_default=True, help="Seconds.")
@@ -83,6 +86,10 @@ def sandbox(
     The secret comes from --secret-file or MERCHANT_API_SECRET (never a command-line
     argument, which other users of the machine could read).
     """
+    with _exit_codes():
+        require("sandbox", "merchant-tasks sandbox")
+    from .sandbox import SandboxApp, SandboxConfig, SandboxServer
+
     secret = _sandbox_secret(secret_file)
     try:
         config = SandboxConfig(
@@ -105,8 +112,12 @@ def sandbox(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    click.echo(f"merchant API sandbox for {api_key} on http://{host}:{port} (Ctrl-C stops)")
-    server.serve_forever()
+    # the banner only once the port is bound: a busy port fails before anything is printed
+    server.serve_forever(
+        on_ready=lambda url: click.echo(
+            f"merchant API sandbox for {api_key} on {url} (Ctrl-C stops)"
+        )
+    )
 
 
 @main.command()
@@ -116,6 +127,8 @@ def sandbox(
 @click.option("--workers", default=2, show_default=True, help="Worker processes.")
 def demo(duration: float, rate: float, lifetime: float, workers: int) -> None:
     """Run the whole system locally: emulator, Redis, a worker and beat, with a live view."""
+    with _exit_codes():
+        require("demo", "merchant-tasks demo")
     from .demo import run_demo
 
     summary = run_demo(duration=duration, rate=rate, lifetime=lifetime, workers=workers)
@@ -134,9 +147,8 @@ def status(as_json: bool) -> None:
 
     Exits 0 when every account has a usable token and no breaker is open, 1 otherwise.
     """
-    fleet = _clients()
-    with _exit_codes():
-        statuses = _statuses(fleet)
+    with _exit_codes(as_json=as_json):
+        statuses = _statuses(AccountClients.from_env())
     if as_json:
         document = {"accounts": [s.as_dict() for s in statuses.values()]}
         click.echo(json.dumps(document, indent=2, sort_keys=True))
@@ -150,6 +162,8 @@ def status(as_json: bool) -> None:
 @click.option("--port", default=9808, show_default=True, type=int)
 def metrics(host: str, port: int) -> None:
     """Serve Prometheus metrics for the whole fleet (read from Redis at each scrape)."""
+    with _exit_codes():
+        require("metrics", "merchant-tasks metrics")
     from prometheus_client import CollectorRegistry, start_http_server
 
     from .metrics import FleetCollector
@@ -172,11 +186,14 @@ def metrics(host: str, port: int) -> None:
 def renew(force: bool, account: str | None) -> None:
     """Renew the token if due (or now with --force) and show the stored one."""
     with _exit_codes():
-        token = _clients().get(account).manager.renew(force=force)
-    click.echo(
-        f"generation {token.generation}, fingerprint {token.fingerprint}, "
-        f"renewed by {token.renewed_by} ({token.reason})"
-    )
+        manager = _clients().get(account).manager
+        before = manager.store.generation()
+        token = manager.renew(force=force)
+    stored = f"generation {token.generation}, fingerprint {token.fingerprint}"
+    if token.generation == before:
+        click.echo(f"not due: {stored} is still fresh (renewed by {token.renewed_by})")
+    else:
+        click.echo(f"{stored}, renewed by {token.renewed_by} ({token.reason})")
 
 
 @main.command()
@@ -212,12 +229,25 @@ def _clients() -> AccountClients:
 
 
 @contextmanager
-def _exit_codes() -> Iterator[None]:
-    """Turn merchant-tasks errors into a one-line message and the documented exit code."""
+def _exit_codes(as_json: bool = False) -> Iterator[None]:
+    """Turn merchant-tasks errors into a message and the documented exit code.
+
+    The message is one line on stderr with the error's fields (status, the API's error
+    code, excerpt, retry_after) on a second line, or with ``as_json`` one JSON document on
+    stdout: ``{"error": {"type": ..., "message": ..., <fields>}}``.
+    """
     try:
         yield
     except MerchantError as exc:
-        click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+        if as_json:
+            error = {"type": type(exc).__name__, "message": str(exc), **exc.details()}
+            click.echo(json.dumps({"error": error}, indent=2, sort_keys=True))
+        else:
+            click.echo(f"error: {type(exc).__name__}: {exc}", err=True)
+            if exc.details():
+                click.echo(
+                    "  " + ", ".join(f"{k} {v!r}" for k, v in exc.details().items()), err=True
+                )
         if isinstance(exc, ConfigurationError):
             sys.exit(EXIT_CONFIGURATION)
         if isinstance(exc, StoreUnavailable):

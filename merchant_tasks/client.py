@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -36,13 +37,14 @@ from tenacity import (
 from urllib3.exceptions import NewConnectionError
 
 from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
-from .exchange import TOKEN_PATH, TokenExchange, parse_retry_after
+from .exchange import TOKEN_PATH, TokenExchange, error_code, parse_retry_after
 from .policy import refused_after_renewal_message
 from .redis_topology import StoreClient, redis_for
 from .renewal import TokenManager
 from .sealing import codec_for
-from .settings import Settings
+from .settings import DEFAULT_TIMEOUTS, Settings
 from .store import TokenStore
+from .timing import TimedExchange
 from .token import Token, fingerprint
 
 log = logging.getLogger(__name__)
@@ -117,7 +119,7 @@ class MerchantClient(Generic[SourceT]):
         manager: SourceT,
         *,
         session: requests.Session | None = None,
-        timeout: tuple[float, float] = (3.05, 10.0),
+        timeout: tuple[float, float] = DEFAULT_TIMEOUTS,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -159,7 +161,7 @@ class MerchantClient(Generic[SourceT]):
         )
         manager = TokenManager(
             store,
-            TokenExchange.from_settings(settings, session),
+            TimedExchange(TokenExchange.from_settings(settings, session), store),
             lambda: fingerprint(settings.secret.reveal()),
             renew_before=settings.renew_before,
             renew_mandatory=settings.renew_mandatory,
@@ -270,12 +272,13 @@ class MerchantClient(Generic[SourceT]):
         except requests.ConnectionError as exc:
             never_sent = isinstance(exc, requests.ConnectTimeout) or _connection_refused(exc)
             raise _Transient(
-                f"connection failed: {type(exc).__name__}",
+                f"connection to {_host(self.base_url)} failed: {type(exc).__name__}",
                 resendable=never_sent or method in IDEMPOTENT_METHODS,
             ) from None
         except requests.Timeout:
             raise _Transient(
-                "timed out waiting for the answer", resendable=method in IDEMPOTENT_METHODS
+                f"timed out waiting for {_host(self.base_url)}",
+                resendable=method in IDEMPOTENT_METHODS,
             ) from None
         status = response.status_code
         log.debug("%s %s answered %d", method, path, status)
@@ -293,7 +296,13 @@ class MerchantClient(Generic[SourceT]):
                 retry_after=parse_retry_after(response.headers.get("Retry-After")),
                 resendable=status in SAFE_TO_RESEND_STATUSES or method in IDEMPOTENT_METHODS,
             )
-        raise ApiError(f"{method} {path} failed with HTTP {status}", status=status, excerpt=excerpt)
+        found = error_code(response, token.value)
+        raise ApiError(
+            f"{method} {path} failed with HTTP {status}{f' ({found[1]})' if found else ''}",
+            status=status,
+            code=found[1] if found else None,
+            excerpt=excerpt,
+        )
 
 
 FleetClient = MerchantClient[TokenManager]
@@ -312,20 +321,36 @@ def _check_path(path: str) -> None:
     """Refuse anything that could send the token outside /open-api/v1 or to the token path.
 
     Dot segments and empty segments are refused rather than resolved: HTTP libraries
-    normalise them, so ``/open-api/v1/..`` would leave the API's root.
+    normalise them, so ``/open-api/v1/..`` would leave the API's root. Their percent-encoded
+    forms (``%2e%2e``, also encoded more than once) and encoded slashes or backslashes are
+    refused too: RFC 3986 makes ``%2e`` equal to ``.``, and servers and proxies decode them.
     """
     route = path.split("?", 1)[0]
-    segments = route[len(API_PREFIX) :].split("/")
+    segments = [_fully_decoded(s) for s in route[len(API_PREFIX) :].split("/")]
     if (
         not route.startswith(API_PREFIX)
         or "#" in path
         or "\\" in route
-        or any(segment in (".", "..") for segment in segments)
+        or any(segment in (".", "..") or "/" in segment or "\\" in segment for segment in segments)
         or "" in segments[:-1]
     ):
         raise ValueError(f"path must be under {API_PREFIX} (got {path[:80]!r})")
-    if route.rstrip("/").lower() == TOKEN_PATH:
+    if (API_PREFIX + "/".join(segments)).rstrip("/").lower() == TOKEN_PATH:
         raise ValueError("the token endpoint is called by the exchange, not by request()")
+
+
+def _fully_decoded(segment: str) -> str:
+    """A path segment percent-decoded until nothing changes (double encoding included)."""
+    decoded = unquote(segment)
+    while decoded != segment:
+        segment, decoded = decoded, unquote(decoded)
+    return decoded
+
+
+def _host(url: str) -> str:
+    """host[:port] of a URL, never the user or password it may carry."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
 
 
 def _decode(response: requests.Response, method: str, path: str) -> Any:

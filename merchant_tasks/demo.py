@@ -36,9 +36,10 @@ from typing import Any, TextIO
 import redis
 from celery import Celery
 
-from .celery_app import package_defaults
+from .celery_app import isolated_config, package_defaults, write_config_module
 from .local import RedisServer, free_port, redis_answers, stop_group, wait_until
 from .sandbox import SandboxApp, SandboxConfig, SandboxServer
+from .settings import Secret, Settings, child_env
 from .store import TokenStore
 
 DEMO_API_KEY = "demo-app-id"
@@ -88,29 +89,26 @@ def run_demo(
         secret_file.chmod(0o600)
         renew_before = round(lifetime * 0.3, 3)
         key_prefix = f"mt-demo-{uuid.uuid4().hex[:8]}"
-        celery_config = _celery_config(redis_url, f"{key_prefix}:celery:")
-        _write_celery_config(workdir / "celeryconfig.py", celery_config)
-        env = {
-            **os.environ,
-            "MERCHANT_ENVIRONMENT": "sandbox",
-            "MERCHANT_API_KEY": DEMO_API_KEY,
-            "MERCHANT_API_SECRET_FILE": str(secret_file),
-            "MERCHANT_BASE_URL": server.url,
-            "MERCHANT_REDIS_URL": redis_url,
-            "MERCHANT_KEY_PREFIX": key_prefix,
-            "MERCHANT_TOKEN_LIFETIME": str(lifetime),
-            "MERCHANT_RENEW_BEFORE": str(renew_before),
-            "MERCHANT_RENEW_MANDATORY": str(round(lifetime * 0.1, 3)),
-            "MERCHANT_RENEW_INTERVAL": str(max(1.0, round(lifetime * 0.05, 3))),
-        }
-        env.pop("MERCHANT_API_SECRET", None)
-        # Celery reads these from the environment before any configuration: in the children
-        # and in this process, where the producer below would otherwise send elsewhere
-        for name in CELERY_URL_VARIABLES:
-            env.pop(name, None)
+        celery_config = isolated_config(redis_url, key_prefix)
+        write_config_module(workdir / "celeryconfig.py", celery_config)
+        settings = Settings(
+            api_key=DEMO_API_KEY,
+            secret=Secret(path=secret_file),
+            base_url=server.url,
+            redis_url=redis_url,
+            key_prefix=key_prefix,
+            token_lifetime=lifetime,
+            renew_before=renew_before,
+            renew_mandatory=round(lifetime * 0.1, 3),
+            renew_interval=max(1.0, round(lifetime * 0.05, 3)),
+        )
+        # the children get these settings and nothing else of ours: no MERCHANT_* or CELERY_*
+        # variable of this shell (Celery reads its URLs from the environment first)
+        env = child_env(settings)
+        # and so does this process, where the producer below would otherwise send elsewhere
+        for name in [*CELERY_URL_VARIABLES, "MERCHANT_API_SECRET"]:
             os.environ.pop(name, None)
-        os.environ.update({k: v for k, v in env.items() if k.startswith("MERCHANT_")})
-        os.environ.pop("MERCHANT_API_SECRET", None)
+        os.environ.update(settings.to_env())
         celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
         stack.enter_context(
             _child(
@@ -139,7 +137,7 @@ def run_demo(
         )
         store = TokenStore(
             redis.Redis.from_url(redis_url),
-            TokenStore.namespace_for(env["MERCHANT_KEY_PREFIX"], "sandbox", DEMO_API_KEY),
+            TokenStore.namespace_for(key_prefix, "sandbox", DEMO_API_KEY),
         )
         summary = DemoSummary(redis=redis_kind)
         summary.expected_exchanges = math.ceil(duration / (lifetime - renew_before)) + 1
@@ -255,27 +253,6 @@ def _summary_text(summary: DemoSummary) -> str:
     ]
     lines += [f"  error: {e}" for e in summary.errors[:5]]
     return "\n".join(lines) + "\n"
-
-
-def _celery_config(redis_url: str, prefix: str) -> dict[str, Any]:
-    """The demo's Celery settings on top of the package defaults: its Redis, its own keys."""
-    defaults = package_defaults({"MERCHANT_REDIS_URL": redis_url})
-    return {
-        "broker_url": redis_url,
-        "result_backend": redis_url,
-        **{
-            name: {**defaults[name], "global_keyprefix": prefix}
-            for name in ("broker_transport_options", "result_backend_transport_options")
-        },
-    }
-
-
-def _write_celery_config(path: Path, config: dict[str, Any]) -> None:
-    """The children's celeryconfig.py; private to the run (the URL may hold a password)."""
-    lines = ['"""Written by merchant-tasks demo for one run; deleted with it."""']
-    lines += [f"{name} = {value!r}" for name, value in config.items()]
-    path.write_text("\n".join(lines) + "\n")
-    path.chmod(0o600)
 
 
 @contextlib.contextmanager

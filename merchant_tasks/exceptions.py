@@ -1,9 +1,11 @@
 """Every error merchant-tasks raises, one tree.
 
 ```
-MerchantError                      base; ``retryable`` says whether trying later can help
+MerchantError                      base; ``retryable`` says whether trying later can help;
+│                                  fields status, code, excerpt, retry_after (None/"")
 ├── ConfigurationError             a setting is missing or invalid (names the variable)
-│   └── TokenUnreadable            the stored token is sealed with a key this process lacks
+│   ├── TokenUnreadable            the stored token is sealed with a key this process lacks
+│   └── MissingExtra               an optional part is not installed (names the extra)
 ├── StoreUnavailable               Redis cannot be reached                        retryable
 ├── TokenExchangeError             the token endpoint did not give us a token
 │   ├── CredentialsRejected        the API key or secret was refused (4xx)
@@ -12,22 +14,66 @@ MerchantError                      base; ``retryable`` says whether trying later
 │   └── MalformedTokenResponse     2xx without a usable token                     retryable
 ├── RenewalTimeout                 another process held the renewal too long      retryable
 ├── TokenRejected                  401 on a token renewing cannot mend (never accepted)
-└── ApiError                       a business call failed (``status``, ``excerpt``)
+└── ApiError                       a business call failed (``status``, ``code``, ``excerpt``)
     ├── ApiUnavailable             429/5xx/connection failure the client gave up on  retryable
     └── MalformedApiResponse       a 2xx whose body is not JSON
 ```
 
-No message here ever contains a secret or a token: callers build them from status codes,
-error codes and names only.
+No message or field here ever contains a secret or a token: callers build them from status
+codes, error codes and names only, and excerpts have the token blanked out. Every error
+survives Celery's JSON result backend and pickle with its fields (see ``MerchantError``).
 """
 
 from __future__ import annotations
 
 
 class MerchantError(Exception):
-    """Base of every merchant-tasks error."""
+    """Base of every merchant-tasks error.
+
+    Every field is also in ``args``, in the constructor's order, so the error is rebuilt
+    with its fields wherever it is rebuilt from ``args``: Celery's JSON result backend
+    stores ``args`` and calls ``cls(*args)`` (``celery.backends.base``), pickle does the
+    same. Fields: ``status`` (HTTP status), ``code`` (the API's short error code),
+    ``excerpt`` (the start of the error body, any token blanked), ``retry_after`` (seconds
+    the server asked us to wait).
+    """
 
     retryable: bool = False
+
+    def __init__(
+        self,
+        message: str = "",
+        status: int | None = None,
+        code: str | None = None,
+        excerpt: str = "",
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message, status, code, excerpt, retry_after)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.excerpt = excerpt
+        self.retry_after = retry_after
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        # no excerpt: repr reaches logs, Celery's task events and Flower, which hold no free
+        # text from a body (it could echo what was sent); ``excerpt`` is for the caller
+        shown = {k: v for k, v in self.details().items() if k != "excerpt"}
+        fields = ", ".join(f"{name}={value!r}" for name, value in shown.items())
+        return f"{type(self).__name__}({self.message!r}{', ' if fields else ''}{fields})"
+
+    def details(self) -> dict[str, object]:
+        """The fields that are set, for logs, the CLI and JSON output."""
+        values = {
+            "status": self.status,
+            "code": self.code,
+            "excerpt": self.excerpt,
+            "retry_after": self.retry_after,
+        }
+        return {name: value for name, value in values.items() if value not in (None, "")}
 
 
 class ConfigurationError(MerchantError):
@@ -37,6 +83,10 @@ class ConfigurationError(MerchantError):
 class TokenUnreadable(ConfigurationError):
     """The stored token is sealed with a key this process does not have; no exchange is
     made over it. Set MERCHANT_TOKEN_KEY_FILE to the key the rest of the fleet uses."""
+
+
+class MissingExtra(ConfigurationError):
+    """A tool needs an optional dependency: ``pip install 'merchant-tasks[<extra>]'``."""
 
 
 class StoreUnavailable(MerchantError):
@@ -56,32 +106,17 @@ class CredentialsRejected(TokenExchangeError):
     dashboard, or the key may belong to the other environment.
     """
 
-    def __init__(self, message: str, *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
 
 class ExchangeRateLimited(TokenExchangeError):
     """The token endpoint answered 429; no exchange is made before ``retry_after`` seconds."""
 
     retryable = True
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
 
 class TokenEndpointUnavailable(TokenExchangeError):
     """The token endpoint answered 5xx, timed out or could not be reached."""
 
     retryable = True
-
-    def __init__(
-        self, message: str, *, status: int | None = None, retry_after: float | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
 
 
 class MalformedTokenResponse(TokenExchangeError):
@@ -108,27 +143,11 @@ class TokenRejected(MerchantError):
 class ApiError(MerchantError):
     """A business call answered with an error status."""
 
-    def __init__(self, message: str, *, status: int | None = None, excerpt: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.excerpt = excerpt
-
 
 class ApiUnavailable(ApiError):
     """The API kept answering 429/5xx or could not be reached, and the client gave up."""
 
     retryable = True
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int | None = None,
-        excerpt: str = "",
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message, status=status, excerpt=excerpt)
-        self.retry_after = retry_after
 
 
 class MalformedApiResponse(ApiError):

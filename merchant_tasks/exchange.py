@@ -24,7 +24,7 @@ from .exceptions import (
     MalformedTokenResponse,
     TokenEndpointUnavailable,
 )
-from .settings import Secret, Settings
+from .settings import DEFAULT_TIMEOUTS, TOKEN_LIFETIME, Secret, Settings
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ class TokenExchange:
         secret: Secret,
         *,
         session: requests.Session | None = None,
-        timeout: tuple[float, float] = (3.05, 10.0),
-        default_lifetime: float = 7200.0,
+        timeout: tuple[float, float] = DEFAULT_TIMEOUTS,
+        default_lifetime: float = TOKEN_LIFETIME,
     ) -> None:
         self.url = base_url.rstrip("/") + TOKEN_PATH
         self.api_key = api_key
@@ -118,17 +118,22 @@ def classify(response: requests.Response, default_lifetime: float, secret: str =
     ``secret`` is only used to make sure nothing quoted from the body contains it.
     """
     status = response.status_code
+    found = error_code(response, secret) if status >= 400 else None
+    code = found[1] if found else None
     if status == 429:
         retry_after = parse_retry_after(response.headers.get("Retry-After"))
         raise ExchangeRateLimited(
             f"token endpoint rate limited the exchange (HTTP 429{_error_code(response, secret)}); "
             f"retry after {retry_after if retry_after is not None else 'an unknown time'} s",
+            status=status,
+            code=code,
             retry_after=retry_after,
         )
     if status >= 500 or status == 408:
         raise TokenEndpointUnavailable(
             f"token endpoint failed (HTTP {status}{_error_code(response, secret)})",
             status=status,
+            code=code,
             retry_after=parse_retry_after(response.headers.get("Retry-After")),
         )
     if 300 <= status < 400:
@@ -142,6 +147,7 @@ def classify(response: requests.Response, default_lifetime: float, secret: str =
             "check MERCHANT_API_KEY and MERCHANT_API_SECRET; the secret may have been reset "
             "in the dashboard, or the key may belong to the other environment",
             status=status,
+            code=code,
         )
     return parse_token(response, default_lifetime, secret)
 
@@ -215,20 +221,26 @@ def _quotable(text: str, secret: str) -> bool:
 
 
 def _error_code(response: requests.Response, secret: str) -> str:
-    """The server's short error code, if its body has one that is a plain identifier.
+    """``, key=code`` for a message when the body has a quotable error code, else ``""``."""
+    found = error_code(response, secret)
+    return f", {found[0]}={found[1]}" if found else ""
+
+
+def error_code(response: requests.Response, secret: str) -> tuple[str, str] | None:
+    """The server's short error code (field name and value), if its body has a plain one.
 
     Free text from the body is never quoted: it could echo what we sent.
     """
     try:
         payload = response.json()
     except (ValueError, RecursionError):
-        return ""
+        return None
     if not isinstance(payload, dict):
-        return ""
+        return None
     for key in ("error", "code", "errcode", "error_code"):
         value = payload.get(key)
         if isinstance(value, (str, int)) and not isinstance(value, bool):
             text = str(value)
             if _quotable(text, secret):
-                return f", {key}={text}"
-    return ""
+                return key, text
+    return None

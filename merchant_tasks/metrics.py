@@ -3,19 +3,37 @@
 The counters live in Redis, not in any process, so one scrape of one exporter
 (`merchant-tasks metrics`) sees the numbers of every worker and every prefork child; there
 is no per-process registry to merge.
+
+Every counter has a sample for every account from the first scrape (0 until the first
+event), so an ``increase()`` alert fires on the first event too. When Redis cannot be read
+the scrape still answers (HTTP 200): ``merchant_tasks_up`` is 0 and
+``merchant_tasks_scrape_error{type}`` names the error, instead of a 500 that reads like
+the exporter itself were broken.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from .policy import CounterName
+from .breaker import BreakerKind
+from .exceptions import MerchantError
+from .policy import CounterName, Outcome
 from .status import AccountStatus
+from .store import DURATION_BUCKETS
+from .timing import HISTOGRAMS
+from .token import RenewalReason
 
 PREFIX = "merchant_tasks"
+EXCHANGE_OUTCOMES = tuple(Outcome)  # as the renewal records
+BREAKER_KINDS = tuple(BreakerKind)
 # counters kept in Redis (TokenStore.count) that are not per-exchange: name -> help
 _SIMPLE_COUNTERS: dict[str, str] = {
     CounterName.UNAUTHORIZED: "Calls answered 401 that asked the store for a newer token.",
@@ -25,6 +43,7 @@ _SIMPLE_COUNTERS: dict[str, str] = {
     "redelivered_completed_calls": "Redelivered calls that had already succeeded: answered "
     "from their completion record, the API not called again.",
 }
+_LABELS = ["account", "environment"]
 
 
 class FleetCollector(Collector):
@@ -34,51 +53,81 @@ class FleetCollector(Collector):
         self._statuses = statuses
 
     def collect(self) -> Iterable[Metric]:
-        statuses = self._statuses()
-        labels = ["account", "environment"]
-        exchanges = CounterMetricFamily(
-            f"{PREFIX}_exchanges",
-            "Token exchange attempts by reason and outcome.",
-            labels=[*labels, "reason", "outcome"],
+        up = GaugeMetricFamily(f"{PREFIX}_up", "1 when the fleet's Redis could be read.")
+        error = GaugeMetricFamily(
+            f"{PREFIX}_scrape_error",
+            "1 for the error that kept this scrape from reading Redis.",
+            labels=["type"],
         )
-        breaker_openings = CounterMetricFamily(
-            f"{PREFIX}_breaker_openings", "Times exchanges were paused.", labels=[*labels, "kind"]
-        )
-        simple = {
-            name: CounterMetricFamily(f"{PREFIX}_{name}", text, labels=labels)
-            for name, text in _SIMPLE_COUNTERS.items()
-        }
-        time_left = GaugeMetricFamily(
-            f"{PREFIX}_token_time_left_seconds",
-            "Seconds before the stored token expires (0 when none).",
-            labels=labels,
-        )
-        generation = GaugeMetricFamily(
-            f"{PREFIX}_token_generation", "Generation of the stored token.", labels=labels
-        )
-        breaker_open = GaugeMetricFamily(
-            f"{PREFIX}_breaker_open",
-            "1 while token exchanges are paused, by reason.",
-            labels=[*labels, "kind"],
-        )
-        last_hour = GaugeMetricFamily(
-            f"{PREFIX}_exchanges_last_hour", "Exchange attempts in the last hour.", labels=labels
-        )
-        for name, status in sorted(statuses.items()):
-            account = [name, status.environment]
-            for key, value in status.counters.items():
-                parts = key.split(":")
-                if parts[0] == "exchanges" and len(parts) == 3:
-                    exchanges.add_metric([*account, parts[1], parts[2]], value)
-                elif parts[0] == "breaker_openings" and len(parts) == 2:
-                    breaker_openings.add_metric([*account, parts[1]], value)
-                elif key in simple:
-                    simple[key].add_metric(account, value)
-            time_left.add_metric(account, status.time_left or 0.0)
-            generation.add_metric(account, status.generation or 0)
-            last_hour.add_metric(account, status.exchanges_last_hour)
-            for kind in ("rejected", "rate_limited", "unavailable"):
-                is_open = status.breaker is not None and status.breaker["kind"] == kind
-                breaker_open.add_metric([*account, kind], 1 if is_open else 0)
-        yield from (exchanges, breaker_openings, *simple.values())
-        yield from (time_left, generation, breaker_open, last_hour)
+        try:
+            statuses = self._statuses()
+        except MerchantError as exc:  # StoreUnavailable, ConfigurationError of an account
+            up.add_metric([], 0)
+            error.add_metric([type(exc).__name__], 1)
+            yield from (up, error)
+            return
+        up.add_metric([], 1)
+        yield from (up, error)
+        yield from _families(statuses)
+
+
+def _families(statuses: Mapping[str, AccountStatus]) -> Iterable[Metric]:
+    exchanges = CounterMetricFamily(
+        f"{PREFIX}_exchanges",
+        "Token exchange attempts by reason and outcome.",
+        labels=[*_LABELS, "reason", "outcome"],
+    )
+    breaker_openings = CounterMetricFamily(
+        f"{PREFIX}_breaker_openings", "Times exchanges were paused.", labels=[*_LABELS, "kind"]
+    )
+    simple = {
+        name: CounterMetricFamily(f"{PREFIX}_{name}", text, labels=_LABELS)
+        for name, text in _SIMPLE_COUNTERS.items()
+    }
+    histograms = {
+        name: HistogramMetricFamily(f"{PREFIX}_{name}", text, labels=_LABELS)
+        for name, text in HISTOGRAMS.items()
+    }
+    time_left = GaugeMetricFamily(
+        f"{PREFIX}_token_time_left_seconds",
+        "Seconds before the stored token expires (0 when none).",
+        labels=_LABELS,
+    )
+    generation = GaugeMetricFamily(
+        f"{PREFIX}_token_generation", "Generation of the stored token.", labels=_LABELS
+    )
+    breaker_open = GaugeMetricFamily(
+        f"{PREFIX}_breaker_open",
+        "1 while token exchanges are paused, by reason.",
+        labels=[*_LABELS, "kind"],
+    )
+    for name, status in sorted(statuses.items()):
+        account = [name, status.environment]
+        counts = status.counters
+        for reason in RenewalReason:
+            for outcome in EXCHANGE_OUTCOMES:
+                value = counts.get(f"exchanges:{reason.value}:{outcome}", 0)
+                exchanges.add_metric([*account, reason.value, outcome], value)
+        for kind in BREAKER_KINDS:
+            breaker_openings.add_metric([*account, kind], counts.get(f"breaker_openings:{kind}", 0))
+            is_open = status.breaker is not None and status.breaker["kind"] == kind
+            breaker_open.add_metric([*account, kind], 1 if is_open else 0)
+        for counter, family in simple.items():
+            family.add_metric(account, counts.get(counter, 0))
+        for histogram, histogram_family in histograms.items():
+            buckets, total = _cumulative(status.histograms, histogram)
+            histogram_family.add_metric(account, buckets, total)
+        time_left.add_metric(account, status.time_left or 0.0)
+        generation.add_metric(account, status.generation or 0)
+    yield from (exchanges, breaker_openings, *simple.values(), *histograms.values())
+    yield from (time_left, generation, breaker_open)
+
+
+def _cumulative(raw: Mapping[str, int], name: str) -> tuple[list[tuple[str, float]], float]:
+    """Prometheus buckets (cumulative, ending with +Inf) and the sum, from store.observe."""
+    buckets: list[tuple[str, float]] = []
+    running = 0
+    for bound in [*(f"{b:g}" for b in DURATION_BUCKETS), "+Inf"]:
+        running += raw.get(f"{name}:le:{bound}", 0)
+        buckets.append((bound, running))
+    return buckets, raw.get(f"{name}:sum_us", 0) / 1e6

@@ -70,15 +70,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from werkzeug.exceptions import HTTPException, MethodNotAllowed
-from werkzeug.routing import Map, Rule
-from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server
-from werkzeug.wrappers import Request, Response
+from .extras import require
+from .settings import SANDBOX_DEFAULT_PORT, TOKEN_LIFETIME
+
+require("sandbox", "the emulator (merchant_tasks.sandbox)")
+
+from werkzeug.exceptions import HTTPException, MethodNotAllowed  # noqa: E402
+from werkzeug.routing import Map, Rule  # noqa: E402
+from werkzeug.serving import BaseWSGIServer, WSGIRequestHandler, make_server  # noqa: E402
+from werkzeug.wrappers import Request, Response  # noqa: E402
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
-DEFAULT_PORT = 8480  # the default MERCHANT_BASE_URL for the sandbox is http://127.0.0.1:8480
+DEFAULT_PORT = SANDBOX_DEFAULT_PORT  # the sandbox's default MERCHANT_BASE_URL points here
 API_ROOT = "/open-api/v1"
 TOKEN_PATH = f"{API_ROOT}/auth/access_token"
 CONTROL_ROOT = "/_sandbox"
@@ -126,7 +131,7 @@ class SandboxConfig:
 
     api_key: str
     secret: str = field(repr=False)
-    lifetime: float = 7200.0
+    lifetime: float = TOKEN_LIFETIME
     revoke_on_issue: bool = False
     rate_limit: int | None = None
     rate_window: float = 60.0
@@ -601,9 +606,11 @@ class SandboxServer:
         if thread is not None:
             thread.join()
 
-    def serve_forever(self) -> None:
-        """Serve in the foreground until interrupted."""
+    def serve_forever(self, on_ready: Callable[[str], object] | None = None) -> None:
+        """Serve in the foreground until interrupted; ``on_ready(url)`` once bound."""
         server = self._bind()
+        if on_ready is not None:
+            on_ready(self.url)
         with contextlib.suppress(KeyboardInterrupt):
             server.serve_forever(SHUTDOWN_POLL)
         self._server = None

@@ -20,7 +20,8 @@ from .redis_topology import DEFAULT_SENTINEL_MASTER, is_sentinel_url, parse_sent
 from .sealing import codec_for
 
 ENVIRONMENTS = ("sandbox", "production")
-SANDBOX_DEFAULT_BASE_URL = "http://127.0.0.1:8480"  # the local emulator, `merchant-tasks sandbox`
+SANDBOX_DEFAULT_PORT = 8480  # where `merchant-tasks sandbox` serves unless told otherwise
+SANDBOX_DEFAULT_BASE_URL = f"http://127.0.0.1:{SANDBOX_DEFAULT_PORT}"  # the local emulator
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_KEY_PREFIX = "merchant-tasks"
 TOKEN_LIFETIME = 7200  # spec: a token is valid 7200 s when the response does not say
@@ -29,6 +30,7 @@ RENEW_MANDATORY = 120  # under 2 min left, any caller renews rather than risk an
 RENEW_INTERVAL = 60  # beat checks once a minute, well inside the 6-minute advisory window
 CONNECT_TIMEOUT = 3.05  # slightly above a multiple of 3 s, TCP's retransmission step
 READ_TIMEOUT = 10.0  # a token exchange or API call slower than this is treated as failed
+DEFAULT_TIMEOUTS = (CONNECT_TIMEOUT, READ_TIMEOUT)  # requests' (connect, read) pair
 
 
 class Secret:
@@ -63,8 +65,43 @@ class Secret:
 
     __str__ = __repr__
 
+    @property
+    def path(self) -> Path | None:
+        """The file the secret is read from, or None when it was given as a value."""
+        return self._path
+
     def __reduce__(self) -> tuple[object, ...]:
         raise TypeError("a Secret is not serialisable: it must not leave the process")
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """What every process of the fleet shares whatever the account: Celery's part.
+
+    Read without any account configured, so ``celery -A merchant_tasks`` can load its
+    configuration (and say clearly what is wrong) before a worker looks for accounts.
+    """
+
+    redis_url: str = field(default=DEFAULT_REDIS_URL, repr=False)  # may hold a password
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    renew_interval: float = RENEW_INTERVAL
+
+    def __post_init__(self) -> None:
+        if is_sentinel_url(self.redis_url):
+            parse_sentinel_url(self.redis_url, "MERCHANT_REDIS_URL")
+        else:
+            _check_url("MERCHANT_REDIS_URL", self.redis_url, ("redis", "rediss", "unix"))
+        _check_seconds("MERCHANT_RENEW_INTERVAL", self.renew_interval)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FleetSettings:
+        """Build them from MERCHANT_* variables (and their *_FILE variants)."""
+        env = _Environment(os.environ if environ is None else environ)
+        return cls(
+            redis_url=env.get("MERCHANT_REDIS_URL") or DEFAULT_REDIS_URL,
+            key_prefix=env.get("MERCHANT_KEY_PREFIX") or DEFAULT_KEY_PREFIX,
+            renew_interval=env.seconds("MERCHANT_RENEW_INTERVAL", RENEW_INTERVAL),
+        )
 
 
 @dataclass(frozen=True)
@@ -117,8 +154,7 @@ class Settings:
             ("MERCHANT_CONNECT_TIMEOUT", self.connect_timeout),
             ("MERCHANT_READ_TIMEOUT", self.read_timeout),
         ):
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigurationError(f"{name} must be a positive, finite number of seconds")
+            _check_seconds(name, value)
         if not self.renew_mandatory < self.renew_before < self.token_lifetime:
             raise ConfigurationError(
                 "MERCHANT_RENEW_MANDATORY < MERCHANT_RENEW_BEFORE < MERCHANT_TOKEN_LIFETIME "
@@ -163,17 +199,18 @@ class Settings:
         api_key = env.get("MERCHANT_API_KEY")
         if not api_key:
             raise ConfigurationError("MERCHANT_API_KEY is required (the API Key, or appid)")
+        fleet = FleetSettings.from_env(env.environ)
         return cls(
             api_key=api_key,
             secret=env.secret(),
             environment=environment,
             base_url=base_url.rstrip("/"),
-            redis_url=env.get("MERCHANT_REDIS_URL") or DEFAULT_REDIS_URL,
-            key_prefix=env.get("MERCHANT_KEY_PREFIX") or DEFAULT_KEY_PREFIX,
+            redis_url=fleet.redis_url,
+            key_prefix=fleet.key_prefix,
             token_lifetime=env.seconds("MERCHANT_TOKEN_LIFETIME", TOKEN_LIFETIME),
             renew_before=env.seconds("MERCHANT_RENEW_BEFORE", RENEW_BEFORE),
             renew_mandatory=env.seconds("MERCHANT_RENEW_MANDATORY", RENEW_MANDATORY),
-            renew_interval=env.seconds("MERCHANT_RENEW_INTERVAL", RENEW_INTERVAL),
+            renew_interval=fleet.renew_interval,
             connect_timeout=env.seconds("MERCHANT_CONNECT_TIMEOUT", CONNECT_TIMEOUT),
             read_timeout=env.seconds("MERCHANT_READ_TIMEOUT", READ_TIMEOUT),
             allow_insecure_http=env.flag("MERCHANT_ALLOW_INSECURE_HTTP"),
@@ -184,10 +221,53 @@ class Settings:
             **env.token_keys(),
         )
 
+    def to_env(self) -> dict[str, str]:
+        """The MERCHANT_* variables that ``from_env`` turns back into these settings.
+
+        For child processes (a worker, beat, the demo's fleet): the secret is passed as
+        MERCHANT_API_SECRET_FILE when it comes from a file, else as MERCHANT_API_SECRET.
+        """
+        env = {
+            "MERCHANT_ENVIRONMENT": self.environment,
+            "MERCHANT_BASE_URL": self.base_url,
+            "MERCHANT_API_KEY": self.api_key,
+            "MERCHANT_REDIS_URL": self.redis_url,
+            "MERCHANT_KEY_PREFIX": self.key_prefix,
+            "MERCHANT_TOKEN_LIFETIME": repr(float(self.token_lifetime)),
+            "MERCHANT_RENEW_BEFORE": repr(float(self.renew_before)),
+            "MERCHANT_RENEW_MANDATORY": repr(float(self.renew_mandatory)),
+            "MERCHANT_RENEW_INTERVAL": repr(float(self.renew_interval)),
+            "MERCHANT_CONNECT_TIMEOUT": repr(float(self.connect_timeout)),
+            "MERCHANT_READ_TIMEOUT": repr(float(self.read_timeout)),
+            "MERCHANT_ALLOW_INSECURE_HTTP": "1" if self.allow_insecure_http else "0",
+            "MERCHANT_REDIS_SENTINEL_MASTER": self.redis_sentinel_master,
+            "MERCHANT_REDIS_CLUSTER": "1" if self.redis_cluster else "0",
+        }
+        if self.redis_sentinel_password is not None:
+            env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = self.redis_sentinel_password
+        if self.token_key_file is not None:
+            env["MERCHANT_TOKEN_KEY_FILE"] = self.token_key_file
+        if self.token_key_previous_file is not None:
+            env["MERCHANT_TOKEN_KEY_PREVIOUS_FILE"] = self.token_key_previous_file
+        if self.secret.path is not None:
+            env["MERCHANT_API_SECRET_FILE"] = str(self.secret.path)
+        else:
+            env["MERCHANT_API_SECRET"] = self.secret.reveal()
+        return env
+
 
 def read_variable(environ: Mapping[str, str], name: str) -> str | None:
     """One variable or its ``_FILE`` variant, as ``Settings.from_env`` reads it."""
     return _Environment(environ).get(name)
+
+
+def child_env(settings: Settings, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) without any MERCHANT_* or CELERY_*
+    variable, plus ``settings.to_env()``: a child process configured by nothing else."""
+    inherited = os.environ if base is None else base
+    env = {k: v for k, v in inherited.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
+    env.update(settings.to_env())
+    return env
 
 
 class _Environment:
@@ -195,6 +275,10 @@ class _Environment:
 
     def __init__(self, environ: Mapping[str, str]) -> None:
         self._environ = environ
+
+    @property
+    def environ(self) -> Mapping[str, str]:
+        return self._environ
 
     def get(self, name: str) -> str | None:
         value = self._environ.get(name)
@@ -250,6 +334,11 @@ class _Environment:
         if raw in ("1", "true", "yes", "on"):
             return True
         raise ConfigurationError(f"{name} must be 1/true/yes or 0/false/no, not {raw!r}")
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigurationError(f"{name} must be a positive, finite number of seconds")
 
 
 def _check_url(name: str, url: str, schemes: tuple[str, ...]) -> None:

@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from tenacity import (
 from .exceptions import RenewalTimeout
 from .policy import CounterName
 from .store import TokenStore
+from .timing import LOCK_WAIT_SECONDS
 from .token import Token
 from .wakeup import RenewalSignal
 
@@ -111,6 +113,7 @@ class SingleFlight:
         heard = [0]
         pending = [prelude] if prelude is not None else []
         counted: list[bool] = []
+        started = time.monotonic()
 
         def attempt() -> Token | None:
             has_fallback = fallback is not None and fallback.expires_at > self.clock()
@@ -163,6 +166,8 @@ class SingleFlight:
         )
         token = wait_for_holder(attempt)
         assert token is not None  # the retry only ends on a token or an error
+        if counted:  # found the lock held: how long until a token (metrics.py's histogram)
+            self.store.observe(LOCK_WAIT_SECONDS, time.monotonic() - started)
         return token
 
     def _holder_too_slow(self, state: RetryCallState) -> Token:

@@ -34,6 +34,7 @@ class AccountStatus:
     breaker: dict[str, Any] | None = None  # kind, failures, closes_in, detail
     lock_holder: str | None = None
     counters: dict[str, int] = field(default_factory=dict)
+    histograms: dict[str, int] = field(default_factory=dict)  # raw fields, see store.observe
 
     @property
     def healthy(self) -> bool:
@@ -67,6 +68,7 @@ def account_status(name: str, settings: Settings, store: TokenStore) -> AccountS
         "breaker": breaker,
         "lock_holder": store.lock_holder(),
         "counters": store.counters(),
+        "histograms": store.histograms(),
     }
     if token is None:
         return AccountStatus(state="missing", **common)

@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
 EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last day)
+# upper bounds (seconds) of the fleet-wide histograms: an exchange takes ~0.1-1 s, a wait
+# for another process's exchange as long, up to the read timeout (10 s) and its retries
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
 # failures in a row are counted and the back-off grows; a success deletes it
 
@@ -148,11 +151,13 @@ class TokenStore:
         self.redis = client
         self.namespace = namespace
         self.codec = codec  # how the token value is kept at rest (sealing.py)
+        self.address = redis_address(client)  # for error messages: host only, no password
         self.token_key = f"{namespace}:token"
         self.generation_key = f"{namespace}:generation"
         self.lock_key = f"{namespace}:lock"
         self.breaker_key = f"{namespace}:breaker"
         self.counters_key = f"{namespace}:counters"
+        self.histograms_key = f"{namespace}:histograms"
         self.exchange_log_key = f"{namespace}:exchanges"
         self.accepted_key = f"{namespace}:accepted"
         self.forced_key = f"{namespace}:forced"
@@ -183,7 +188,7 @@ class TokenStore:
 
     def time(self) -> float:
         """Redis's clock, in seconds."""
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             seconds, micros = self.redis.time()
         return seconds + micros / 1e6
 
@@ -193,7 +198,7 @@ class TokenStore:
         None too when the stored token is older than one this process has seen stored
         (Redis lost writes): it is renewed rather than used again.
         """
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             raw = cast(bytes | None, self.redis.get(self.token_key))
         return self._parse(raw)
 
@@ -241,7 +246,7 @@ class TokenStore:
     def generation(self) -> int:
         """The generation of the last token written (0 if none ever was), or the highest
         this process has seen stored if Redis has lost writes since."""
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             raw = self.redis.get(self.generation_key)
         stored = int(cast(bytes, raw)) if raw is not None else 0
         return max(stored, self._seen_generation)
@@ -252,7 +257,7 @@ class TokenStore:
         ``token.generation`` must be the stored generation plus one. Returns whether it was
         written and the generation now stored.
         """
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             result = cast(
                 list[int],
                 self._save(
@@ -323,12 +328,12 @@ class TokenStore:
 
     def lock_holder(self) -> str | None:
         """Who holds the renewal lock, if anyone."""
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             raw = self.redis.get(self.lock_key)
         return cast(bytes, raw).decode() if raw is not None else None
 
     def load_breaker(self) -> BreakerRecord | None:
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             raw = self.redis.get(self.breaker_key)
         if raw is None:
             return None
@@ -338,16 +343,16 @@ class TokenStore:
     def open_breaker(self, record: BreakerRecord, now: float) -> None:
         """Store the breaker; it outlives ``record.until`` by BREAKER_MEMORY."""
         ttl_ms = max(1, int((record.until - now + BREAKER_MEMORY) * 1000))
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             self.redis.set(self.breaker_key, json.dumps(asdict(record)), px=ttl_ms)
 
     def close_breaker(self) -> None:
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             self.redis.delete(self.breaker_key)
 
     def count(self, *events: str) -> None:
         """Add one to each named fleet-wide counter."""
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             pipe = self.redis.pipeline(transaction=False)
             for event in events:
                 pipe.hincrby(self.counters_key, event, 1)
@@ -355,7 +360,7 @@ class TokenStore:
 
     def record_exchange(self, reason: str, outcome: str, now: float) -> None:
         """Count one exchange attempt by reason and outcome, and log its time for rates."""
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             pipe = self.redis.pipeline(transaction=False)
             pipe.hincrby(self.counters_key, f"exchanges:{reason}:{outcome}", 1)
             pipe.zadd(self.exchange_log_key, {f"{now:.6f}:{reason}:{outcome}": now})
@@ -364,20 +369,56 @@ class TokenStore:
 
     def exchanges_since(self, since: float) -> int:
         """Exchange attempts (any outcome) since ``since``, within the last day."""
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             return int(self.redis.zcount(self.exchange_log_key, since, "+inf"))
 
     def counters(self) -> dict[str, int]:
-        with _unavailable_as_error():
+        with _unavailable_as_error(self.address):
             raw = cast(dict[bytes, bytes], self.redis.hgetall(self.counters_key))
         return {k.decode(): int(v) for k, v in raw.items()}
 
+    def observe(self, name: str, seconds: float) -> None:
+        """Add one duration to the fleet-wide histogram ``name`` (buckets DURATION_BUCKETS).
+
+        Kept as ``name:le:<bound>`` counts (not cumulative; ``+Inf`` for longer ones),
+        ``name:count`` and ``name:sum_us`` (microseconds: HINCRBY only, no float command).
+        Best effort: a failure is logged, never raised, so it cannot fail what it measures.
+        """
+        bound = next((f"{b:g}" for b in DURATION_BUCKETS if seconds <= b), "+Inf")
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hincrby(self.histograms_key, f"{name}:le:{bound}", 1)
+        pipe.hincrby(self.histograms_key, f"{name}:count", 1)
+        pipe.hincrby(self.histograms_key, f"{name}:sum_us", round(max(0.0, seconds) * 1e6))
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("could not record %s in Redis: %s", name, type(exc).__name__)
+
+    def histograms(self) -> dict[str, int]:
+        """The raw fields written by ``observe``."""
+        with _unavailable_as_error(self.address):
+            raw = cast(dict[bytes, bytes], self.redis.hgetall(self.histograms_key))
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def redis_address(client: object) -> str:
+    """Where a client connects (host:port or socket path), never its user or password."""
+    pool = getattr(client, "connection_pool", None)  # a cluster client has one per node
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return "MERCHANT_REDIS_URL"
+    if kwargs.get("path"):
+        return str(kwargs["path"])
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
 
 @contextmanager
-def _unavailable_as_error() -> Iterator[None]:
+def _unavailable_as_error(address: str | None = None) -> Iterator[None]:
+    """Redis's connection errors as StoreUnavailable, naming ``address`` (host:port)."""
+    where = f"Redis at {address}" if address else "Redis"
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError, ClusterError, RedisClusterException) as exc:
         raise StoreUnavailable(
-            f"token store (Redis) unavailable: {type(exc).__name__}; check MERCHANT_REDIS_URL"
+            f"token store ({where}) unavailable: {type(exc).__name__}; check MERCHANT_REDIS_URL"
         ) from exc

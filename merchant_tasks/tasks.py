@@ -49,6 +49,14 @@ def clients() -> AccountClients:
     return _clients
 
 
+def use_clients(fleet: AccountClients | None) -> None:
+    """Make ``fleet`` this process's clients; None: build them from the environment again
+    on next use (the pytest plugin's eager fixture gives each test its own account)."""
+    global _clients
+    with _clients_lock:
+        _clients = fleet
+
+
 def client(account: str | None = None) -> FleetClient:
     """The client of ``account`` (the only or ``default`` account when None)."""
     return clients().get(account)

@@ -10,6 +10,7 @@ gives each test a redis-server of its own and stops every process group on exit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from celery import Celery
 from conftest import TEST_API_KEY, Sandbox
 from merchant_tasks.celery_app import load_config
 from merchant_tasks.local import RedisServer, stop_group, wait_until
+from merchant_tasks.settings import Secret, Settings, child_env
 from merchant_tasks.store import TokenStore
 
 PING = "/open-api/v1/ping"
@@ -84,31 +86,27 @@ class Fleet:
         self.children: list[Child] = []
         self._app: Any = None
         self._redis_clients: list[redis.Redis] = []
-        env = {
-            **os.environ,
-            "MERCHANT_ENVIRONMENT": "sandbox",
-            "MERCHANT_API_KEY": TEST_API_KEY,
-            "MERCHANT_API_SECRET_FILE": str(secret_file),
-            "MERCHANT_BASE_URL": sandbox.url,
-            "MERCHANT_REDIS_URL": redis_url,
-            "MERCHANT_KEY_PREFIX": key_prefix,
-        }
-        for name in ("MERCHANT_API_SECRET", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
-            env.pop(name, None)
-        self.env = env
+        self.settings = Settings(
+            api_key=TEST_API_KEY,
+            secret=Secret(path=secret_file),
+            base_url=sandbox.url,
+            redis_url=redis_url,
+            key_prefix=key_prefix,
+        )
+        self.env = child_env(self.settings)
         self.windows(LIFETIME, RENEW_BEFORE, RENEW_MANDATORY, RENEW_INTERVAL)
 
     def windows(self, lifetime: float, before: float, mandatory: float, interval: float) -> None:
         """Token lifetime (the emulator's too) and renewal windows, before any child starts."""
         assert not self.children, "set the windows before starting processes"
-        self.env.update(
-            {
-                "MERCHANT_TOKEN_LIFETIME": f"{lifetime:g}",
-                "MERCHANT_RENEW_BEFORE": f"{before:g}",
-                "MERCHANT_RENEW_MANDATORY": f"{mandatory:g}",
-                "MERCHANT_RENEW_INTERVAL": f"{interval:g}",
-            }
+        self.settings = dataclasses.replace(
+            self.settings,
+            token_lifetime=lifetime,
+            renew_before=before,
+            renew_mandatory=mandatory,
+            renew_interval=interval,
         )
+        self.env.update(self.settings.to_env())
         self.sandbox.app.configure({"lifetime": lifetime})
 
     # -- children ------------------------------------------------------------------------

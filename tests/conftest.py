@@ -138,6 +138,20 @@ def settings(sandbox: Sandbox, redis_url: str, key_prefix: str, secret_file: Pat
 
 
 @pytest.fixture
+def account_env(
+    sandbox: Sandbox, secret_file: Path, redis_url: str, key_prefix: str
+) -> dict[str, str]:
+    """The MERCHANT_* variables of the emulator's account (what the command line reads)."""
+    return {
+        "MERCHANT_API_KEY": TEST_API_KEY,
+        "MERCHANT_API_SECRET_FILE": str(secret_file),
+        "MERCHANT_BASE_URL": sandbox.url,
+        "MERCHANT_REDIS_URL": redis_url,
+        "MERCHANT_KEY_PREFIX": key_prefix,
+    }
+
+
+@pytest.fixture
 def client(settings: Settings, redis_client: redis.Redis) -> FleetClient:
     return MerchantClient.from_settings(settings, redis_client=redis_client)
 

@@ -20,8 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kombu import Exchange, Queue
 
 from celery_fleet import (
+    CALL_API,
     ECHO,
     LIFETIME,
     LONG_LIFETIME,
@@ -29,6 +31,7 @@ from celery_fleet import (
     LONG_RENEW_INTERVAL,
     LONG_RENEW_MANDATORY,
     PING,
+    READY_TIMEOUT,
     RENEW_BEFORE,
     RENEW_INTERVAL,
     RENEW_MANDATORY,
@@ -42,6 +45,7 @@ from celery_fleet import (
 from conftest import TEST_SECRET, Sandbox, redis_value, shows
 from merchant_tasks.exceptions import ApiError, CredentialsRejected
 from merchant_tasks.local import wait_until
+from merchant_tasks.routing import CALLS_QUEUE, RENEWAL_QUEUE
 from merchant_tasks.store import TokenStore
 
 pytestmark = pytest.mark.integration
@@ -353,3 +357,84 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
         if shows(needle, text)
     ]
     assert not leaks, leaks
+
+
+# -- routing and errors across the broker --------------------------------------------------
+
+
+def _all_done(fleet: Fleet) -> bool:
+    """No message waits in either queue, awaits its late acknowledgement, or runs."""
+    client = fleet.store().redis
+    if client.llen(CALLS_QUEUE) or client.llen(RENEWAL_QUEUE) or client.hlen("unacked"):
+        return False
+    inspect = fleet.app.control.inspect(timeout=1.0)
+    active, reserved = inspect.active(), inspect.reserved()
+    if not active or not reserved:  # no answer from the worker yet
+        return False
+    return not any([*active.values(), *reserved.values()])
+
+
+def test_a_call_sent_to_exchange_celery_with_routing_key_celery_runs_exactly_once(
+    fleet: Fleet, sandbox: Sandbox
+) -> None:
+    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    # a broker that served an older release still binds the renewal queue to celery/celery
+    with fleet.app.connection_for_write() as connection:
+        old = Queue(RENEWAL_QUEUE, Exchange(CALLS_QUEUE), routing_key=CALLS_QUEUE)
+        old.bind(connection.default_channel).declare()
+    fleet.start_worker("w", concurrency=2)
+    fleet.wait_ready()
+
+    sent = fleet.app.send_task(
+        CALL_API,
+        args=["POST", ECHO],
+        kwargs={"json": {"n": 1}},
+        exchange=CALLS_QUEUE,
+        routing_key=CALLS_QUEUE,
+    )
+    assert fleet.get(sent) == {"echo": {"n": 1}}
+    # a second copy would be waiting in a queue, or running (acknowledged only after it ran)
+    wait_until(lambda: _all_done(fleet), "queues empty and the worker idle", RESULT_TIMEOUT)
+    assert echo_calls(sandbox) == 1
+
+
+def test_an_api_error_comes_back_from_a_real_worker_with_status_code_and_excerpt(
+    fleet: Fleet, sandbox: Sandbox
+) -> None:
+    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    fleet.start_worker("w", concurrency=1)
+    fleet.wait_ready()
+    missing = fleet.call("GET", "/open-api/v1/payments/pay_does_not_exist")
+    error = missing.get(timeout=RESULT_TIMEOUT, propagate=False)
+    assert type(error) is ApiError, repr(error)
+    assert (error.status, error.code) == (404, "not_found")
+    assert "no such payment" in error.excerpt
+    assert "404" in str(error)
+
+
+def test_rejected_credentials_come_back_from_a_real_worker_with_status_and_code(
+    fleet: Fleet, sandbox: Sandbox
+) -> None:
+    fleet.env["MERCHANT_REJECTED_RETRY_WINDOW"] = "0"  # fail at once, no slow retries
+    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    sandbox.app.reset_secret()
+    fleet.start_worker("w", concurrency=1)
+    error = fleet.call("GET", PING).get(timeout=READY_TIMEOUT, propagate=False)
+    assert type(error) is CredentialsRejected, repr(error)
+    assert error.status is not None
+    assert 400 <= error.status < 500
+    assert error.code
+    assert "MERCHANT_API_SECRET" in str(error)
+
+
+def test_a_worker_given_the_redis_url_as_a_file_uses_it_for_broker_and_results(
+    fleet: Fleet, sandbox: Sandbox, tmp_path: Path
+) -> None:
+    fleet.windows(LONG_LIFETIME, LONG_RENEW_BEFORE, LONG_RENEW_MANDATORY, LONG_RENEW_INTERVAL)
+    url_file = tmp_path / "redis-url"
+    url_file.write_text(fleet.redis_url + "\n")
+    del fleet.env["MERCHANT_REDIS_URL"]
+    fleet.env["MERCHANT_REDIS_URL_FILE"] = str(url_file)
+    fleet.start_worker("w", concurrency=1)
+    fleet.wait_ready()  # the test's app sends to the private Redis and reads results there
+    assert sandbox.calls()["ok"] == 1

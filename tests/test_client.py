@@ -226,6 +226,15 @@ def test_the_token_endpoint_cannot_be_called_through_request(
     [
         "/open-api/v1/auth/./access_token",  # urllib3 sends it to the token endpoint
         "/open-api/v1/..",  # urllib3 sends it to /open-api/
+        "/open-api/v1/%2e%2e/%2e%2e/admin",  # RFC 3986: %2e is "."; servers decode it
+        "/open-api/v1/%2E%2e/admin",
+        "/open-api/v1/.%2e/admin",
+        "/open-api/v1/%252e%252e/admin",  # encoded twice, for servers that decode twice
+        "/open-api/v1/orders/%2e",
+        "/open-api/v1/x%2f..%2f..%2fadmin",  # an encoded slash makes new segments
+        "/open-api/v1/x%2F..%2F..%2Fadmin",
+        "/open-api/v1/x%5c..%5cadmin",  # an encoded backslash, which some servers split at
+        "/open-api/v1/auth/access%5Ftoken",  # the token endpoint, encoded
     ],
 )
 def test_a_path_with_dot_segments_cannot_leave_the_api(
@@ -234,6 +243,16 @@ def test_a_path_with_dot_segments_cannot_leave_the_api(
     with pytest.raises(ValueError, match=r"/open-api/v1/|token endpoint"):
         client.request("GET", path)
     assert transport.sent == []
+
+
+@pytest.mark.parametrize(
+    "path", ["/open-api/v1/orders/a%20b", "/open-api/v1/orders/%E2%82%AC", "/open-api/v1/x.y/z"]
+)
+def test_other_percent_encoded_or_dotted_names_are_allowed(
+    client: FleetClient, transport: FakeTransport, path: str
+) -> None:
+    transport.reply(response(200, {"ok": True}))
+    assert client.request("GET", path) == {"ok": True}
 
 
 @pytest.mark.parametrize("name", ["Authorization", "authorization", "AUTHORIZATION"])
@@ -570,3 +589,11 @@ def test_the_token_never_appears_in_debug_logs(
 def test_repr_shows_the_base_url_only(client: FleetClient) -> None:
     client.request("GET", ORDERS)
     assert repr(client) == f"MerchantClient(base_url={BASE_URL!r})"
+
+
+def test_an_unreachable_api_is_named_by_its_host_in_the_error(
+    client: FleetClient, transport: FakeTransport
+) -> None:
+    transport.reply(refused())
+    with pytest.raises(ApiUnavailable, match=r"connection to api\.example\.test failed"):
+        client.request("GET", ORDERS)

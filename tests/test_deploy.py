@@ -18,7 +18,8 @@ from merchant_tasks.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-APP_SERVICES = ["sandbox", "worker", "beat", "flower"]
+APP_SERVICES = ["sandbox", "worker", "beat", "flower", "metrics"]
+NEEDS_THE_SECRET = {"sandbox", "worker", "metrics"}  # beat and Flower never read it
 
 
 def _env_file() -> dict[str, str]:
@@ -38,14 +39,37 @@ def test_redis_never_evicts_and_has_a_healthcheck() -> None:
 
 
 @pytest.mark.parametrize("name", APP_SERVICES)
-def test_app_services_take_configuration_from_the_env_file_and_the_secret_from_a_file(
+def test_app_services_take_configuration_from_the_env_file_and_the_secret_only_where_used(
     name: str,
 ) -> None:
     service = COMPOSE["services"][name]
     assert service["env_file"].endswith("deploy/sandbox.env}")
-    assert service["secrets"] == ["merchant_api_secret"]
+    expected = ["merchant_api_secret"] if name in NEEDS_THE_SECRET else None
+    assert service.get("secrets") == expected
     assert (ROOT / "deploy" / "sandbox-api-secret").is_file()
     assert "MERCHANT_API_SECRET" not in _env_file()
+
+
+def test_one_image_is_built_once_and_run_by_every_service() -> None:
+    services = COMPOSE["services"]
+    assert [name for name in APP_SERVICES if "build" in services[name]] == ["worker"]
+    assert {services[name]["image"] for name in APP_SERVICES} == {"merchant-tasks:latest"}
+    assert {services[name]["pull_policy"] for name in APP_SERVICES} == {"never"}
+
+
+def test_the_image_context_leaves_out_secrets_and_local_state() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().splitlines()
+    assert ignored[ignored.index("*") :][:1] == ["*"]  # everything, then the exceptions
+    allowed = {line[1:].rstrip("/") for line in ignored if line.startswith("!")}
+    assert allowed == {"pyproject.toml", "README.md", "merchant_tasks", "deploy/celeryconfig.py"}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    copied = {
+        part.rstrip("/")
+        for line in dockerfile.splitlines()
+        if line.startswith("COPY ")
+        for part in line.split()[1:-1]
+    }
+    assert copied <= allowed
 
 
 def test_the_env_file_is_a_valid_configuration(tmp_path: Path) -> None:
@@ -63,11 +87,17 @@ def _command(name: str) -> list[str]:
     return command
 
 
-def test_the_sandbox_command_exists_with_its_options() -> None:
-    command = _command("sandbox")
+@pytest.mark.parametrize("name", ["sandbox", "metrics"])
+def test_the_merchant_tasks_commands_exist_with_their_options(name: str) -> None:
+    command = _command(name)
     assert command[0] == "merchant-tasks"
     result = CliRunner().invoke(main, [*command[1:], "--help"])
     assert result.exit_code == 0, result.output
+
+
+def test_the_image_installs_the_extras_its_services_run() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "'.[sandbox,flower,metrics]'" in dockerfile
 
 
 @pytest.mark.parametrize("name", ["worker", "beat", "flower"])
@@ -78,6 +108,11 @@ def test_celery_commands_find_the_app_and_the_subcommand(name: str) -> None:
     subcommand = command[3]
     plugins: set[str] = {ep.name for ep in entry_points(group="celery.commands")}
     assert subcommand in set(celery_cli.commands) | plugins
+    if subcommand == "flower":  # its options are Flower's own, checked by name
+        from flower.options import options
+
+        for option in command[4:]:
+            assert option.lstrip("-").split("=")[0] in options, option
 
 
 def test_the_dockerfile_installs_the_package_and_the_celery_configuration() -> None:
@@ -87,6 +122,14 @@ def test_the_dockerfile_installs_the_package_and_the_celery_configuration() -> N
     assert "pip install" in dockerfile
 
 
-def test_flower_is_only_published_on_loopback() -> None:
-    ports: list[Any] = COMPOSE["services"]["flower"]["ports"]
+@pytest.mark.parametrize("name", ["flower", "metrics"])
+def test_flower_and_metrics_are_only_published_on_loopback(name: str) -> None:
+    ports: list[Any] = COMPOSE["services"][name]["ports"]
     assert all(str(p).startswith("127.0.0.1:") for p in ports)
+
+
+def test_flower_shows_arguments_and_results_and_opens_its_api_on_loopback_only() -> None:
+    flower = COMPOSE["services"]["flower"]
+    [columns] = [o for o in flower["command"] if o.startswith("--tasks_columns=")]
+    assert {"args", "kwargs", "result"} <= set(columns.split("=", 1)[1].split(","))
+    assert flower["environment"]["FLOWER_UNAUTHENTICATED_API"] == "true"

@@ -58,7 +58,7 @@ from merchant_tasks.local import RedisServer, free_port, stop_group, wait_until
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import Secret, Settings, child_env
 from merchant_tasks.store import BreakerRecord, RedisClock, TokenStore
 from merchant_tasks.token import Token, fingerprint
 
@@ -74,29 +74,6 @@ START_TIMEOUT = 60.0  # a process's start on a busy two-core machine
 
 
 # -- small helpers -----------------------------------------------------------------------
-
-
-def _process_env(settings: Settings, secret_file: Path) -> dict[str, str]:
-    """The MERCHANT_* variables of ``settings`` for a child process (secret from the file)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
-    env.update(
-        {
-            "MERCHANT_ENVIRONMENT": settings.environment,
-            "MERCHANT_API_KEY": settings.api_key,
-            "MERCHANT_API_SECRET_FILE": str(secret_file),
-            "MERCHANT_BASE_URL": settings.base_url,
-            "MERCHANT_REDIS_URL": settings.redis_url,
-            "MERCHANT_KEY_PREFIX": settings.key_prefix,
-            "MERCHANT_TOKEN_LIFETIME": f"{settings.token_lifetime:g}",
-            "MERCHANT_RENEW_BEFORE": f"{settings.renew_before:g}",
-            "MERCHANT_RENEW_MANDATORY": f"{settings.renew_mandatory:g}",
-            "MERCHANT_RENEW_INTERVAL": f"{settings.renew_interval:g}",
-            "MERCHANT_CONNECT_TIMEOUT": f"{settings.connect_timeout:g}",
-            "MERCHANT_READ_TIMEOUT": f"{settings.read_timeout:g}",
-            "MERCHANT_ALLOW_INSECURE_HTTP": "1" if settings.allow_insecure_http else "0",
-        }
-    )
-    return env
 
 
 def _store_of(settings: Settings, client: redis.Redis) -> TokenStore:
@@ -516,7 +493,7 @@ def celery_outage(tmp_path_factory: pytest.TempPathFactory, evidence: Evidence) 
             key_prefix=f"mt-outage-{uuid.uuid4().hex[:8]}",
             renew_interval=0.5,
         )
-        env = _process_env(settings, secret_file)
+        env = child_env(settings)
         env["FLOWER_UNAUTHENTICATED_API"] = "true"
         workdir = tmp / "run"  # no celeryconfig.py here: the package defaults
         workdir.mkdir()
@@ -795,7 +772,7 @@ def test_row3_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_
     answered 429 again), and the next one is admitted; every process then recovers.
     """
     sandbox.app.configure({"rate_limit": 1, "rate_window": 4.0})
-    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    callers.start(child_env(settings), [{}] * 3)
     client = MerchantClient.from_settings(settings, redis_client=redis_client)
     client.request("GET", PING)  # the window's one exchange
     sandbox.app.revoke_all()
@@ -847,7 +824,7 @@ def test_row6_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_
     # could give up, ample time to find it holding the lock and kill it
     account = dataclasses.replace(settings, connect_timeout=0.2, read_timeout=2.0)
     sandbox.app.configure({"token_latency": 5.0})
-    callers.start(_process_env(account, secret_file), [{"FAULT_MAX_CALLS": "1"}])
+    callers.start(child_env(account), [{"FAULT_MAX_CALLS": "1"}])
     client = MerchantClient.from_settings(account, redis_client=redis_client)
     store = client.manager.store
     callers.go()
@@ -915,7 +892,7 @@ def test_row7_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
         settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
     )
     offsets = ["-300", "300", "0"]
-    callers.start(_process_env(account, secret_file), [{"FAULT_CLOCK_OFFSET": o} for o in offsets])
+    callers.start(child_env(account), [{"FAULT_CLOCK_OFFSET": o} for o in offsets])
     store = _store_of(account, redis_client)
     callers.go()
     seen: dict[int, tuple[Token, float]] = {}  # generation -> token, Redis time first seen
@@ -988,7 +965,7 @@ def test_row8_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_nee
     60 s). After the file changes, every process recovers (bounded wait: 60 s) without a
     restart, with exactly one more exchange, and then only succeeds.
     """
-    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    callers.start(child_env(settings), [{}] * 3)
     client = MerchantClient.from_settings(settings, redis_client=redis_client)
     client.request("GET", PING)
     callers.go()
@@ -1359,7 +1336,7 @@ def test_row11_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_excha
     whole fleet makes one exchange.
     """
     sandbox.app.configure({"refuse_all_calls": True})
-    callers.start(_process_env(settings, secret_file), [{"FAULT_MAX_CALLS": "15"}] * 3)
+    callers.start(child_env(settings), [{"FAULT_MAX_CALLS": "15"}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", at_least=15), "15 calls per process", 60.0)
     reports = callers.stop()
@@ -1381,7 +1358,7 @@ def test_row11_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_m
     revocation may have hit before its first use; the token after that was never accepted
     and never accepted tokens are not renewed: at most two more exchanges, then every call
     fails with TokenRejected."""
-    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    callers.start(child_env(settings), [{}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok", at_least=10), "calls that succeed", 60.0)
     sandbox.app.configure({"refuse_all_calls": True})
@@ -1406,7 +1383,7 @@ def _call_for(
     callers: Callers, account: Settings, secret_file: Path, seconds: float
 ) -> tuple[list[dict[str, Any]], float]:
     """Three caller processes call for ``seconds``; their reports and the run's length."""
-    callers.start(_process_env(account, secret_file), [{}] * 3)
+    callers.start(child_env(account), [{}] * 3)
     started = time.monotonic()
     callers.go()
     time.sleep(seconds)
@@ -1468,7 +1445,7 @@ def test_row2b_after_an_outage_longer_than_the_token_calls_recover_before_the_pa
     sandbox.app.configure({"lifetime": lifetime})
     account = _windows(settings, lifetime, before=2.0, mandatory=1.0)
     store = _store_of(account, redis_client)
-    callers.start(_process_env(account, secret_file), [{}] * 3)
+    callers.start(child_env(account), [{}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok", at_least=3), "calls that succeed", 60.0)
     sandbox.app.configure({"token_error_rate": 1.0, "error_status": 503})
@@ -1496,17 +1473,17 @@ def test_row2b_after_an_outage_longer_than_the_token_calls_recover_before_the_pa
     print(f"\nrow 2b: every process recovered {recovered_in:.1f} s after the endpoint was back")
 
 
-# -- 20. revocations in quick succession ---------------------------------------------------
+# -- 24. revocations in quick succession ---------------------------------------------------
 
 
-def test_row20_revoke_all_every_two_seconds_under_load_fails_no_call(
+def test_row24_revoke_all_every_two_seconds_under_load_fails_no_call(
     sandbox: Sandbox, settings: Settings, secret_file: Path, callers: Callers
 ) -> None:
     """An operator's revoke-all every 2 s, five times, while three processes call: every
     revocation is renewed (the revoked token had been accepted), however soon after the
     last renewal. No call fails, and the fleet makes one exchange per revocation besides
     the first token (no renewal falls due with a 2 h token)."""
-    callers.start(_process_env(settings, secret_file), [{}] * 3)
+    callers.start(child_env(settings), [{}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok", at_least=5), "calls that succeed", 60.0)
     revocations = 5
@@ -1527,10 +1504,10 @@ def test_row20_revoke_all_every_two_seconds_under_load_fails_no_call(
     assert sandbox.calls()["unauthorized"] >= revocations
 
 
-# -- 21. a token server that hands back its live token ---------------------------------------
+# -- 25. a token server that hands back its live token ---------------------------------------
 
 
-def test_row21_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_lifetime(
+def test_row25_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_lifetime(
     sandbox: Sandbox,
     settings: Settings,
     secret_file: Path,
@@ -1549,7 +1526,7 @@ def test_row21_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_
 
     counters = _store_of(account, redis_client).counters()
     exchanges = sandbox.exchanges()["ok"]
-    print(f"\nrow 21: {exchanges} exchanges in {run:.1f} s, counters {counters}")
+    print(f"\nrow 25: {exchanges} exchanges in {run:.1f} s, counters {counters}")
     for report in reports:
         assert set(_outcomes(report, "0")) == {"ok"}, report
     assert counters.get("exchanges:mandatory:unchanged", 0) >= 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from conftest import TEST_SECRET, Sandbox
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.cli import EXIT_CONFIGURATION, EXIT_FAILED, EXIT_STORE_UNAVAILABLE, main
 from merchant_tasks.metrics import FleetCollector
@@ -23,14 +24,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def env(sandbox: Sandbox, secret_file: Path, redis_url: str, key_prefix: str) -> dict[str, str]:
-    return {
-        "MERCHANT_API_KEY": TEST_API_KEY,
-        "MERCHANT_API_SECRET_FILE": str(secret_file),
-        "MERCHANT_BASE_URL": sandbox.url,
-        "MERCHANT_REDIS_URL": redis_url,
-        "MERCHANT_KEY_PREFIX": key_prefix,
-    }
+def env(account_env: dict[str, str]) -> dict[str, str]:
+    return account_env
 
 
 def _run(env: dict[str, str], *args: str) -> tuple[int, str, str]:
@@ -145,6 +140,78 @@ def test_one_scrape_sees_the_exchanges_of_every_process(
     assert samples[("merchant_tasks_exchanges_total", tuple(sorted(manual)))] == 2
     assert samples[("merchant_tasks_token_generation", labels)] == 2
     assert samples[("merchant_tasks_token_time_left_seconds", labels)] > 0
-    assert samples[("merchant_tasks_exchanges_last_hour", labels)] == 2
     assert samples[("merchant_tasks_breaker_open", (*labels, ("kind", "rejected")))] == 0
     assert sandbox.exchanges()["ok"] == 2
+
+
+# -- what the command line says ------------------------------------------------------------
+
+
+def test_renew_without_force_says_not_due_and_makes_no_exchange_when_the_token_is_fresh(
+    env: dict[str, str], sandbox: Sandbox
+) -> None:
+    assert _run(env, "renew")[0] == 0  # no token yet: due
+    code, out, _ = _run(env, "renew")
+    assert code == 0
+    assert out.startswith("not due: generation 1, fingerprint ")
+    assert sandbox.exchanges()["ok"] == 1
+
+
+def test_renew_force_with_a_wrong_secret_prints_the_error_once_with_its_fields(
+    env: dict[str, str], sandbox: Sandbox
+) -> None:
+    sandbox.app.reset_secret("rotated-away-5d1e")
+    code, out, err = _run(env, "renew", "--force")
+    assert code == EXIT_FAILED
+    assert out == ""
+    assert err.count("refused the credentials") == 1
+    assert err.splitlines()[0].startswith("error: CredentialsRejected: ")
+    assert err.splitlines()[1] == "  status 401, code 'invalid_client'"
+
+
+def test_call_prints_the_apis_status_error_code_and_excerpt(env: dict[str, str]) -> None:
+    code, _, err = _run(env, "call", "GET", "/open-api/v1/payments/pay_missing")
+    assert code == EXIT_FAILED
+    first, fields = err.splitlines()
+    assert (
+        first
+        == "error: ApiError: GET /open-api/v1/payments/pay_missing failed with HTTP 404 (not_found)"
+    )
+    assert fields.startswith("  status 404, code 'not_found', excerpt '")
+    assert "no such payment" in fields
+
+
+def test_status_json_prints_an_error_as_json_naming_the_redis_host_never_its_password(
+    env: dict[str, str],
+) -> None:
+    down = {**env, "MERCHANT_REDIS_URL": "redis://ops:hunter2-pw@127.0.0.1:1/0"}
+    code, out, err = _run(down, "status", "--json")
+    assert code == EXIT_STORE_UNAVAILABLE
+    error = json.loads(out)["error"]
+    assert error["type"] == "StoreUnavailable"
+    assert "127.0.0.1:1" in error["message"]
+    assert "hunter2-pw" not in out + err
+
+
+def test_status_json_prints_a_configuration_error_as_json(env: dict[str, str]) -> None:
+    code, out, _ = _run({**env, "MERCHANT_ENVIRONMENT": "staging"}, "status", "--json")
+    assert code == EXIT_CONFIGURATION
+    assert "MERCHANT_ENVIRONMENT" in json.loads(out)["error"]["message"]
+
+
+def test_the_sandbox_on_a_busy_port_fails_without_printing_its_banner(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "merchant_tasks.cli", "sandbox", "--port", str(port)],
+            env={**os.environ, "MERCHANT_API_KEY": "k", "MERCHANT_API_SECRET": "s"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode != 0
+    assert "merchant API sandbox" not in done.stdout
+    assert "in use" in done.stderr

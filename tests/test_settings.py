@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import copy
+import dataclasses
+import os
 import pickle
 from pathlib import Path
 
@@ -20,8 +23,10 @@ from merchant_tasks.settings import (
     RENEW_MANDATORY,
     SANDBOX_DEFAULT_BASE_URL,
     TOKEN_LIFETIME,
+    FleetSettings,
     Secret,
     Settings,
+    child_env,
 )
 
 SECRET = "s3cr3t-7c2e9d41b0a6f5e8"
@@ -449,3 +454,112 @@ def test_cluster_mode_needs_a_redis_url_of_a_node(env: dict[str, str]) -> None:
         with pytest.raises(ConfigurationError, match="MERCHANT_REDIS_URL") as caught:
             Settings.from_env(env)
         assert "hunter2" not in str(caught.value)
+
+
+# -- to_env: the one way child processes are configured ------------------------------------
+
+
+def _fields_except_secret(settings: Settings) -> dict[str, object]:
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)} | {
+        "secret": None
+    }
+
+
+def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> None:
+    # every field away from its default, so a field to_env forgets shows as a difference
+    keys = []
+    for name in ("token-key", "previous-token-key"):
+        keys.append(secret_path.with_name(name))
+        keys[-1].write_text(base64.urlsafe_b64encode(os.urandom(32)).decode())
+    settings = Settings(
+        api_key="other-key",
+        secret=Secret(path=secret_path),
+        environment="production",
+        base_url="http://api.example.test:8080",
+        redis_url="rediss://user:pw@cache.example.test:6380/2",
+        key_prefix="acme",
+        token_lifetime=3600.25,
+        renew_before=300.5,
+        renew_mandatory=30.125,
+        renew_interval=15.0,
+        connect_timeout=1.5,
+        read_timeout=20.0,
+        allow_insecure_http=True,
+        token_key_file=str(keys[0]),
+        token_key_previous_file=str(keys[1]),
+        redis_sentinel_master="payments",
+        redis_sentinel_password="sentinel-pw",
+        redis_cluster=True,
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    changed = {k for k, v in _fields_except_secret(settings).items() if v != defaults[k]}
+    assert changed - {"secret"} == set(defaults) - {"secret"}
+    again = Settings.from_env(settings.to_env())
+    assert _fields_except_secret(again) == _fields_except_secret(settings)
+    assert again.secret.path == secret_path
+
+
+def test_to_env_passes_a_secret_from_a_file_as_its_path_only(secret_path: Path) -> None:
+    env = Settings(api_key=API_KEY, secret=Secret(path=secret_path)).to_env()
+    assert env["MERCHANT_API_SECRET_FILE"] == str(secret_path)
+    assert "MERCHANT_API_SECRET" not in env
+    assert not any(SECRET in value for value in env.values())
+
+
+def test_to_env_passes_a_secret_given_as_a_value_as_the_value() -> None:
+    settings = Settings(api_key=API_KEY, secret=Secret(SECRET))
+    again = Settings.from_env(settings.to_env())
+    assert again.secret.reveal() == SECRET
+
+
+def test_a_child_environment_keeps_nothing_of_the_parents_merchant_or_celery_variables(
+    secret_path: Path,
+) -> None:
+    parent = {
+        "PATH": "/usr/bin",
+        "MERCHANT_ACCOUNTS_FILE": "/etc/accounts.toml",
+        "MERCHANT_API_SECRET": "parent-secret",
+        "CELERY_BROKER_URL": "redis://elsewhere:6379/0",
+    }
+    settings = Settings(api_key=API_KEY, secret=Secret(path=secret_path))
+    env = child_env(settings, parent)
+    assert env == {"PATH": "/usr/bin", **settings.to_env()}
+
+
+# -- FleetSettings: what Celery reads, without any account ---------------------------------
+
+
+def test_fleet_settings_need_no_account() -> None:
+    fleet = FleetSettings.from_env({})
+    assert fleet.redis_url == DEFAULT_REDIS_URL
+    assert fleet.key_prefix == DEFAULT_KEY_PREFIX
+    assert fleet.renew_interval == RENEW_INTERVAL
+
+
+def test_fleet_settings_read_the_redis_url_from_its_file_variant(tmp_path: Path) -> None:
+    path = tmp_path / "redis-url"
+    path.write_text("redis://:pw@cache.example.test:6380/3\n", encoding="utf-8")
+    fleet = FleetSettings.from_env({"MERCHANT_REDIS_URL_FILE": str(path)})
+    assert fleet.redis_url == "redis://:pw@cache.example.test:6380/3"
+
+
+@pytest.mark.parametrize("raw", ["abc", "-5", "0", "inf"])
+def test_an_invalid_renew_interval_is_refused_by_fleet_settings_naming_the_variable(
+    raw: str,
+) -> None:
+    with pytest.raises(ConfigurationError, match="MERCHANT_RENEW_INTERVAL"):
+        FleetSettings.from_env({"MERCHANT_RENEW_INTERVAL": raw})
+
+
+def test_account_settings_take_their_fleet_part_from_fleet_settings(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    path = tmp_path / "redis-url"
+    path.write_text("redis://cache.example.test:6380/3", encoding="utf-8")
+    env |= {"MERCHANT_REDIS_URL_FILE": str(path), "MERCHANT_RENEW_INTERVAL": "7"}
+    settings, fleet = Settings.from_env(env), FleetSettings.from_env(env)
+    assert (settings.redis_url, settings.key_prefix, settings.renew_interval) == (
+        fleet.redis_url,
+        fleet.key_prefix,
+        fleet.renew_interval,
+    )

@@ -441,3 +441,12 @@ def test_with_a_hash_tag_every_key_of_an_account_names_the_same_tag() -> None:
     namespace = TokenStore.namespace_for("mt", "sandbox", "app-1", hash_tag=True)
     assert namespace == "mt:{sandbox:app-1}"
     assert TokenStore.namespace_for("mt", "sandbox", "app-1") == "mt:sandbox:app-1"
+
+
+def test_an_unreachable_store_is_named_by_host_and_port_never_by_its_password() -> None:
+    client = redis.Redis.from_url("redis://ops:hunter2-pw@127.0.0.1:1/0", socket_connect_timeout=1)
+    store = TokenStore(client, "mt-test-unreachable")
+    with pytest.raises(StoreUnavailable) as caught:
+        store.load()
+    assert "Redis at 127.0.0.1:1" in str(caught.value)
+    assert "hunter2-pw" not in str(caught.value) + repr(caught.value)

@@ -1,0 +1,223 @@
+"""pytest fixtures for applications that use merchant-tasks (loaded through ``pytest11``).
+
+Installed with the package; the fixtures run the real parts on loopback, each test with
+its own emulator account, API key and Redis key prefix, so no test sees another's token,
+queue or result and there is nothing to reset between tests:
+
+- ``merchant_sandbox``: the emulator on a free port, with a fresh API key and secret;
+  ``merchant_sandbox.app`` counts calls and exchanges, revokes tokens, resets the secret.
+- ``merchant_settings``: the validated ``Settings`` of that account (Redis, key prefix).
+- ``merchant_env``: the same as MERCHANT_* variables in ``os.environ`` for the test only
+  (any other MERCHANT_* or CELERY_* variable is hidden), for code that reads the
+  environment (``MerchantClient.from_env()``, ``call_api``).
+- ``merchant_client``: a ``MerchantClient`` for that account.
+- ``merchant_celery_eager``: ``call_api.delay(...)`` runs in the test's process at once
+  (Celery's ``task_always_eager``), through the test's account: for unit tests.
+- ``merchant_worker``: a real ``celery -A merchant_tasks worker`` process for the test,
+  whose broker and result keys carry the test's prefix; ``merchant_worker.call(...)``
+  enqueues ``call_api`` and returns its ``AsyncResult``: for integration tests.
+
+Redis: ``MERCHANT_TEST_REDIS_URL`` if set, else 127.0.0.1:6379 if it answers, else a
+private ``redis-server`` started for the session. The emulator needs the ``sandbox`` extra.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .settings import Secret, Settings, child_env
+
+if TYPE_CHECKING:
+    from .client import FleetClient
+    from .sandbox import SandboxApp, SandboxServer
+
+LOCAL_REDIS = ("127.0.0.1", 6379)
+WORKER_START_TIMEOUT = 60.0  # seconds for a worker to answer a ping on a busy machine
+
+
+@dataclass
+class MerchantSandbox:
+    """A running emulator and the account it serves."""
+
+    app: SandboxApp
+    server: SandboxServer
+    api_key: str
+    secret_file: Path
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@dataclass
+class MerchantWorker:
+    """A real Celery worker of the test and an app configured to send to it."""
+
+    app: Any  # celery.Celery
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def call(self, method: str, path: str, json: Any = None, account: str | None = None) -> Any:
+        """Enqueue ``call_api`` for this test's worker; the ``AsyncResult``."""
+        kwargs: dict[str, Any] = {"json": json}
+        if account is not None:
+            kwargs["account"] = account
+        return self.app.send_task("merchant_tasks.call_api", args=[method, path], kwargs=kwargs)
+
+
+@pytest.fixture(scope="session")
+def merchant_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The Redis the tests use (see the module docstring)."""
+    from .local import RedisServer, redis_answers
+
+    configured = os.environ.get("MERCHANT_TEST_REDIS_URL")
+    if configured:
+        yield configured
+    elif redis_answers(LOCAL_REDIS[1]):
+        yield f"redis://{LOCAL_REDIS[0]}:{LOCAL_REDIS[1]}/0"
+    else:
+        with RedisServer(tmp_path_factory.mktemp("merchant-redis")) as server:
+            yield server.url
+
+
+@pytest.fixture
+def merchant_key_prefix(merchant_redis_url: str) -> Iterator[str]:
+    """A Redis key prefix of this test alone; its keys are deleted afterwards."""
+    import redis
+
+    prefix = f"mt-test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(merchant_redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def merchant_sandbox(tmp_path: Path) -> Iterator[MerchantSandbox]:
+    """The emulator on a free loopback port, with an API key and secret of this test."""
+    from .extras import require
+
+    require("sandbox", "the merchant_sandbox fixture")
+    from .sandbox import SandboxApp, SandboxConfig, SandboxServer
+
+    api_key = f"test-{uuid.uuid4().hex[:10]}"
+    secret = secrets.token_urlsafe(24)
+    secret_file = tmp_path / "merchant-api-secret"
+    secret_file.write_text(secret, encoding="utf-8")
+    secret_file.chmod(0o600)
+    app = SandboxApp(SandboxConfig(api_key=api_key, secret=secret))
+    with SandboxServer(app) as server:
+        yield MerchantSandbox(app, server, api_key, secret_file)
+
+
+@pytest.fixture
+def merchant_settings(
+    merchant_sandbox: MerchantSandbox, merchant_redis_url: str, merchant_key_prefix: str
+) -> Settings:
+    """Settings of the test's emulator account, its Redis and key prefix."""
+    return Settings(
+        api_key=merchant_sandbox.api_key,
+        secret=Secret(path=merchant_sandbox.secret_file),
+        base_url=merchant_sandbox.url,
+        redis_url=merchant_redis_url,
+        key_prefix=merchant_key_prefix,
+    )
+
+
+@pytest.fixture
+def merchant_env(merchant_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The test's settings as MERCHANT_* variables, for this test only."""
+    for name in list(os.environ):
+        if name.startswith(("MERCHANT_", "CELERY_")):
+            monkeypatch.delenv(name)
+    env = merchant_settings.to_env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+@pytest.fixture
+def merchant_client(merchant_settings: Settings) -> Iterator[FleetClient]:
+    """A client of the test's account."""
+    from .client import MerchantClient
+
+    client = MerchantClient.from_settings(merchant_settings)
+    yield client
+    client.session.close()
+    client.manager.store.redis.close()
+
+
+@pytest.fixture
+def merchant_celery_eager(
+    merchant_settings: Settings, merchant_env: dict[str, str]
+) -> Iterator[Any]:
+    """The Celery app, running tasks in the test's process at once, as the test's account."""
+    from . import tasks
+    from .accounts import DEFAULT_ACCOUNT, AccountClients
+    from .celery_app import app
+
+    saved = {name: app.conf[name] for name in ("task_always_eager", "task_eager_propagates")}
+    app.conf.update(task_always_eager=True, task_eager_propagates=True)
+    tasks.use_clients(AccountClients({DEFAULT_ACCOUNT: merchant_settings}))
+    try:
+        yield app
+    finally:
+        tasks.use_clients(None)
+        app.conf.update(saved)
+
+
+@pytest.fixture
+def merchant_worker(
+    merchant_settings: Settings, merchant_key_prefix: str, tmp_path: Path
+) -> Iterator[MerchantWorker]:
+    """A real worker process of this test (prefork, two processes) and an app to reach it."""
+    from celery import Celery
+
+    from .celery_app import isolated_config, load_config, write_config_module
+    from .local import stop_group, wait_until
+
+    workdir = tmp_path / "merchant-worker"
+    workdir.mkdir()
+    config = isolated_config(merchant_settings.redis_url, merchant_key_prefix)
+    write_config_module(workdir / "celeryconfig.py", config)
+    node = f"{merchant_key_prefix}@%h"
+    log = tmp_path / "merchant-worker.log"
+    argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", "worker", "-n", node]
+    argv += ["--pool=prefork", "--concurrency=2", "--without-gossip", "--without-mingle"]
+    with log.open("wb") as out:
+        process = subprocess.Popen(  # noqa: S603 - our own argv
+            [*argv, "--loglevel=INFO"],
+            env=child_env(merchant_settings),
+            cwd=workdir,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    app = Celery("merchant-tasks-test-client", set_as_current=False)
+    app.conf.update({**load_config(merchant_settings.to_env()), **config, "imports": ()})
+    try:
+
+        def answering() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"the worker exited; its log:\n{log.read_text()[-3000:]}")
+            return bool(app.control.ping(timeout=0.5))
+
+        wait_until(answering, "the test's Celery worker", WORKER_START_TIMEOUT)
+        yield MerchantWorker(app, process, log)
+    finally:
+        stop_group(process)
+        app.close()

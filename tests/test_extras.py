@@ -1,0 +1,92 @@
+"""Tools are extras: a missing one is named with its pip command, never an ImportError."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from merchant_tasks import __version__, extras
+from merchant_tasks.cli import EXIT_CONFIGURATION, main
+from merchant_tasks.exceptions import ConfigurationError, MissingExtra
+
+MYPY_TIMEOUT = 300.0  # seconds: mypy reads celery and redis on a busy machine
+
+
+@pytest.fixture
+def without(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Modules to treat as not installed."""
+    missing: set[str] = set()
+    installed = extras._installed
+    monkeypatch.setattr(extras, "_installed", lambda name: name not in missing and installed(name))
+    return missing
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "extra"),
+    [
+        (["sandbox"], "werkzeug", "sandbox"),
+        (["metrics"], "prometheus_client", "metrics"),
+        (["demo"], "fakeredis", "demo"),
+    ],
+)
+def test_a_command_whose_extra_is_missing_names_the_pip_command(
+    without: set[str], command: list[str], module: str, extra: str
+) -> None:
+    without.add(module)
+    result = CliRunner().invoke(
+        main, command, env={"MERCHANT_API_KEY": "k", "MERCHANT_API_SECRET": "s"}
+    )
+    assert result.exit_code == EXIT_CONFIGURATION
+    assert f"pip install 'merchant-tasks[{extra}]'" in result.stderr
+    assert module in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_missing_extra_is_a_configuration_error() -> None:
+    assert issubclass(MissingExtra, ConfigurationError)
+
+
+def test_every_extra_is_declared_in_pyproject() -> None:
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = project["project"]["optional-dependencies"]
+    assert set(extras.EXTRAS) <= set(declared)
+    assert declared["all"] == [f"merchant-tasks[{','.join(sorted(extras.EXTRAS))}]"]
+    assert "merchant-tasks[all]" in declared["dev"]
+    assert sorted(project["project"]["dependencies"]) == sorted(
+        [
+            "celery[redis]>=5.4",
+            "redis>=5.0",
+            "requests>=2.31",
+            "tenacity>=9.1",
+            "click>=8.1",
+        ]
+    )
+
+
+def test_the_package_exports_its_version() -> None:
+    from importlib.metadata import version
+
+    assert __version__ == version("merchant-tasks")
+
+
+def test_mypy_of_an_application_finds_the_installed_package_and_its_types(
+    tmp_path: Path,
+) -> None:
+    """The editable install puts a path in its .pth (no import hook mypy cannot follow)."""
+    app = tmp_path / "app.py"
+    app.write_text("from merchant_tasks import __version__\nx: int = __version__\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(app)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=MYPY_TIMEOUT,
+        check=False,
+    )
+    assert 'expression has type "str", variable has type "int"' in done.stdout, done.stdout
+    assert "Cannot find implementation or library stub" not in done.stdout

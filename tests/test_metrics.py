@@ -1,0 +1,151 @@
+"""The Prometheus exporter: every counter from the first scrape, histograms, Redis down."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from merchant_tasks.accounts import AccountClients
+from merchant_tasks.client import FleetClient
+from merchant_tasks.local import free_port, stop_group, wait_until
+from merchant_tasks.metrics import BREAKER_KINDS, EXCHANGE_OUTCOMES, FleetCollector
+from merchant_tasks.status import account_status
+from merchant_tasks.token import RenewalReason
+
+pytestmark = pytest.mark.integration
+
+START_TIMEOUT = 60.0  # the exporter's start on a busy machine
+ACCOUNT = (("account", "default"), ("environment", "sandbox"))
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture
+def env(account_env: dict[str, str]) -> dict[str, str]:
+    return account_env
+
+
+def _scrape(env: dict[str, str]) -> Samples:
+    fleet = AccountClients.from_env(env)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(
+        FleetCollector(
+            lambda: {
+                name: account_status(name, settings, fleet.get(name).manager.store)
+                for name, settings in fleet.accounts.items()
+            }
+        )
+    )
+    return _parse(generate_latest(registry).decode())
+
+
+def _parse(text: str) -> Samples:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _labels(**extra: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((*ACCOUNT, *extra.items())))
+
+
+def test_every_counter_has_a_zero_sample_for_an_account_before_its_first_event(
+    env: dict[str, str],
+) -> None:
+    samples = _scrape(env)
+    assert samples[("merchant_tasks_up", ())] == 1
+    for reason in RenewalReason:
+        for outcome in EXCHANGE_OUTCOMES:
+            key = ("merchant_tasks_exchanges_total", _labels(reason=reason.value, outcome=outcome))
+            assert samples[key] == 0
+    for kind in BREAKER_KINDS:
+        assert samples[("merchant_tasks_breaker_openings_total", _labels(kind=kind))] == 0
+    for name in ("unauthorized", "forced_renewals", "lock_waits", "never_accepted_rejected"):
+        assert samples[(f"merchant_tasks_{name}_total", _labels())] == 0
+    for name in ("exchange_seconds", "lock_wait_seconds"):
+        assert samples[(f"merchant_tasks_{name}_count", _labels())] == 0
+    assert not any(name == "merchant_tasks_exchanges_last_hour" for name, _ in samples)
+
+
+def test_exchange_latency_is_a_histogram_of_every_attempt(
+    env: dict[str, str], client: FleetClient
+) -> None:
+    client.request("GET", "/open-api/v1/ping")
+    client.manager.renew(force=True)
+    samples = _scrape(env)
+    assert samples[("merchant_tasks_exchange_seconds_count", _labels())] == 2
+    assert samples[("merchant_tasks_exchange_seconds_bucket", _labels(le="+Inf"))] == 2
+    assert samples[("merchant_tasks_exchange_seconds_sum", _labels())] > 0
+
+
+def test_a_renewal_waiting_for_another_holder_of_the_lock_is_in_the_lock_wait_histogram(
+    env: dict[str, str], client: FleetClient, redis_client: redis.Redis
+) -> None:
+    store = client.manager.store
+    assert store.lock(ttl=60.0).acquire(token="another-process")
+    # the other process gives up its lock soon; our caller then renews itself
+    letting_go = threading.Timer(0.3, redis_client.delete, args=[store.lock_key])
+    letting_go.start()
+    try:
+        assert client.request("GET", "/open-api/v1/ping") == {"ok": True}
+    finally:
+        letting_go.join()
+    samples = _scrape(env)
+    assert samples[("merchant_tasks_lock_waits_total", _labels())] == 1
+    assert samples[("merchant_tasks_lock_wait_seconds_count", _labels())] == 1
+    assert samples[("merchant_tasks_lock_wait_seconds_bucket", _labels(le="+Inf"))] == 1
+
+
+@pytest.fixture
+def exporter_with_redis_down(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
+    """`merchant-tasks metrics` in its own process, its Redis unreachable."""
+    port = free_port()
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("MERCHANT_")}
+    child_env |= {**env, "MERCHANT_REDIS_URL": "redis://ops:hunter2-pw@127.0.0.1:1/0"}
+    log = tmp_path / "metrics.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "merchant_tasks.cli", "metrics", "--port", str(port)],
+            env=child_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def answers() -> bool:
+        try:
+            requests.get(url, timeout=5)
+        except requests.ConnectionError:
+            return False
+        return True
+
+    try:
+        wait_until(answers, "the exporter", START_TIMEOUT)
+        yield url
+    finally:
+        stop_group(process)
+
+
+def test_a_scrape_with_redis_down_answers_200_with_up_0_and_the_error(
+    exporter_with_redis_down: str,
+) -> None:
+    response = requests.get(exporter_with_redis_down, timeout=30)
+    assert response.status_code == 200
+    samples = _parse(response.text)
+    assert samples[("merchant_tasks_up", ())] == 0
+    assert samples[("merchant_tasks_scrape_error", (("type", "StoreUnavailable"),))] == 1
+    assert "Traceback" not in response.text
+    assert "hunter2-pw" not in response.text

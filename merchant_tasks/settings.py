@@ -1,4 +1,4 @@
-"""Configuration: one typed object built from the environment (see DESIGN.md's contract).
+"""Configuration: one typed object built from the environment (see README.md's table).
 
 Every variable may instead be given as ``<NAME>_FILE``, the path of a file holding the
 value, as container secrets are delivered. The secret is never copied into the settings:

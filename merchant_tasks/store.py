@@ -14,10 +14,15 @@ on a Redis Cluster: the hash tag keeps them in one slot, as the save script and 
                  to count failures in a row)
 - ``counters``   fleet-wide counters (exchanges by reason and outcome, 401s, lock waits)
 - ``exchanges``  the last day's exchange attempts (a sorted set by time), for rates
+- ``accepted``   the highest generation the API accepted (evidence that a later 401 is a
+                 revocation, docs/design.md "Refusals")
+- ``forced``     forced renewals of the last period (a sorted set by time), the budget
+- ``probe``      the half-open breaker's probe slot
+- channel ``renewed``: the generation of each token written, to wake waiting processes
 
 Times come from Redis's own clock (TIME), the one clock all hosts share: ``RedisClock``
 reads it once a minute and advances it with the local monotonic clock in between, so the
-hot path costs one GET and no TIME.
+hot path costs one GET and no TIME. See docs/design.md, "Keys".
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
 # failures in a row are counted and the back-off grows; a success deletes it
 
-# KEYS: token, generation. ARGV: expected generation, token JSON, expires_at (Redis seconds),
+# KEYS: token, generation. ARGV: expected generation, token JSON, kept until (Redis seconds),
 # the highest generation the writer has seen stored. Returns {1, new generation} when
 # written, {0, current generation} when another write came first, {-1, expected generation}
 # when the token has already expired. A stored generation below the expected one is
@@ -71,12 +76,35 @@ redis.call('SET', KEYS[2], expected + 1)
 return {1, expected + 1}
 """
 
+# KEYS: accepted. ARGV: generation. Raises the key to ARGV[1]: one write per generation.
+_RAISE_ACCEPTED = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) <= current then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS: token, lock, counters. ARGV: refused generation, owner, lock TTL (ms), the 401
+# counter, the lock-wait counter. Counts the 401 and reads the token; when the stored token
+# is the refused one (or none is stored), tries the renewal lock for ARGV[2].
+# Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (counted)}.
+_LOOK_AFTER_401 = """
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+local raw = redis.call('GET', KEYS[1])
+if raw and tonumber(cjson.decode(raw)['generation']) ~= tonumber(ARGV[1]) then
+  return {raw, 0}
+end
+if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then return {raw, 1} end
+redis.call('HINCRBY', KEYS[3], ARGV[5], 1)
+return {raw, -1}
+"""
+
 
 @dataclass(frozen=True)
 class BreakerRecord:
     """Why token exchanges are paused fleet-wide, and until when (Redis time)."""
 
-    kind: str  # "rejected", "rate_limited" or "unavailable"
+    kind: str  # a breaker.BreakerKind
     until: float
     failures: int = 1
     secret_fingerprint: str = ""  # for "rejected": the secret that was refused
@@ -131,7 +159,13 @@ class TokenStore:
         self.counters_key = f"{namespace}:counters"
         self.histograms_key = f"{namespace}:histograms"
         self.exchange_log_key = f"{namespace}:exchanges"
+        self.accepted_key = f"{namespace}:accepted"
+        self.forced_key = f"{namespace}:forced"
+        self.probe_key = f"{namespace}:probe"
+        self.renewed_channel = f"{namespace}:renewed"
         self._save = client.register_script(_SAVE_IF_GENERATION)
+        self._raise_accepted = client.register_script(_RAISE_ACCEPTED)
+        self._look_after_401 = client.register_script(_LOOK_AFTER_401)
         self._parsed: tuple[bytes, Token] | None = None
         self._parsed_lock = threading.Lock()
         # the highest generation this process has seen stored: Redis may lose the last
@@ -166,6 +200,9 @@ class TokenStore:
         """
         with _unavailable_as_error(self.address):
             raw = cast(bytes | None, self.redis.get(self.token_key))
+        return self._parse(raw)
+
+    def _parse(self, raw: bytes | None) -> Token | None:
         if raw is None:
             return None
         parsed = self._parsed
@@ -181,6 +218,30 @@ class TokenStore:
         if token.generation > self._seen_generation:
             self._see(token.generation)
         return token
+
+    def look_after_401(
+        self, refused_generation: int, owner: str, lock_ttl: float, counted: str, waited: str
+    ) -> tuple[Token | None, Lock | None, bool]:
+        """After a 401, in one round trip: count it (``counted``), load the token and, if it
+        is still the refused generation (or none is stored), try the renewal lock.
+
+        Returns the stored token, the lock if it was taken, and whether another holds it
+        (then ``waited`` was counted).
+        """
+        with _unavailable_as_error():
+            raw, outcome = cast(
+                list[Any],
+                self._look_after_401(
+                    keys=[self.token_key, self.lock_key, self.counters_key],
+                    args=[refused_generation, owner, int(lock_ttl * 1000), counted, waited],
+                ),
+            )
+        lock = None
+        if outcome == 1:
+            lock = self.lock(lock_ttl)
+            # redis-py's Lock keeps its owner token here; set as its acquire() would
+            lock.local.token = owner.encode()
+        return self._parse(raw), lock, outcome == -1
 
     def generation(self) -> int:
         """The generation of the last token written (0 if none ever was), or the highest
@@ -204,7 +265,7 @@ class TokenStore:
                     args=[
                         token.generation - 1,
                         self._stored_form(token),
-                        repr(token.expires_at),
+                        repr(token.kept_until),
                         self._seen_generation,
                     ],
                 ),
@@ -220,6 +281,46 @@ class TokenStore:
 
     def _stored_form(self, token: Token) -> str:
         return replace(token, value=self.codec.seal(token.value, self.namespace)).to_json()
+
+    def announce(self, generation: int) -> bool:
+        """Tell waiting processes that ``generation`` is stored. Best effort (they poll too):
+        False if it could not be published (Redis down, or an ACL without the channel)."""
+        try:
+            self.redis.publish(self.renewed_channel, str(generation))
+        except redis.RedisError as exc:
+            log.warning("could not announce a new token: %s", type(exc).__name__)
+            return False
+        return True
+
+    def mark_accepted(self, generation: int) -> None:
+        """Record that the API accepted a token of ``generation`` (no write if already known)."""
+        with _unavailable_as_error():
+            self._raise_accepted(keys=[self.accepted_key], args=[generation])
+
+    def accepted_generation(self) -> int:
+        """The highest generation the API is known to have accepted (0: none ever)."""
+        with _unavailable_as_error():
+            raw = self.redis.get(self.accepted_key)
+        return int(cast(bytes, raw)) if raw is not None else 0
+
+    def forced_in_period(self, now: float, period: float) -> int:
+        """Forced renewals logged in the ``period`` seconds before ``now``."""
+        with _unavailable_as_error():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zremrangebyscore(self.forced_key, "-inf", now - period)
+            pipe.zcount(self.forced_key, now - period, "+inf")
+            count = pipe.execute()[1]
+        return int(count)
+
+    def log_forced(self, now: float) -> None:
+        """Log one forced renewal at ``now``, for the budget."""
+        with _unavailable_as_error():
+            self.redis.zadd(self.forced_key, {f"{now:.6f}": now})
+
+    def take_probe(self, interval: float) -> bool:
+        """The half-open probe slot, at most once per ``interval`` seconds fleet-wide."""
+        with _unavailable_as_error():
+            return bool(self.redis.set(self.probe_key, b"1", nx=True, px=int(interval * 1000)))
 
     def lock(self, ttl: float) -> Lock:
         """The renewal lock (redis-py's: owner token, TTL, release only by its owner)."""

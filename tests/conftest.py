@@ -20,7 +20,7 @@ import fakeredis
 import pytest
 import redis
 
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import RedisServer
 from merchant_tasks.redis_topology import StoreClient
@@ -200,7 +200,7 @@ def account_env(
 
 
 @pytest.fixture
-def client(settings: Settings, redis_client: redis.Redis) -> MerchantClient:
+def client(settings: Settings, redis_client: redis.Redis) -> FleetClient:
     return MerchantClient.from_settings(settings, redis_client=redis_client)
 
 

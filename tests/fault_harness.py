@@ -22,7 +22,7 @@ from typing import Any, cast
 import redis
 
 from conftest import redis_value, shows
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient
 from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.local import Child, spawn, wait_until
 from merchant_tasks.sandbox import SandboxApp
@@ -225,7 +225,7 @@ class CallLoop:
 
     def __init__(
         self,
-        client: MerchantClient,
+        client: FleetClient,
         threads: int,
         evidence: Evidence,
         where: str,

@@ -173,7 +173,7 @@ def storm(rounds: int) -> None:
                     values.clear()
                 if phase == "storm":
                     control.revoke_all()
-                pool = client.manager.store.redis.connection_pool
+                pool = getattr(client.manager.store.redis, "connection_pool", None)
                 commands = commands_processed(counted)
                 latencies = _concurrent(client, 64)
                 commands = commands_processed(counted) - commands

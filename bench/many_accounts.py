@@ -89,10 +89,15 @@ def _timed(run: Callable[[], object]) -> tuple[float, int]:
 
 
 @dataclass(frozen=True)
-class AccountsCheck(Scenario):
-    """Beat's check of many accounts with nothing due, against the old loop."""
+class AccountsScenario(Scenario):
+    """A scenario of many accounts, sized by an AccountsPlan."""
 
     plan: AccountsPlan
+
+
+class AccountsCheck(AccountsScenario):
+    """Beat's check of many accounts with nothing due, against the old loop."""
+
     name: ClassVar[str] = "accounts check"
 
     def measure(self, bench: Bench) -> Result:
@@ -182,17 +187,15 @@ class AccountsCheck(Scenario):
 # -- 6. cold start through the fleet --------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ColdStart(Scenario):
+class ColdStart(AccountsScenario):
     """Many accounts with no token, through one beat and one worker, until each renewed."""
 
-    plan: AccountsPlan
     name: ClassVar[str] = "cold start"
 
     def measure(self, bench: Bench) -> Result:
         plan = self.plan
-        prefix = f"bench-cold-{uuid.uuid4().hex[:8]}"
         bench.control.configure(lifetime=plan.lifetime, revoke_on_issue=False)
+        prefix = f"bench-cold-{uuid.uuid4().hex[:8]}"
         env = bench.env(
             BENCH_ACCOUNTS=str(plan.accounts),
             BENCH_ACCOUNTS_PREFIX=prefix,
@@ -346,11 +349,9 @@ def _max_per_second(times: list[float]) -> int:
 # -- 7. hot path with the token sealed -----------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Sealing(Scenario):
+class Sealing(AccountsScenario):
     """The hot path with the token sealed at rest, against the same in clear."""
 
-    plan: AccountsPlan
     name: ClassVar[str] = "sealing"
 
     def measure(self, bench: Bench) -> Result:

@@ -525,6 +525,19 @@ class HotPathRun:
     def added_us(self) -> float:
         return (1 / self.ours_rate - 1 / self.raw_rate) * 1e6
 
+    def json(self, server: str) -> dict[str, Any]:
+        """This run's keys, each ending in ``server`` (which emulator it measured)."""
+        return {
+            f"hot_path_ratio{server}": round(self.ratio, 3),
+            f"hot_path_ratios{server}": [round(r, 3) for r in self.ratios],
+            f"hot_path_ours_calls_per_s{server}": round(self.ours_rate),
+            f"hot_path_raw_calls_per_s{server}": round(self.raw_rate),
+            f"hot_path_added_us_per_call{server}": round(self.added_us, 1),
+            f"redis_ops_per_call{server}": round(self.redis_per_call, 4),
+            f"hot_path_client_cpu_us_ours{server}": round(self.ours_cpu_us, 1),
+            f"hot_path_client_cpu_us_raw{server}": round(self.raw_cpu_us, 1),
+        }
+
 
 @dataclass(frozen=True)
 class HotPath(Scenario):
@@ -545,24 +558,7 @@ class HotPath(Scenario):
             bench.children.append(child)
             runs.append(self.run(bench, url, "same app, keep-alive (tornado)"))
         main, keepalive = runs
-        found = dict(
-            hot_path_ratio=round(main.ratio, 3),
-            hot_path_ratios=[round(r, 3) for r in main.ratios],
-            hot_path_ours_calls_per_s=round(main.ours_rate),
-            hot_path_raw_calls_per_s=round(main.raw_rate),
-            hot_path_added_us_per_call=round(main.added_us, 1),
-            redis_ops_per_call=round(main.redis_per_call, 4),
-            hot_path_client_cpu_us_ours=round(main.ours_cpu_us, 1),
-            hot_path_client_cpu_us_raw=round(main.raw_cpu_us, 1),
-            hot_path_client_cpu_us_ours_keepalive=round(keepalive.ours_cpu_us, 1),
-            hot_path_client_cpu_us_raw_keepalive=round(keepalive.raw_cpu_us, 1),
-            hot_path_ratio_keepalive=round(keepalive.ratio, 3),
-            hot_path_ratios_keepalive=[round(r, 3) for r in keepalive.ratios],
-            hot_path_ours_calls_per_s_keepalive=round(keepalive.ours_rate),
-            hot_path_raw_calls_per_s_keepalive=round(keepalive.raw_rate),
-            hot_path_added_us_per_call_keepalive=round(keepalive.added_us, 1),
-            redis_ops_per_call_keepalive=round(keepalive.redis_per_call, 4),
-        )
+        found = {**main.json(""), **keepalive.json("_keepalive")}
         rows: list[list[str]] = []
         for run in runs:
             progress(
@@ -789,6 +785,13 @@ class Tasks(Scenario):
             worker.stop()
         ratio = median(ratios)
         ours_rate, bare_rate = median(rates["ours"]), median(rates["bare"])
+        found = {
+            "celery_ratio": round(ratio, 3),
+            "celery_ratios": [round(r, 3) for r in ratios],
+            "celery_ours_tasks_per_s": round(ours_rate, 1),
+            "celery_bare_tasks_per_s": round(bare_rate, 1),
+            "celery_failed_tasks": failed,
+        }
         progress(f"celery: ratio {ratio:.3f} ({ours_rate:.0f} vs {bare_rate:.0f} tasks/s)")
         return Result(
             title=f"4. Celery: one worker, --pool=prefork --concurrency={self.concurrency}, "
@@ -801,13 +804,7 @@ class Tasks(Scenario):
                     ["ours / bare (median of pairs)", f"{ratio:.3f}", ""],
                 ],
             ),
-            json={
-                "celery_ratio": round(ratio, 3),
-                "celery_ratios": [round(r, 3) for r in ratios],
-                "celery_ours_tasks_per_s": round(ours_rate, 1),
-                "celery_bare_tasks_per_s": round(bare_rate, 1),
-                "celery_failed_tasks": failed,
-            },
+            json=found,
             goals=[
                 Goal(
                     "Celery tasks/s, call_api / bare",
@@ -841,24 +838,20 @@ def machine() -> dict[str, Any]:
 
 def library_version() -> str:
     """The commit measured, marked "+changes" if merchant_tasks/ differs from it."""
-    repo = BENCH_DIR.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args],
+            cwd=BENCH_DIR.parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        changes = subprocess.run(
-            ["git", "status", "--porcelain", "--", "merchant_tasks"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        changes = git("status", "--porcelain", "--", "merchant_tasks")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit + ("+changes" if changes else "")

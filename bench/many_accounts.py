@@ -129,7 +129,8 @@ class AccountsCheck(AccountsScenario):
                     raise ScenarioError("the check found accounts due; every token is fresh")
 
             old_fleet = AccountClients(accounts)
-            old_fleet._redis[bench.redis_url] = counting  # the old loop on the counting client
+            # the old loop on the counting client
+            old_fleet._redis_by_url[bench.redis_url] = counting
 
             def old_loop() -> None:  # renew_token before: each account's manager, one by one
                 for name in old_fleet.accounts:

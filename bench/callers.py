@@ -10,14 +10,14 @@ from collections.abc import Sequence
 
 from harness import ScenarioError
 
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient
 
 PING = "/open-api/v1/ping"
 JOIN_TIMEOUT = 60.0  # seconds for every caller to finish, on a busy 2-core machine
 
 
 def concurrent_calls(
-    clients: Sequence[MerchantClient], callers: int
+    clients: Sequence[FleetClient], callers: int
 ) -> tuple[list[float], Counter[str]]:
     """``callers`` threads call GET PING at once, spread over ``clients``; the latency of
     each from the common start, in seconds, and the errors by type name."""

@@ -48,7 +48,7 @@ from harness import (
     sandbox_process,
 )
 
-from merchant_tasks.client import MerchantClient, new_session
+from merchant_tasks.client import FleetClient, MerchantClient, _Call, new_session
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, Secret, Settings
 
 API_KEY = "bench-app-id"
@@ -76,7 +76,7 @@ def servers(kind: str) -> Iterator[tuple[str, str, Path]]:
             yield redis_url, url, secret_file
 
 
-def new_client(redis_url: str, url: str, secret_file: Path) -> MerchantClient:
+def new_client(redis_url: str, url: str, secret_file: Path) -> FleetClient:
     settings = Settings(
         api_key=API_KEY,
         secret=Secret(path=secret_file),
@@ -115,7 +115,7 @@ def hot_path(kind: str, rounds: int, calls: int) -> None:
             response.json()
 
         def send_without_tenacity() -> None:
-            client._send("GET", PING, None, None, None)
+            client._send(client.manager.token(), _Call("GET", PING, None, None, None))
 
         def full_request() -> None:
             client.request("GET", PING)
@@ -213,7 +213,7 @@ def _timed(target: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
     return timed
 
 
-def _instrument(client: MerchantClient, timers: dict[str, list[float]]) -> None:
+def _instrument(client: FleetClient, timers: dict[str, list[float]]) -> None:
     """Wrap the pieces of a call with timers (instance attributes only; nothing global)."""
     manager = client.manager
     client.session.request = _timed(client.session.request, timers["http"])  # type: ignore[method-assign]

@@ -31,7 +31,7 @@ from redis.connection import Connection
 from scenario import Goal, Result, Scenario, Table, yes_no
 
 from merchant_tasks.accounts import AccountClients
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.due import due_accounts, namespace_of
 from merchant_tasks.settings import Secret, Settings
 from merchant_tasks.token import Token
@@ -419,7 +419,7 @@ class Sealing(AccountsScenario):
         )
 
 
-def _client(bench: Bench, url: str, key_file: Path | None) -> MerchantClient:
+def _client(bench: Bench, url: str, key_file: Path | None) -> FleetClient:
     settings = Settings(
         api_key=bench.env()["MERCHANT_API_KEY"],
         secret=Secret(path=bench.secret_file),

@@ -1,9 +1,11 @@
 """merchant-tasks: one fresh payment-API token per account, shared by a Celery fleet.
 
 Reading order follows the token's life: ``token`` (the value), ``exchange`` (getting one),
-``store`` (keeping it in Redis), ``renewal`` (when and by whom it is renewed), ``client``
-(using it), then the Celery wiring (``celery_app``, ``worker_pools``, ``completions``,
-``tasks``).
+``store`` (keeping it in Redis), ``policy`` (when it is renewed, what a 401 means),
+``single_flight``, ``wakeup``, ``renewer``, ``breaker``, ``local_copy`` and ``renewal``
+(who renews it, and how the fleet waits), ``client`` (using it), then the Celery wiring
+(``celery_app``, ``worker_pools``, ``completions``, ``tasks``). The design, its windows,
+guards and rules: docs/design.md.
 """
 
 from __future__ import annotations

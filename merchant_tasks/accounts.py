@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import requests
 
 from . import redis_topology
-from .client import MerchantClient, new_session
+from .client import FleetClient, MerchantClient, new_session
 from .due import claim_renewals, due_accounts, release_renewal
 from .exceptions import ConfigurationError
 from .redis_topology import StoreClient
@@ -198,7 +198,7 @@ class AccountClients:
 
     def __init__(self, accounts: Mapping[str, Settings]) -> None:
         self.accounts = dict(accounts)
-        self._clients: dict[str, MerchantClient] = {}
+        self._clients: dict[str, FleetClient] = {}
         self._redis_by_url: dict[str, StoreClient] = {}
         self._lock = threading.Lock()
 
@@ -206,7 +206,7 @@ class AccountClients:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> AccountClients:
         return cls(load_accounts(environ))
 
-    def get(self, account: str | None = None) -> MerchantClient:
+    def get(self, account: str | None = None) -> FleetClient:
         """The client of ``account`` (the only or ``default`` account when None)."""
         name = account or self.default_name()
         client = self._clients.get(name)

@@ -1,15 +1,17 @@
 """The API client: business calls with the fleet's token, retried the way HTTP allows.
 
-Two tenacity policies, built once:
+- 401s have one owner, a plain loop as in google-auth's ``AuthorizedSession.request``:
+  send; on 401, ``renew(stale_token=...)`` and send again, at most
+  ``UNAUTHORIZED_RENEWALS`` times. The token source decides whether a refused token is
+  renewed (revoked) or ``TokenRejected`` (never accepted), see docs/design.md,
+  "Refusals: evidence, not timers";
+- connection failures, 429, 502, 503 and 504 back off exponentially with jitter
+  (tenacity), honouring Retry-After, bounded in attempts and in total time. A method
+  that is not idempotent is retried only when the server surely did not process the
+  request: the connection was never made, or the answer was 429 or 503 (refused before
+  processing).
 
-- a 401 renews, compare-and-swap on the refused token, and retries. When the store
-  already held a newer token that is refused too (renewed elsewhere just before a
-  revocation), one more renewal follows; a 401 on a token freshly renewed after a 401 is
-  ``TokenRejected``, never a loop. One call causes at most one exchange;
-- connection failures, 429, 502, 503 and 504 back off exponentially with jitter, honouring
-  Retry-After, bounded in attempts and in total time. A method that is not idempotent is
-  retried only when the server surely did not process the request: the connection was
-  never made, or the answer was 429 or 503 (refused before processing).
+The client needs only a ``TokenSource``; ``TokenManager`` is the fleet's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import requests
@@ -27,17 +30,16 @@ from tenacity import (
     RetryCallState,
     Retrying,
     retry_if_exception,
-    retry_if_exception_type,
     stop_after_attempt,
     stop_before_delay,
     wait_exception,
-    wait_none,
     wait_random_exponential,
 )
 from urllib3.exceptions import NewConnectionError
 
 from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
 from .exchange import TOKEN_PATH, TokenExchange, error_code, parse_retry_after
+from .policy import refused_after_renewal_message
 from .redis_topology import StoreClient, redis_for
 from .renewal import TokenManager
 from .sealing import codec_for
@@ -53,9 +55,9 @@ IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})  # R
 SAFE_TO_RESEND_STATUSES = frozenset({429, 503})  # the server refused before processing
 TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 CALL_ATTEMPTS = 4  # one call plus three retries, then the caller (or Celery) decides
-UNAUTHORIZED_ATTEMPTS = 3  # a 401 may meet a token another process renewed just before a
-# revocation; the manager refuses to renew a token it renewed after a 401 moments ago, so
-# one call causes at most one exchange and never loops
+UNAUTHORIZED_RENEWALS = 2  # renewals after a 401 within one call: the first may give a token
+# another process renewed just before a revocation; fleet-wide, the token source's budget
+# bounds forced renewals
 CALL_RETRY_BUDGET = 20.0  # seconds of back-off at most inside one call
 CALL_WAIT_INITIAL = 0.25  # first back-off; doubles per attempt, with jitter
 CALL_WAIT_MAX = 5.0
@@ -73,32 +75,55 @@ class _Unauthorized(Exception):
         self.excerpt = excerpt
 
 
+@dataclass
 class _Transient(Exception):
     """Internal: a failure worth retrying (within what the method allows)."""
 
-    def __init__(
-        self,
-        reason: str,
-        *,
-        status: int | None = None,
-        excerpt: str = "",
-        retry_after: float | None = None,
-        resendable: bool,
-    ) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.excerpt = excerpt
-        self.retry_after = retry_after
-        self.resendable = resendable  # idempotent method, or surely not processed
+    reason: str
+    resendable: bool  # idempotent method, or surely not processed
+    status: int | None = None
+    excerpt: str = ""
+    retry_after: float | None = None
+
+    def __str__(self) -> str:
+        return self.reason
 
 
-class MerchantClient:
-    """Calls the merchant API under ``/open-api/v1`` with the account's shared token."""
+@dataclass(frozen=True)
+class _Call:
+    """What the caller asked for, sent again as it was after a 401 or a transient failure."""
+
+    method: str
+    path: str
+    json: Any
+    params: Mapping[str, Any] | None
+    headers: Mapping[str, str] | None
+
+
+class TokenSource(Protocol):
+    """Where the client gets its token, and tells what the API made of it."""
+
+    def token(self) -> Token: ...
+
+    def renew(self, force: bool = False, stale_token: Token | None = None) -> Token: ...
+
+    def accepted(self, token: Token) -> None: ...
+
+
+SourceT = TypeVar("SourceT", bound=TokenSource)
+
+
+class MerchantClient(Generic[SourceT]):
+    """Calls the merchant API under ``/open-api/v1`` with the account's shared token.
+
+    Needs only a ``TokenSource``; ``FleetClient`` is the one the fleet wires up, whose
+    source is the ``TokenManager``.
+    """
 
     def __init__(
         self,
         base_url: str,
-        manager: TokenManager,
+        manager: SourceT,
         *,
         session: requests.Session | None = None,
         timeout: tuple[float, float] = DEFAULT_TIMEOUTS,
@@ -108,14 +133,6 @@ class MerchantClient:
         self.manager = manager
         self.session = session or new_session()
         self.timeout = timeout
-        self._after_401 = Retrying(
-            retry=retry_if_exception_type(_Unauthorized),
-            stop=stop_after_attempt(UNAUTHORIZED_ATTEMPTS),
-            wait=wait_none(),
-            before_sleep=self._renew_refused_token,
-            retry_error_callback=_fresh_token_refused,
-            sleep=sleep,
-        )
         self._retry_transient = Retrying(
             retry=retry_if_exception(lambda exc: isinstance(exc, _Transient) and exc.resendable),
             wait=wait_random_exponential(multiplier=CALL_WAIT_INITIAL, max=CALL_WAIT_MAX)
@@ -126,8 +143,8 @@ class MerchantClient:
         )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> MerchantClient:
-        """A client configured by the MERCHANT_* variables (see DESIGN.md)."""
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FleetClient:
+        """A client configured by the MERCHANT_* variables (see README.md)."""
         return cls.from_settings(Settings.from_env(os.environ if environ is None else environ))
 
     @classmethod
@@ -137,7 +154,7 @@ class MerchantClient:
         *,
         redis_client: StoreClient | None = None,
         session: requests.Session | None = None,
-    ) -> MerchantClient:
+    ) -> FleetClient:
         session = session or new_session()
         store = TokenStore(
             redis_client or redis_for(settings),
@@ -157,7 +174,7 @@ class MerchantClient:
             renew_mandatory=settings.renew_mandatory,
             exchange_timeout=settings.connect_timeout + settings.read_timeout,
         )
-        return cls(
+        return MerchantClient(
             settings.base_url,
             manager,
             session=session,
@@ -179,7 +196,8 @@ class MerchantClient:
 
         Raises:
             ValueError: the path is outside ``/open-api/v1`` or headers set Authorization.
-            TokenRejected: a freshly renewed token was refused too.
+            TokenRejected: the API refuses tokens renewing cannot mend (never accepted,
+                refused again after renewals, or revoked over and over).
             ApiUnavailable: 429/5xx/connection failures outlasted the retries.
             ApiError: any other error status.
             TokenExchangeError, StoreUnavailable: no token could be had.
@@ -188,19 +206,24 @@ class MerchantClient:
         _check_path(path)
         if headers and any(name.lower() == "authorization" for name in headers):
             raise ValueError("the Authorization header is set by the client from the shared token")
+        call = _Call(method, path, json, params, headers)
         try:
             # the usual case, kept free of the retry machinery's cost
-            return self._send(method, path, json, params, headers)
+            return self._send(self.manager.token(), call)
         except (_Unauthorized, _Transient) as exc:
-            first_failure = [exc]
+            first_failure: list[_Unauthorized | _Transient] = [exc]
 
         def attempt() -> Any:
-            if first_failure:
-                raise first_failure.pop()  # the call already made is the policies' attempt 1
-            return self._send(method, path, json, params, headers)
+            refused = None
+            if first_failure:  # the call already made is the transient policy's attempt 1
+                failure = first_failure.pop()
+                if isinstance(failure, _Transient):
+                    raise failure
+                refused = failure
+            return self._send_renewing(refused, call)
 
         try:
-            return self._retry_transient(self._after_401, attempt)
+            return self._retry_transient(attempt)
         except _Transient as exc:  # not retryable for this method: report it as it came
             raise ApiUnavailable(
                 f"{method} {path} failed ({exc}); not retried: the server may have processed it",
@@ -209,23 +232,32 @@ class MerchantClient:
                 retry_after=exc.retry_after,
             ) from None
 
-    def _send(
-        self,
-        method: str,
-        path: str,
-        json: Any,
-        params: Mapping[str, Any] | None,
-        headers: Mapping[str, str] | None,
-    ) -> Any:
-        token = self.manager.token()
-        all_headers = {"accept": "application/json", **(headers or {})}
+    def _send_renewing(self, refused: _Unauthorized | None, call: _Call) -> Any:
+        """Send; on 401, renew the refused token and send again, a bounded number of times."""
+        token = self.manager.token() if refused is None else refused.token
+        renewals = 0
+        while True:
+            if refused is not None:
+                if renewals == UNAUTHORIZED_RENEWALS:
+                    raise TokenRejected(refused_after_renewal_message(renewals))
+                renewals += 1
+                log.info("call got 401 with token %s; renewing", refused.token.fingerprint)
+                token = self.manager.renew(stale_token=refused.token)
+            try:
+                return self._send(token, call)
+            except _Unauthorized as exc:
+                refused = exc
+
+    def _send(self, token: Token, call: _Call) -> Any:
+        method, path = call.method, call.path
+        all_headers = {"accept": "application/json", **(call.headers or {})}
         all_headers["authorization"] = f"Bearer {token.value}"
         try:
             response = self.session.request(
                 method,
                 self.base_url + path,
-                json=json,
-                params=params,
+                json=call.json,
+                params=call.params,
                 headers=all_headers,
                 timeout=self.timeout,
                 allow_redirects=False,  # a redirect would carry the token elsewhere
@@ -244,6 +276,7 @@ class MerchantClient:
         status = response.status_code
         log.debug("%s %s answered %d", method, path, status)
         if 200 <= status < 300:
+            self.manager.accepted(token)
             return _decode(response, method, path)
         excerpt = _excerpt(response, token)
         if status == 401:
@@ -264,12 +297,8 @@ class MerchantClient:
             excerpt=excerpt,
         )
 
-    def _renew_refused_token(self, state: RetryCallState) -> None:
-        assert state.outcome is not None
-        refused = state.outcome.exception()
-        assert isinstance(refused, _Unauthorized)
-        log.info("call got 401 with token %s; renewing", refused.token.fingerprint)
-        self.manager.renew(stale_token=refused.token)
+
+FleetClient = MerchantClient[TokenManager]
 
 
 def new_session() -> requests.Session:
@@ -355,12 +384,4 @@ def _gave_up(state: RetryCallState) -> Any:
         status=last.status,
         excerpt=last.excerpt,
         retry_after=last.retry_after,
-    )
-
-
-def _fresh_token_refused(state: RetryCallState) -> Any:
-    raise TokenRejected(
-        "the API refused a token renewed moments ago (HTTP 401 after renewals). Likely causes: the "
-        "API key belongs to the other environment (check MERCHANT_ENVIRONMENT and "
-        "MERCHANT_BASE_URL), the secret was reset in the dashboard, or API access was revoked"
     )

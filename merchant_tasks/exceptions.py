@@ -13,7 +13,7 @@ MerchantError                      base; ``retryable`` says whether trying later
 │   ├── TokenEndpointUnavailable   5xx, timeout or connection failure             retryable
 │   └── MalformedTokenResponse     2xx without a usable token                     retryable
 ├── RenewalTimeout                 another process held the renewal too long      retryable
-├── TokenRejected                  a freshly issued token still gets 401
+├── TokenRejected                  401 on a token renewing cannot mend (never accepted)
 └── ApiError                       a business call failed (``status``, ``code``, ``excerpt``)
     ├── ApiUnavailable             429/5xx/connection failure the client gave up on  retryable
     └── MalformedApiResponse       a 2xx whose body is not JSON
@@ -132,7 +132,8 @@ class RenewalTimeout(MerchantError):
 
 
 class TokenRejected(MerchantError):
-    """A token issued moments ago still gets 401, so renewing again would not help.
+    """The API refuses tokens that renewing cannot mend: one it never accepted, one refused
+    again after renewals, or tokens revoked over and over (docs/design.md, "Refusals").
 
     Likely causes: the API key belongs to the other environment (sandbox vs production),
     the secret was reset in the dashboard, or API access was revoked for this merchant.

@@ -186,8 +186,10 @@ def parse_token(
             lifetime = float(expires_in)
         except (TypeError, ValueError, OverflowError):
             raise MalformedTokenResponse("token endpoint's expires_in is not a number") from None
-        if isinstance(expires_in, bool) or not math.isfinite(lifetime) or lifetime <= 0:
-            raise MalformedTokenResponse("token endpoint's expires_in is not a positive number")
+        # 0 is a token that expires now (a server handing back its last token at the end of
+        # its life), not a malformed answer: the renewal decides what it is worth
+        if isinstance(expires_in, bool) or not math.isfinite(lifetime) or lifetime < 0:
+            raise MalformedTokenResponse("token endpoint's expires_in is not a number >= 0")
     if lifetime > MAX_TOKEN_LIFETIME:
         raise MalformedTokenResponse(
             f"token endpoint's expires_in ({lifetime:.0f} s) is beyond {MAX_TOKEN_LIFETIME:.0f} s"

@@ -23,21 +23,23 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from .breaker import BreakerKind
 from .exceptions import MerchantError
+from .policy import CounterName, Outcome
 from .status import AccountStatus
 from .store import DURATION_BUCKETS
 from .timing import HISTOGRAMS
 from .token import RenewalReason
 
 PREFIX = "merchant_tasks"
-EXCHANGE_OUTCOMES = ("ok", "rejected", "rate_limited", "failed")  # as the renewal records
-BREAKER_KINDS = ("rejected", "rate_limited", "unavailable")
+EXCHANGE_OUTCOMES = tuple(Outcome)  # as the renewal records
+BREAKER_KINDS = tuple(BreakerKind)
 # counters kept in Redis (TokenStore.count) that are not per-exchange: name -> help
-_SIMPLE_COUNTERS = {
-    "unauthorized": "Calls answered 401 that asked for a forced renewal.",
-    "forced_renewals": "Forced renewals after a 401 that went on to the lock.",
-    "lock_waits": "Renewals that waited for another process holding the lock.",
-    "fresh_token_rejected": "401s on a token freshly renewed after a 401 (no loop made).",
+_SIMPLE_COUNTERS: dict[str, str] = {
+    CounterName.UNAUTHORIZED: "Calls answered 401 that asked the store for a newer token.",
+    CounterName.FORCED_RENEWALS: "Forced renewals after a 401 that went on to an exchange.",
+    CounterName.LOCK_WAITS: "Renewals that waited for another process holding the lock.",
+    CounterName.NEVER_ACCEPTED: "401s on a token the API never accepted (no renewal made).",
     "redelivered_completed_calls": "Redelivered calls that had already succeeded: answered "
     "from their completion record, the API not called again.",
 }

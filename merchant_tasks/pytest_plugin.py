@@ -38,7 +38,7 @@ import pytest
 from .settings import Secret, Settings, child_env
 
 if TYPE_CHECKING:
-    from .client import MerchantClient
+    from .client import FleetClient
     from .sandbox import SandboxApp, SandboxServer
 
 LOCAL_REDIS = ("127.0.0.1", 6379)
@@ -151,7 +151,7 @@ def merchant_env(merchant_settings: Settings, monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.fixture
-def merchant_client(merchant_settings: Settings) -> Iterator[MerchantClient]:
+def merchant_client(merchant_settings: Settings) -> Iterator[FleetClient]:
     """A client of the test's account."""
     from .client import MerchantClient
 

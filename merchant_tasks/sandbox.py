@@ -7,7 +7,9 @@ Token exchange
        body {"grant_type": "client_credential", "appid": <api key>, "secret": <api secret>}
     200  {"access_token": "sbx_...", "token_type": "Bearer", "expires_in": <int seconds>}
          or, with token_shape="data", {"code": 0, "message": "ok", "data": {...the same...}};
-         no expires_in when include_expires_in is false
+         no expires_in when include_expires_in is false; with hand_back_live_token, the
+         last token issued while it is live (not revoked, not expired), with its remaining
+         lifetime in whole seconds (so 0 in its last second), as some servers do
     checked in this order:
     429  rate_limited, with Retry-After, beyond rate_limit requests per rate_window
          (then token_latency is slept)
@@ -31,7 +33,9 @@ Business endpoints, with Authorization: Bearer <token>
   GET  /open-api/v1/payments/{id}     200 the payment; 404 not_found
     checked in this order:
     401  missing_token / invalid_token / token_expired / token_revoked,
-         with WWW-Authenticate: Bearer error="invalid_token"
+         with WWW-Authenticate: Bearer error="invalid_token";
+         refused_by_api for every call, even with a fresh token, with refuse_all_calls
+         (as an API does for a key the token endpoint accepts but the API does not)
          (then api_latency is slept)
     5xx  injected_failure (status error_status; Retry-After: 1 on 429 and 503)
     404  not_found for an unknown path; 405 method_not_allowed for a known path
@@ -116,6 +120,8 @@ _SETTABLE: dict[str, tuple[Callable[[Any], bool], str]] = {
     "token_shape": (lambda v: v in ("top", "data"), '"top" or "data"'),
     "include_expires_in": (lambda v: isinstance(v, bool), "true or false"),
     "environment": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "hand_back_live_token": (lambda v: isinstance(v, bool), "true or false"),
+    "refuse_all_calls": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 
@@ -137,6 +143,8 @@ class SandboxConfig:
     token_shape: str = "top"
     include_expires_in: bool = True
     environment: str = "sandbox"
+    hand_back_live_token: bool = False
+    refuse_all_calls: bool = False
 
     def __post_init__(self) -> None:
         # Messages name the field, never the value: the value may be the secret.
@@ -380,16 +388,29 @@ class SandboxApp:
             secret_ok = _same(body.get("secret"), cfg.secret)
             if not (appid_ok and secret_ok):
                 raise _Refusal(401, "invalid_client", "unknown appid or wrong secret")
-            if cfg.revoke_on_issue:
-                self._revoke_all_locked()
-            token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-            self._tokens[token] = _Token(expires_at=self.clock.now() + cfg.lifetime)
+            now = self.clock.now()
+            live = self._live_token_locked(now) if cfg.hand_back_live_token else None
+            if live is not None:
+                token, lifetime = live, self._tokens[live].expires_at - now
+            else:
+                if cfg.revoke_on_issue:
+                    self._revoke_all_locked()
+                token, lifetime = TOKEN_PREFIX + secrets.token_urlsafe(32), cfg.lifetime
+                self._tokens[token] = _Token(expires_at=now + lifetime)
             grant: dict[str, Any] = {"access_token": token, "token_type": "Bearer"}
             if cfg.include_expires_in:
-                grant["expires_in"] = int(cfg.lifetime)
+                grant["expires_in"] = int(lifetime)
             if cfg.token_shape == "data":
                 grant = {"code": 0, "message": "ok", "data": grant}
         return _json(200, grant, {"Cache-Control": "no-store"})
+
+    def _live_token_locked(self, now: float) -> str | None:
+        """The last token issued, if it is neither revoked nor expired."""
+        if not self._tokens:
+            return None
+        last = next(reversed(self._tokens))  # dicts keep the order of issue
+        record = self._tokens[last]
+        return last if not record.revoked and now < record.expires_at else None
 
     def _admit_exchange(self, cfg: SandboxConfig, now: float) -> float | None:
         """Record an exchange in the sliding window, or return the seconds until a slot frees."""
@@ -441,6 +462,9 @@ class SandboxApp:
         with self._lock:
             record = self._tokens.get(token)
             now = self.clock.now()
+            refuse_all = self.config.refuse_all_calls
+        if refuse_all:
+            raise _unauthorized("refused_by_api", "this API does not accept the token")
         if record is None:
             raise _unauthorized("invalid_token", "unknown access token")
         if record.revoked:

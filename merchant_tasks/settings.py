@@ -1,4 +1,4 @@
-"""Configuration: one typed object built from the environment (see docs/design.md).
+"""Configuration: one typed object built from the environment (see README.md's table).
 
 Every variable may instead be given as ``<NAME>_FILE``, the path of a file holding the
 value, as container secrets are delivered. The secret is never copied into the settings:
@@ -24,8 +24,8 @@ SANDBOX_DEFAULT_PORT = 8480  # where `merchant-tasks sandbox` serves unless told
 SANDBOX_DEFAULT_BASE_URL = f"http://127.0.0.1:{SANDBOX_DEFAULT_PORT}"  # the local emulator
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_KEY_PREFIX = "merchant-tasks"
-TOKEN_LIFETIME = 7200  # the API documents 7200 s as the lifetime when a response omits it
-RENEW_BEFORE = 480  # the API asks to renew 5-10 min before expiry; beat renews in this window
+TOKEN_LIFETIME = 7200  # spec: a token is valid 7200 s when the response does not say
+RENEW_BEFORE = 480  # spec: renew 5-10 min before expiry; beat renews inside this window
 RENEW_MANDATORY = 120  # under 2 min left, any caller renews rather than risk an expired call
 RENEW_INTERVAL = 60  # beat checks once a minute, well inside the 6-minute advisory window
 CONNECT_TIMEOUT = 3.05  # slightly above a multiple of 3 s, TCP's retransmission step

@@ -14,10 +14,15 @@ on a Redis Cluster: the hash tag keeps them in one slot, as the save script and 
                  to count failures in a row)
 - ``counters``   fleet-wide counters (exchanges by reason and outcome, 401s, lock waits)
 - ``exchanges``  the last day's exchange attempts (a sorted set by time), for rates
+- ``accepted``   the highest generation the API accepted (evidence that a later 401 is a
+                 revocation, docs/design.md "Refusals")
+- ``forced``     forced renewals of the last period (a sorted set by time), the budget
+- ``probe``      the half-open breaker's probe slot
+- channel ``renewed``: the generation of each token written, to wake waiting processes
 
 Times come from Redis's own clock (TIME), the one clock all hosts share: ``RedisClock``
 reads it once a minute and advances it with the local monotonic clock in between, so the
-hot path costs one GET and no TIME.
+hot path costs one GET and no TIME. See docs/design.md, "Keys".
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
 # failures in a row are counted and the back-off grows; a success deletes it
 
-# KEYS: token, generation. ARGV: expected generation, token JSON, expires_at (Redis seconds),
+# KEYS: token, generation. ARGV: expected generation, token JSON, kept until (Redis seconds),
 # the highest generation the writer has seen stored. Returns {1, new generation} when
 # written, {0, current generation} when another write came first, {-1, expected generation}
 # when the token has already expired. A stored generation below the expected one is
@@ -71,12 +76,35 @@ redis.call('SET', KEYS[2], expected + 1)
 return {1, expected + 1}
 """
 
+# KEYS: accepted. ARGV: generation. Raises the key to ARGV[1]: one write per generation.
+_RAISE_ACCEPTED = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if tonumber(ARGV[1]) <= current then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS: token, lock, counters. ARGV: refused generation, owner, lock TTL (ms), the 401
+# counter, the lock-wait counter. Counts the 401 and reads the token; when the stored token
+# is the refused one (or none is stored), tries the renewal lock for ARGV[2].
+# Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (counted)}.
+_LOOK_AFTER_401 = """
+redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
+local raw = redis.call('GET', KEYS[1])
+if raw and tonumber(cjson.decode(raw)['generation']) ~= tonumber(ARGV[1]) then
+  return {raw, 0}
+end
+if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then return {raw, 1} end
+redis.call('HINCRBY', KEYS[3], ARGV[5], 1)
+return {raw, -1}
+"""
+
 
 @dataclass(frozen=True)
 class BreakerRecord:
     """Why token exchanges are paused fleet-wide, and until when (Redis time)."""
 
-    kind: str  # "rejected", "rate_limited" or "unavailable"
+    kind: str  # a breaker.BreakerKind
     until: float
     failures: int = 1
     secret_fingerprint: str = ""  # for "rejected": the secret that was refused
@@ -131,7 +159,13 @@ class TokenStore:
         self.counters_key = f"{namespace}:counters"
         self.histograms_key = f"{namespace}:histograms"
         self.exchange_log_key = f"{namespace}:exchanges"
+        self.accepted_key = f"{namespace}:accepted"
+        self.forced_key = f"{namespace}:forced"
+        self.probe_key = f"{namespace}:probe"
+        self.renewed_channel = f"{namespace}:renewed"
         self._save = client.register_script(_SAVE_IF_GENERATION)
+        self._raise_accepted = client.register_script(_RAISE_ACCEPTED)
+        self._look_after_401 = client.register_script(_LOOK_AFTER_401)
         self._parsed: tuple[bytes, Token] | None = None
         self._parsed_lock = threading.Lock()
         # the highest generation this process has seen stored: Redis may lose the last
@@ -154,7 +188,7 @@ class TokenStore:
 
     def time(self) -> float:
         """Redis's clock, in seconds."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             seconds, micros = self.redis.time()
         return seconds + micros / 1e6
 
@@ -164,8 +198,11 @@ class TokenStore:
         None too when the stored token is older than one this process has seen stored
         (Redis lost writes): it is renewed rather than used again.
         """
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = cast(bytes | None, self.redis.get(self.token_key))
+        return self._parse(raw)
+
+    def _parse(self, raw: bytes | None) -> Token | None:
         if raw is None:
             return None
         parsed = self._parsed
@@ -182,10 +219,46 @@ class TokenStore:
             self._see(token.generation)
         return token
 
+    def look_after_401(
+        self,
+        refused_generation: int,
+        owner: str,
+        lock_ttl: float,
+        unauthorized_counter: str,
+        wait_counter: str,
+    ) -> tuple[Token | None, Lock | None, bool]:
+        """After a 401, in one round trip: count it (in ``unauthorized_counter``), load the
+        token and, if it is still the refused generation (or none is stored), try the renewal
+        lock.
+
+        Returns the stored token, the lock if it was taken, and whether another holds it
+        (then ``wait_counter`` was counted).
+        """
+        with unavailable_as_error():
+            raw, outcome = cast(
+                list[Any],
+                self._look_after_401(
+                    keys=[self.token_key, self.lock_key, self.counters_key],
+                    args=[
+                        refused_generation,
+                        owner,
+                        int(lock_ttl * 1000),
+                        unauthorized_counter,
+                        wait_counter,
+                    ],
+                ),
+            )
+        lock = None
+        if outcome == 1:
+            lock = self.lock(lock_ttl)
+            # redis-py's Lock keeps its owner token here; set as its acquire() would
+            lock.local.token = owner.encode()
+        return self._parse(raw), lock, outcome == -1
+
     def generation(self) -> int:
         """The generation of the last token written (0 if none ever was), or the highest
         this process has seen stored if Redis has lost writes since."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = self.redis.get(self.generation_key)
         stored = int(cast(bytes, raw)) if raw is not None else 0
         return max(stored, self._seen_generation)
@@ -196,7 +269,7 @@ class TokenStore:
         ``token.generation`` must be the stored generation plus one. Returns whether it was
         written and the generation now stored.
         """
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             result = cast(
                 list[int],
                 self._save(
@@ -204,7 +277,7 @@ class TokenStore:
                     args=[
                         token.generation - 1,
                         self._stored_form(token),
-                        repr(token.expires_at),
+                        repr(token.kept_until),
                         self._seen_generation,
                     ],
                 ),
@@ -221,18 +294,58 @@ class TokenStore:
     def _stored_form(self, token: Token) -> str:
         return replace(token, value=self.codec.seal(token.value, self.namespace)).to_json()
 
+    def announce(self, generation: int) -> bool:
+        """Tell waiting processes that ``generation`` is stored. Best effort (they poll too):
+        False if it could not be published (Redis down, or an ACL without the channel)."""
+        try:
+            self.redis.publish(self.renewed_channel, str(generation))
+        except redis.RedisError as exc:
+            log.warning("could not announce a new token: %s", type(exc).__name__)
+            return False
+        return True
+
+    def mark_accepted(self, generation: int) -> None:
+        """Record that the API accepted a token of ``generation`` (no write if already known)."""
+        with unavailable_as_error():
+            self._raise_accepted(keys=[self.accepted_key], args=[generation])
+
+    def accepted_generation(self) -> int:
+        """The highest generation the API is known to have accepted (0: none ever)."""
+        with unavailable_as_error():
+            raw = self.redis.get(self.accepted_key)
+        return int(cast(bytes, raw)) if raw is not None else 0
+
+    def forced_in_period(self, now: float, period: float) -> int:
+        """Forced renewals logged in the ``period`` seconds before ``now``."""
+        with unavailable_as_error():
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zremrangebyscore(self.forced_key, "-inf", now - period)
+            pipe.zcount(self.forced_key, now - period, "+inf")
+            count = pipe.execute()[1]
+        return int(count)
+
+    def log_forced(self, now: float) -> None:
+        """Log one forced renewal at ``now``, for the budget."""
+        with unavailable_as_error():
+            self.redis.zadd(self.forced_key, {f"{now:.6f}": now})
+
+    def take_probe(self, interval: float) -> bool:
+        """The half-open probe slot, at most once per ``interval`` seconds fleet-wide."""
+        with unavailable_as_error():
+            return bool(self.redis.set(self.probe_key, b"1", nx=True, px=int(interval * 1000)))
+
     def lock(self, ttl: float) -> Lock:
         """The renewal lock (redis-py's: owner token, TTL, release only by its owner)."""
         return Lock(self.redis, self.lock_key, timeout=ttl, blocking=False, thread_local=False)
 
     def lock_holder(self) -> str | None:
         """Who holds the renewal lock, if anyone."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = self.redis.get(self.lock_key)
         return cast(bytes, raw).decode() if raw is not None else None
 
     def load_breaker(self) -> BreakerRecord | None:
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = self.redis.get(self.breaker_key)
         if raw is None:
             return None
@@ -242,16 +355,16 @@ class TokenStore:
     def open_breaker(self, record: BreakerRecord, now: float) -> None:
         """Store the breaker; it outlives ``record.until`` by BREAKER_MEMORY."""
         ttl_ms = max(1, int((record.until - now + BREAKER_MEMORY) * 1000))
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             self.redis.set(self.breaker_key, json.dumps(asdict(record)), px=ttl_ms)
 
     def close_breaker(self) -> None:
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             self.redis.delete(self.breaker_key)
 
     def count(self, *events: str) -> None:
         """Add one to each named fleet-wide counter."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             pipe = self.redis.pipeline(transaction=False)
             for event in events:
                 pipe.hincrby(self.counters_key, event, 1)
@@ -259,7 +372,7 @@ class TokenStore:
 
     def record_exchange(self, reason: str, outcome: str, now: float) -> None:
         """Count one exchange attempt by reason and outcome, and log its time for rates."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             pipe = self.redis.pipeline(transaction=False)
             pipe.hincrby(self.counters_key, f"exchanges:{reason}:{outcome}", 1)
             pipe.zadd(self.exchange_log_key, {f"{now:.6f}:{reason}:{outcome}": now})
@@ -268,11 +381,11 @@ class TokenStore:
 
     def exchanges_since(self, since: float) -> int:
         """Exchange attempts (any outcome) since ``since``, within the last day."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             return int(self.redis.zcount(self.exchange_log_key, since, "+inf"))
 
     def counters(self) -> dict[str, int]:
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = cast(dict[bytes, bytes], self.redis.hgetall(self.counters_key))
         return {k.decode(): int(v) for k, v in raw.items()}
 
@@ -295,7 +408,7 @@ class TokenStore:
 
     def histograms(self) -> dict[str, int]:
         """The raw fields written by ``observe``."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = cast(dict[bytes, bytes], self.redis.hgetall(self.histograms_key))
         return {k.decode(): int(v) for k, v in raw.items()}
 
@@ -312,8 +425,9 @@ def redis_address(client: object) -> str:
 
 
 @contextmanager
-def _unavailable_as_error(address: str | None = None) -> Iterator[None]:
-    """Redis's connection errors as StoreUnavailable, naming ``address`` (host:port)."""
+def unavailable_as_error(address: str | None = None) -> Iterator[None]:
+    """Redis's connection errors as StoreUnavailable, naming ``address`` (host:port);
+    shared by every module that talks to the account's Redis."""
     where = f"Redis at {address}" if address else "Redis"
     try:
         yield

@@ -21,7 +21,7 @@ from celery.utils.time import get_exponential_backoff_interval
 
 from .accounts import AccountClients
 from .celery_app import RENEWAL_QUEUE, VISIBILITY_TIMEOUT, app
-from .client import MerchantClient
+from .client import FleetClient
 from .completions import RECORD_TTL_FACTOR, CompletionRecords
 from .due import claim_ttl
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected
@@ -57,7 +57,7 @@ def use_clients(fleet: AccountClients | None) -> None:
         _clients = fleet
 
 
-def client(account: str | None = None) -> MerchantClient:
+def client(account: str | None = None) -> FleetClient:
     """The client of ``account`` (the only or ``default`` account when None)."""
     return clients().get(account)
 
@@ -69,7 +69,7 @@ def _forget_parent_clients(**_: Any) -> None:
     _clients = None
 
 
-def completion_records(api: MerchantClient) -> CompletionRecords:
+def completion_records(api: FleetClient) -> CompletionRecords:
     """The completion records of ``api``'s account, kept past the broker's visibility timeout."""
     options = app.conf.broker_transport_options or {}
     visibility_timeout = float(options.get("visibility_timeout", VISIBILITY_TIMEOUT))

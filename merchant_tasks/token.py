@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass, field
 
 
-class TokenState(enum.Enum):
-    """Where a token stands in its life, by time left (see DESIGN.md's windows)."""
+class TokenState(enum.StrEnum):
+    """Where a token stands in its life, by time left (docs/design.md, "Windows")."""
 
     FRESH = "fresh"  # nobody renews
     ADVISORY = "advisory"  # beat renews; callers keep using it
@@ -20,8 +20,8 @@ class TokenState(enum.Enum):
     EXPIRED = "expired"  # unusable
 
 
-class RenewalReason(enum.Enum):
-    """Why a token was renewed, recorded with it for operators."""
+class RenewalReason(enum.StrEnum):
+    """Why a token was renewed, recorded with it (``Token.reason``) for operators."""
 
     SCHEDULED = "scheduled"  # beat, inside the advisory window
     MANDATORY = "mandatory"  # a caller found it in the mandatory window, or none stored
@@ -38,7 +38,17 @@ class Token:
     expires_at: float
     generation: int
     renewed_by: str = ""
-    reason: str = ""
+    reason: str = ""  # a RenewalReason (a str); "" for tokens stored by older versions
+    final: bool = False  # the token endpoint hands this token back until it expires:
+    # renewing before expiry is futile (docs/design.md, "An answer no better")
+    lag: float = 0.0  # seconds the issuing exchange took: the server's expiry is at most
+    # this much later than ``expires_at`` (which counts from before the request was sent)
+
+    @property
+    def kept_until(self) -> float:
+        """Until when the store keeps it: a final token until the server surely let it go,
+        so whoever renews it can wait for that rather than be handed it back again."""
+        return self.expires_at + (self.lag if self.final else 0.0)
 
     @property
     def fingerprint(self) -> str:
@@ -49,10 +59,15 @@ class Token:
         return self.expires_at - now
 
     def state(self, now: float, renew_before: float, renew_mandatory: float) -> TokenState:
-        """FRESH, ADVISORY, MANDATORY or EXPIRED at ``now`` for the given windows."""
+        """FRESH, ADVISORY, MANDATORY or EXPIRED at ``now`` for the given windows.
+
+        A ``final`` token is FRESH until it expires: no exchange can do better before then.
+        """
         left = self.expires_at - now
         if left <= 0:
             return TokenState.EXPIRED
+        if self.final:
+            return TokenState.FRESH
         if left < renew_mandatory:
             return TokenState.MANDATORY
         if left < renew_before:
@@ -63,7 +78,7 @@ class Token:
         return (
             f"Token(fingerprint={self.fingerprint!r}, generation={self.generation}, "
             f"issued_at={self.issued_at:.3f}, expires_at={self.expires_at:.3f}, "
-            f"renewed_by={self.renewed_by!r}, reason={self.reason!r})"
+            f"renewed_by={self.renewed_by!r}, reason={self.reason!r}, final={self.final})"
         )
 
     def to_json(self) -> str:
@@ -76,6 +91,8 @@ class Token:
                 "generation": self.generation,
                 "renewed_by": self.renewed_by,
                 "reason": self.reason,
+                "final": self.final,
+                "lag": self.lag,
             },
             separators=(",", ":"),
         )
@@ -90,6 +107,8 @@ class Token:
             generation=int(data["generation"]),
             renewed_by=str(data.get("renewed_by", "")),
             reason=str(data.get("reason", "")),
+            final=bool(data.get("final", False)),
+            lag=float(data.get("lag", 0.0)),
         )
 
 

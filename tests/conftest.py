@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 import redis
 
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.local import RedisServer
 from merchant_tasks.redis_topology import StoreClient
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
@@ -152,7 +152,7 @@ def account_env(
 
 
 @pytest.fixture
-def client(settings: Settings, redis_client: redis.Redis) -> MerchantClient:
+def client(settings: Settings, redis_client: redis.Redis) -> FleetClient:
     return MerchantClient.from_settings(settings, redis_client=redis_client)
 
 

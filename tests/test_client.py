@@ -18,7 +18,13 @@ from urllib3.connectionpool import HTTPSConnectionPool
 from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError
 
 from fake_http import FakeTransport, Reply, response, session_with
-from merchant_tasks.client import CALL_ATTEMPTS, CALL_WAIT_MAX, EXCERPT_LENGTH, MerchantClient
+from merchant_tasks.client import (
+    CALL_ATTEMPTS,
+    CALL_WAIT_MAX,
+    EXCERPT_LENGTH,
+    FleetClient,
+    MerchantClient,
+)
 from merchant_tasks.exceptions import (
     ApiError,
     ApiUnavailable,
@@ -75,7 +81,7 @@ def transport() -> FakeTransport:
 @pytest.fixture
 def client(
     store: TokenStore, exchange: FakeExchange, sleeps: list[float], transport: FakeTransport
-) -> MerchantClient:
+) -> FleetClient:
     manager = TokenManager(
         store,
         exchange,
@@ -87,6 +93,7 @@ def client(
         sleep=sleeps.append,
         rng=random.Random(0),
         local_copy_ttl=0.0,  # read the store on every call; the copy has its own tests
+        wake_ups=False,
     )
     return MerchantClient(
         BASE_URL, manager, session=session_with(transport), timeout=(1.0, 2.0), sleep=sleeps.append
@@ -124,7 +131,7 @@ def token_values(exchange: FakeExchange) -> list[str]:
 
 
 def test_a_call_sends_the_shared_token_as_a_bearer_header(
-    client: MerchantClient, transport: FakeTransport, store: TokenStore
+    client: FleetClient, transport: FakeTransport, store: TokenStore
 ) -> None:
     client.request("GET", f"{ORDERS}/42")
     [sent] = transport.sent
@@ -137,7 +144,7 @@ def test_a_call_sends_the_shared_token_as_a_bearer_header(
 
 
 def test_a_call_sends_its_json_body_query_and_extra_headers(
-    client: MerchantClient, transport: FakeTransport
+    client: FleetClient, transport: FakeTransport
 ) -> None:
     client.request(
         "post", ORDERS, json={"amount": 100}, params={"trace": "a1"}, headers={"X-Req": "r-1"}
@@ -149,21 +156,21 @@ def test_a_call_sends_its_json_body_query_and_extra_headers(
     assert sent.headers["x-req"] == "r-1"
 
 
-def test_the_json_answer_is_decoded(client: MerchantClient, transport: FakeTransport) -> None:
+def test_the_json_answer_is_decoded(client: FleetClient, transport: FakeTransport) -> None:
     transport.reply(response(200, {"order": {"id": 42, "items": [1, 2]}}))
     assert client.request("GET", ORDERS) == {"order": {"id": 42, "items": [1, 2]}}
 
 
 @pytest.mark.parametrize("status", [200, 202, 204])
 def test_an_empty_answer_is_none(
-    client: MerchantClient, transport: FakeTransport, status: int
+    client: FleetClient, transport: FakeTransport, status: int
 ) -> None:
     transport.reply(response(status))
     assert client.request("DELETE", f"{ORDERS}/42") is None
 
 
 def test_a_2xx_that_is_not_json_is_malformed_api_response(
-    client: MerchantClient, transport: FakeTransport
+    client: FleetClient, transport: FakeTransport
 ) -> None:
     transport.reply(response(200, "<html>ok</html>"))
     with pytest.raises(MalformedApiResponse, match="not JSON") as caught:
@@ -173,7 +180,7 @@ def test_a_2xx_that_is_not_json_is_malformed_api_response(
 
 
 def test_one_token_serves_many_calls(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange
 ) -> None:
     for _ in range(5):
         client.request("GET", ORDERS)
@@ -197,7 +204,7 @@ def test_one_token_serves_many_calls(
     ],
 )
 def test_a_path_outside_the_api_is_a_value_error(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, path: str
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange, path: str
 ) -> None:
     with pytest.raises(ValueError, match="/open-api/v1/"):
         client.request("GET", path)
@@ -207,7 +214,7 @@ def test_a_path_outside_the_api_is_a_value_error(
 
 @pytest.mark.parametrize("path", [TOKEN_PATH, TOKEN_PATH + "/", TOKEN_PATH + "?grant=x"])
 def test_the_token_endpoint_cannot_be_called_through_request(
-    client: MerchantClient, transport: FakeTransport, path: str
+    client: FleetClient, transport: FakeTransport, path: str
 ) -> None:
     with pytest.raises(ValueError, match="token endpoint"):
         client.request("POST", path)
@@ -231,7 +238,7 @@ def test_the_token_endpoint_cannot_be_called_through_request(
     ],
 )
 def test_a_path_with_dot_segments_cannot_leave_the_api(
-    client: MerchantClient, transport: FakeTransport, path: str
+    client: FleetClient, transport: FakeTransport, path: str
 ) -> None:
     with pytest.raises(ValueError, match=r"/open-api/v1/|token endpoint"):
         client.request("GET", path)
@@ -242,7 +249,7 @@ def test_a_path_with_dot_segments_cannot_leave_the_api(
     "path", ["/open-api/v1/orders/a%20b", "/open-api/v1/orders/%E2%82%AC", "/open-api/v1/x.y/z"]
 )
 def test_other_percent_encoded_or_dotted_names_are_allowed(
-    client: MerchantClient, transport: FakeTransport, path: str
+    client: FleetClient, transport: FakeTransport, path: str
 ) -> None:
     transport.reply(response(200, {"ok": True}))
     assert client.request("GET", path) == {"ok": True}
@@ -250,7 +257,7 @@ def test_other_percent_encoded_or_dotted_names_are_allowed(
 
 @pytest.mark.parametrize("name", ["Authorization", "authorization", "AUTHORIZATION"])
 def test_an_authorization_header_from_the_caller_is_a_value_error(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, name: str
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange, name: str
 ) -> None:
     with pytest.raises(ValueError, match="Authorization"):
         client.request("GET", ORDERS, headers={name: "Bearer mine"})
@@ -259,7 +266,7 @@ def test_an_authorization_header_from_the_caller_is_a_value_error(
 
 
 def test_no_request_is_sent_when_no_token_can_be_had(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange
 ) -> None:
     exchange.errors = [CredentialsRejected("refused (HTTP 401)", status=401)]
     with pytest.raises(CredentialsRejected):
@@ -270,20 +277,22 @@ def test_no_request_is_sent_when_no_token_can_be_had(
 # -- 401 ---------------------------------------------------------------------------------
 
 
-def test_a_401_renews_once_and_retries_with_the_new_token(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
+def test_a_401_on_a_token_accepted_before_renews_once_and_retries_with_the_new_token(
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
 ) -> None:
+    transport.reply(response(200), response(401, {"error": "invalid_token"}), response(200))
+    client.request("GET", ORDERS)
     transport.reply(response(401, {"error": "invalid_token"}), response(200, {"ok": 1}))
     assert client.request("POST", ORDERS, json={"amount": 1}) == {"ok": 1}
     first, second = token_values(exchange)
-    assert [sent.bearer for sent in transport.sent] == [first, second]
+    assert [sent.bearer for sent in transport.sent] == [first, first, second]
     assert exchange.calls == 2
     counters = store.counters()
     assert (counters["unauthorized"], counters["forced_renewals"]) == (1, 1)
 
 
 def test_a_401_uses_a_token_another_process_renewed_meanwhile(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
 ) -> None:
     def refused_while_someone_renews(request: requests.PreparedRequest) -> requests.Response:
         current = store.load()
@@ -300,19 +309,21 @@ def test_a_401_uses_a_token_another_process_renewed_meanwhile(
     assert exchange.calls == 1  # theirs was used: no exchange of our own
 
 
-def test_a_second_401_is_token_rejected_after_exactly_one_renewal(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+def test_a_401_on_a_token_never_accepted_is_token_rejected_without_renewing(
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange
 ) -> None:
+    """The wrong key or environment: the first token is refused, so no loop begins."""
     transport.reply(response(401))
-    with pytest.raises(TokenRejected, match="refused again") as caught:
+    with pytest.raises(TokenRejected, match="never accepted") as caught:
         client.request("GET", ORDERS)
+    assert "MERCHANT_ENVIRONMENT" in str(caught.value)
     assert not caught.value.retryable
-    assert len(transport.sent) == 2
-    assert exchange.calls == 2  # the first token, and one forced renewal
+    assert len(transport.sent) == 1
+    assert exchange.calls == 1  # the first token only
 
 
 def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once_more(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
 ) -> None:
     """Another process renewed, then every token was revoked: one exchange, no failure."""
 
@@ -325,34 +336,69 @@ def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once
         assert store.save(newer) == (True, current.generation + 1)
         return response(401)
 
+    client.request("GET", ORDERS)  # the first token is accepted
     transport.reply(refused_while_someone_renews, response(401), response(200, {"ok": 1}))
     assert client.request("GET", ORDERS) == {"ok": 1}
-    assert [sent.bearer for sent in transport.sent[1:]] == [
+    assert [sent.bearer for sent in transport.sent[2:]] == [
         "tok-from-another-host",
         "tok-2-9c4e1f7a2b",
     ]
     assert exchange.calls == 2  # the first token, and one forced renewal by this call
 
 
-def test_a_call_never_causes_more_than_one_exchange_however_many_401s(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+def test_a_call_never_causes_more_than_two_exchanges_however_many_401s(
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange
+) -> None:
+    """API access revoked after the first token was accepted: the call renews twice (the
+    second renewal covers a revocation before first use) and then gives up."""
+    client.request("GET", ORDERS)
+    transport.reply(response(401))
+    with pytest.raises(TokenRejected, match="again after 2 renewals"):
+        client.request("GET", ORDERS)
+    assert exchange.calls == 3
+
+
+def test_a_401_on_the_next_call_with_a_token_never_accepted_is_not_renewed_again(
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange
 ) -> None:
     client.request("GET", ORDERS)
     transport.reply(response(401))
     with pytest.raises(TokenRejected):
         client.request("GET", ORDERS)
-    assert exchange.calls == 2
+    with pytest.raises(TokenRejected, match="never accepted"):
+        client.request("GET", ORDERS)
+    assert exchange.calls == 3  # no exchange loop across calls
 
 
-def test_a_401_on_the_next_call_with_a_fresh_renewed_token_is_not_renewed_again(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
-) -> None:
-    transport.reply(response(401))
-    with pytest.raises(TokenRejected):
-        client.request("GET", ORDERS)
-    with pytest.raises(TokenRejected, match="issued"):
-        client.request("GET", ORDERS)
-    assert exchange.calls == 2  # the fresh-token guard: no exchange loop across calls
+class StaticTokens:
+    """The smallest TokenSource: two tokens in turn, and what the client told it."""
+
+    def __init__(self) -> None:
+        now = time.time()
+        self.tokens = [Token(f"tok-static-{n}", now, now + LIFETIME, n) for n in (1, 2)]
+        self.renewed: list[Token] = []
+        self.accepted_tokens: list[Token] = []
+
+    def token(self) -> Token:
+        return self.tokens[len(self.renewed)]
+
+    def renew(self, force: bool = False, stale_token: Token | None = None) -> Token:
+        assert stale_token is not None
+        self.renewed.append(stale_token)
+        return self.token()
+
+    def accepted(self, token: Token) -> None:
+        self.accepted_tokens.append(token)
+
+
+def test_the_client_needs_only_a_token_source(transport: FakeTransport) -> None:
+    tokens = StaticTokens()
+    client = MerchantClient(BASE_URL, tokens, session=session_with(transport))
+    transport.reply(response(401), response(200, {"ok": 1}))
+    assert client.request("GET", ORDERS) == {"ok": 1}
+    assert [t.value for t in tokens.renewed] == ["tok-static-1"]
+    assert [t.value for t in tokens.accepted_tokens] == ["tok-static-2"]
+    assert [sent.bearer for sent in transport.sent] == ["tok-static-1", "tok-static-2"]
 
 
 # -- transient failures ------------------------------------------------------------------
@@ -360,7 +406,7 @@ def test_a_401_on_the_next_call_with_a_fresh_renewed_token_is_not_renewed_again(
 
 @pytest.mark.parametrize("status", [429, 503])
 def test_429_and_503_are_retried_for_post_honouring_retry_after(
-    client: MerchantClient, transport: FakeTransport, sleeps: list[float], status: int
+    client: FleetClient, transport: FakeTransport, sleeps: list[float], status: int
 ) -> None:
     transport.reply(response(status, headers={"Retry-After": "3"}), response(201, {"id": 7}))
     assert client.request("POST", ORDERS, json={"amount": 1}) == {"id": 7}
@@ -370,7 +416,7 @@ def test_429_and_503_are_retried_for_post_honouring_retry_after(
 
 
 def test_transient_failures_are_retried_for_get(
-    client: MerchantClient, transport: FakeTransport, sleeps: list[float]
+    client: FleetClient, transport: FakeTransport, sleeps: list[float]
 ) -> None:
     transport.reply(
         response(502), response(504), requests.ReadTimeout("read timed out"), response(200, [1])
@@ -383,7 +429,7 @@ def test_transient_failures_are_retried_for_get(
 
 @pytest.mark.parametrize("method", ["PUT", "DELETE", "HEAD", "OPTIONS"])
 def test_other_idempotent_methods_are_retried_like_get(
-    client: MerchantClient, transport: FakeTransport, method: str
+    client: FleetClient, transport: FakeTransport, method: str
 ) -> None:
     transport.reply(response(502), dropped(), response(204))
     assert client.request(method, f"{ORDERS}/42") is None
@@ -396,7 +442,7 @@ def test_other_idempotent_methods_are_retried_like_get(
     ids=["502", "504", "read-timeout"],
 )
 def test_502_504_and_read_timeouts_are_not_retried_for_post(
-    client: MerchantClient,
+    client: FleetClient,
     transport: FakeTransport,
     failure: Reply,
     status: int | None,
@@ -409,7 +455,7 @@ def test_502_504_and_read_timeouts_are_not_retried_for_post(
 
 
 def test_a_connection_dropped_after_sending_is_not_retried_for_post(
-    client: MerchantClient, transport: FakeTransport
+    client: FleetClient, transport: FakeTransport
 ) -> None:
     transport.reply(dropped(), response(201))
     with pytest.raises(ApiUnavailable, match="not retried"):
@@ -423,7 +469,7 @@ def test_a_connection_dropped_after_sending_is_not_retried_for_post(
     ids=["refused", "connect-timeout"],
 )
 def test_a_connection_never_made_is_retried_for_post(
-    client: MerchantClient, transport: FakeTransport, failure: Exception
+    client: FleetClient, transport: FakeTransport, failure: Exception
 ) -> None:
     transport.reply(failure, response(201, {"id": 7}))
     assert client.request("POST", ORDERS, json={"amount": 1}) == {"id": 7}
@@ -431,7 +477,7 @@ def test_a_connection_never_made_is_retried_for_post(
 
 
 def test_gives_up_after_call_attempts_with_api_unavailable_and_the_status(
-    client: MerchantClient, transport: FakeTransport, sleeps: list[float]
+    client: FleetClient, transport: FakeTransport, sleeps: list[float]
 ) -> None:
     transport.reply(response(503, {"error": "maintenance"}))
     with pytest.raises(ApiUnavailable, match=f"gave up after {CALL_ATTEMPTS} attempts") as caught:
@@ -445,7 +491,7 @@ def test_gives_up_after_call_attempts_with_api_unavailable_and_the_status(
 
 
 def test_a_retry_after_beyond_the_call_budget_gives_up_at_once(
-    client: MerchantClient, transport: FakeTransport, sleeps: list[float]
+    client: FleetClient, transport: FakeTransport, sleeps: list[float]
 ) -> None:
     transport.reply(response(429, headers={"Retry-After": "60"}), response(200))
     with pytest.raises(ApiUnavailable) as caught:
@@ -460,7 +506,7 @@ def test_a_retry_after_beyond_the_call_budget_gives_up_at_once(
 
 @pytest.mark.parametrize("status", [400, 403, 404, 409, 422, 500, 501, 302])
 def test_other_error_statuses_are_api_error_with_status_and_excerpt(
-    client: MerchantClient, transport: FakeTransport, status: int
+    client: FleetClient, transport: FakeTransport, status: int
 ) -> None:
     transport.reply(
         response(status, {"error": "order_state", "message": "already  paid"}, {"Location": "/x"})
@@ -475,7 +521,7 @@ def test_other_error_statuses_are_api_error_with_status_and_excerpt(
     assert len(transport.sent) == 1  # neither retried nor redirected
 
 
-def test_the_excerpt_is_bounded(client: MerchantClient, transport: FakeTransport) -> None:
+def test_the_excerpt_is_bounded(client: FleetClient, transport: FakeTransport) -> None:
     transport.reply(response(400, "x" * 5000))
     with pytest.raises(ApiError) as caught:
         client.request("GET", ORDERS)
@@ -484,7 +530,7 @@ def test_the_excerpt_is_bounded(client: MerchantClient, transport: FakeTransport
 
 @pytest.mark.parametrize("status", [400, 500, 503, 401])
 def test_errors_never_contain_the_token_even_when_the_server_echoes_it(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange, status: int
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange, status: int
 ) -> None:
     transport.reply(echo_authorization(status))
     with pytest.raises((ApiError, TokenRejected)) as caught:
@@ -500,7 +546,7 @@ def test_errors_never_contain_the_token_even_when_the_server_echoes_it(
 
 
 def test_no_part_of_the_token_survives_in_an_excerpt_cut_mid_token(
-    client: MerchantClient, transport: FakeTransport, exchange: FakeExchange
+    client: FleetClient, transport: FakeTransport, exchange: FakeExchange
 ) -> None:
     exchange.padding = "x" * 64
 
@@ -515,18 +561,20 @@ def test_no_part_of_the_token_survives_in_an_excerpt_cut_mid_token(
 
 
 def test_the_token_never_appears_in_debug_logs(
-    client: MerchantClient,
+    client: FleetClient,
     transport: FakeTransport,
     exchange: FakeExchange,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
     transport.reply(
+        response(200),
         echo_authorization(401),
         echo_authorization(503),
         response(200, {"ok": 1}),
         echo_authorization(500),
     )
+    client.request("GET", ORDERS)
     client.request("GET", ORDERS)
     with pytest.raises(ApiError):
         client.request("GET", ORDERS)
@@ -538,13 +586,13 @@ def test_the_token_never_appears_in_debug_logs(
             assert token not in text
 
 
-def test_repr_shows_the_base_url_only(client: MerchantClient) -> None:
+def test_repr_shows_the_base_url_only(client: FleetClient) -> None:
     client.request("GET", ORDERS)
     assert repr(client) == f"MerchantClient(base_url={BASE_URL!r})"
 
 
 def test_an_unreachable_api_is_named_by_its_host_in_the_error(
-    client: MerchantClient, transport: FakeTransport
+    client: FleetClient, transport: FakeTransport
 ) -> None:
     transport.reply(refused())
     with pytest.raises(ApiUnavailable, match=r"connection to api\.example\.test failed"):

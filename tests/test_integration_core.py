@@ -26,7 +26,7 @@ from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
 from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.exceptions import (
     ConfigurationError,
     CredentialsRejected,
@@ -46,7 +46,7 @@ PING = "/open-api/v1/ping"
 
 
 def test_exchanges_once_and_calls_through_the_emulator(
-    client: MerchantClient, sandbox: Sandbox
+    client: FleetClient, sandbox: Sandbox
 ) -> None:
     assert client.request("GET", PING) == {"ok": True}
     assert client.request("POST", "/open-api/v1/echo", json={"amount": 12}) == {
@@ -57,7 +57,7 @@ def test_exchanges_once_and_calls_through_the_emulator(
 
 
 def test_threads_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
-    client: MerchantClient, sandbox: Sandbox
+    client: FleetClient, sandbox: Sandbox
 ) -> None:
     client.request("GET", PING)
     sandbox.app.revoke_all()
@@ -76,7 +76,7 @@ def test_threads_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
 
 
 def test_processes_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
-    client: MerchantClient,
+    client: FleetClient,
     sandbox: Sandbox,
     settings: Settings,
     redis_client: redis.Redis,
@@ -120,7 +120,7 @@ def test_processes_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
     print(f"\nstorm of {STORM_PROCESSES} processes: {sandbox.exchanges()['ok'] - 1} exchange(s)")
 
 
-def test_revoke_on_issue_causes_no_401_loop(client: MerchantClient, sandbox: Sandbox) -> None:
+def test_revoke_on_issue_causes_no_401_loop(client: FleetClient, sandbox: Sandbox) -> None:
     sandbox.app.config.revoke_on_issue = True
     client.request("GET", PING)
     stop = threading.Event()
@@ -201,7 +201,7 @@ def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
 
 
 def test_breaker_stops_hammering_a_reset_secret_and_recovers_after_rotation(
-    client: MerchantClient, sandbox: Sandbox, secret_file: Path
+    client: FleetClient, sandbox: Sandbox, secret_file: Path
 ) -> None:
     client.request("GET", PING)
     new_secret = sandbox.app.reset_secret("rotated-secret-8d2e61")
@@ -291,7 +291,7 @@ def test_any_token_response_gives_a_token_or_a_typed_error_without_the_secret(
 
 
 def test_the_secret_and_tokens_never_reach_logs_errors_reprs_or_redis(
-    client: MerchantClient,
+    client: FleetClient,
     sandbox: Sandbox,
     settings: Settings,
     redis_client: redis.Redis,

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from merchant_tasks.accounts import AccountClients
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient
 from merchant_tasks.local import free_port, stop_group, wait_until
 from merchant_tasks.metrics import BREAKER_KINDS, EXCHANGE_OUTCOMES, FleetCollector
 from merchant_tasks.status import account_status
@@ -72,7 +72,7 @@ def test_every_counter_has_a_zero_sample_for_an_account_before_its_first_event(
             assert samples[key] == 0
     for kind in BREAKER_KINDS:
         assert samples[("merchant_tasks_breaker_openings_total", _labels(kind=kind))] == 0
-    for name in ("unauthorized", "forced_renewals", "lock_waits", "fresh_token_rejected"):
+    for name in ("unauthorized", "forced_renewals", "lock_waits", "never_accepted_rejected"):
         assert samples[(f"merchant_tasks_{name}_total", _labels())] == 0
     for name in ("exchange_seconds", "lock_wait_seconds"):
         assert samples[(f"merchant_tasks_{name}_count", _labels())] == 0
@@ -80,7 +80,7 @@ def test_every_counter_has_a_zero_sample_for_an_account_before_its_first_event(
 
 
 def test_exchange_latency_is_a_histogram_of_every_attempt(
-    env: dict[str, str], client: MerchantClient
+    env: dict[str, str], client: FleetClient
 ) -> None:
     client.request("GET", "/open-api/v1/ping")
     client.manager.renew(force=True)
@@ -91,7 +91,7 @@ def test_exchange_latency_is_a_histogram_of_every_attempt(
 
 
 def test_a_renewal_waiting_for_another_holder_of_the_lock_is_in_the_lock_wait_histogram(
-    env: dict[str, str], client: MerchantClient, redis_client: redis.Redis
+    env: dict[str, str], client: FleetClient, redis_client: redis.Redis
 ) -> None:
     store = client.manager.store
     assert store.lock(ttl=60.0).acquire(token="another-process")

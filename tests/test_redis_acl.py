@@ -13,6 +13,7 @@ import redis
 from conftest import TEST_API_KEY, Sandbox
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.client import MerchantClient
+from merchant_tasks.local import wait_until
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.settings import Secret, Settings
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.integration
 # the README's ACL, with the key pattern of this test's prefix
 TOKEN_STORE_COMMANDS = (
     "+get +set +del +hincrby +hgetall +zadd +zcount +zremrangebyscore "
-    "+eval +evalsha +script|load +time +ping"
+    "+eval +evalsha +script|load +time +ping +publish +subscribe +unsubscribe"
 )
 
 
@@ -37,6 +38,7 @@ def acl_user(redis_client: redis.Redis, key_prefix: str) -> Iterator[tuple[str, 
         "resetkeys",
         f"~{key_prefix}:*",
         "resetchannels",
+        f"&{key_prefix}:*",
         "-@all",
         *TOKEN_STORE_COMMANDS.split(),
     )
@@ -62,10 +64,15 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     )
     client = MerchantClient.from_settings(settings)
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}
+    signal = client.manager.signal
+    assert signal is not None
+    wait_until(lambda: signal.listening, "the subscription to renewal announcements", 10.0)
+    heard = signal.heard
     sandbox.app.revoke_all()
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}  # lock, CAS, counters
     client.manager.renew(force=True)
     assert sandbox.exchanges()["ok"] == 3
+    wait_until(lambda: signal.heard >= heard + 2, "both renewals announced", 10.0)
     # beat's check and its claims (due.py): one pipeline of TIME and GETs, SET NX, DEL
     fleet = AccountClients({"default": settings, "other": replace(settings, api_key="other")})
     assert fleet.due() == ["other"]

@@ -33,7 +33,7 @@ from celery_fleet import (
     Fleet,
 )
 from conftest import TEST_API_KEY, Sandbox, WatchedSandbox
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import RedisServer, redis_answers, wait_until
 from merchant_tasks.redis_topology import redis_from_url
@@ -234,7 +234,7 @@ def backward_steps(app: RecordingSandbox) -> list[str]:
 class Callers:
     """In-process callers sharing one client, each noting what every call gave, in order."""
 
-    def __init__(self, client: MerchantClient, count: int) -> None:
+    def __init__(self, client: FleetClient, count: int) -> None:
         self.client = client
         self.outcomes: dict[str, list[tuple[float, str]]] = defaultdict(list)
         self.messages: set[str] = set()  # every failure's text and cause, for the leak check

@@ -3,6 +3,7 @@ single flight, compare-and-swap after a 401, and the fleet-wide breaker."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -18,6 +19,13 @@ from redis.backoff import NoBackoff
 from redis.lock import Lock
 from redis.retry import Retry
 
+from merchant_tasks.breaker import (
+    PROBE_INTERVAL,
+    RATE_LIMITED_BACKOFF,
+    REJECTED_BACKOFF,
+    RETRY_AFTER_MARGIN,
+    UNAVAILABLE_BACKOFF,
+)
 from merchant_tasks.exceptions import (
     CredentialsRejected,
     ExchangeRateLimited,
@@ -30,18 +38,10 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
-from merchant_tasks.renewal import (
-    EXCHANGE_ATTEMPTS,
-    EXCHANGE_RETRY_WAIT_MAX,
-    FRESH_TOKEN_GRACE,
-    POLL_INITIAL,
-    POLL_MAX,
-    RATE_LIMITED_BACKOFF,
-    REJECTED_BACKOFF,
-    RETRY_AFTER_MARGIN,
-    UNAVAILABLE_BACKOFF,
-    TokenManager,
-)
+from merchant_tasks.policy import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD
+from merchant_tasks.renewal import TokenManager
+from merchant_tasks.renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX
+from merchant_tasks.single_flight import POLL_INITIAL, POLL_MAX
 from merchant_tasks.store import BreakerRecord, TokenStore
 from merchant_tasks.token import Token, fingerprint
 
@@ -150,6 +150,7 @@ def manager(
         sleep=sleep,
         rng=random.Random(0),
         local_copy_ttl=0.0,  # read the store on every call; the copy has its own tests
+        wake_ups=False,  # waits go through the injected sleep; wake-ups have their own tests
     )
 
 
@@ -306,6 +307,7 @@ def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
     refused = stored(store, clock, left=3600.0, reason="mandatory", age=1.0)
+    manager.accepted(refused)  # the API accepted it before: a 401 now means revoked
     token = manager.renew(stale_token=refused)
     assert token.value != refused.value
     assert token.reason == "forced"
@@ -317,24 +319,201 @@ def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
     }
 
 
-def test_a_token_renewed_after_a_401_and_refused_again_within_the_grace_is_token_rejected(
+# -- refusals: evidence, not timers -------------------------------------------------------
+
+
+def test_a_refused_token_the_api_never_accepted_is_token_rejected_without_exchanging(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=7190.0, reason="forced", age=10.0)
+    refused = stored(store, clock, left=7190.0, reason="mandatory", age=10.0)
     with pytest.raises(TokenRejected, match="other environment") as caught:
         manager.renew(stale_token=refused)
+    assert "never accepted" in str(caught.value)
     assert not caught.value.retryable
     assert exchange.calls == []
-    assert store.counters() == {"unauthorized": 1, "fresh_token_rejected": 1}
+    assert store.counters() == {"unauthorized": 1, "never_accepted_rejected": 1}
 
 
-def test_a_token_renewed_after_a_401_may_be_renewed_again_once_the_grace_has_passed(
+def test_a_token_accepted_by_another_process_and_refused_is_renewed_at_once_however_fresh(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=7190.0, reason="forced", age=10.0)
-    clock.now += FRESH_TOKEN_GRACE
+    refused = stored(store, clock, left=7199.0, reason="forced", age=1.0)
+    store.mark_accepted(refused.generation)  # evidence left by another process
     assert manager.renew(stale_token=refused).value == "tok-issued-1"
     assert len(exchange.calls) == 1
+
+
+def test_a_token_refused_before_its_first_use_is_renewed_once_if_its_predecessor_was_accepted(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """A revocation landing between an exchange and the first call: renewed once more,
+    but the token after it gets no such second chance (no loop)."""
+    manager.accepted(stored(store, clock, left=7000.0))
+    revoked_before_use = stored(store, clock, left=7100.0, reason="forced")
+    renewed = manager.renew(stale_token=revoked_before_use)
+    assert len(exchange.calls) == 1
+    with pytest.raises(TokenRejected, match="never accepted"):
+        manager.renew(stale_token=renewed)
+    assert len(exchange.calls) == 1
+
+
+def test_acceptance_is_written_to_redis_once_per_generation_and_process(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, fake_redis: redis.Redis
+) -> None:
+    token = stored(store, clock, left=3600.0)
+    calls: list[int] = []
+    original = store.mark_accepted
+
+    def spy(generation: int) -> None:
+        calls.append(generation)
+        original(generation)
+
+    store.mark_accepted = spy  # type: ignore[method-assign]
+    for _ in range(5):
+        manager.accepted(token)
+    assert calls == [token.generation]
+    assert store.accepted_generation() == token.generation
+    store.mark_accepted(token.generation - 1)  # a late, older mark never lowers it
+    assert store.accepted_generation() == token.generation
+
+
+def test_forced_renewals_past_the_budget_open_the_breaker_naming_another_exchanger(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    manager.accepted(stored(store, clock, left=7000.0))
+    for _ in range(FORCED_RENEWAL_BUDGET):
+        current = store.load()
+        assert current is not None
+        store.mark_accepted(current.generation)
+        manager.renew(stale_token=current)
+        clock.now += 1.0
+    assert len(exchange.calls) == FORCED_RENEWAL_BUDGET
+    current = store.load()
+    assert current is not None
+    store.mark_accepted(current.generation)
+    with pytest.raises(TokenRejected, match="another system exchanging with the same API key"):
+        manager.renew(stale_token=current)
+    with pytest.raises(TokenRejected, match="paused"):  # the breaker holds every other call
+        manager.renew(stale_token=current)
+    assert len(exchange.calls) == FORCED_RENEWAL_BUDGET
+    assert store.counters()["breaker_openings:revoked"] == 1
+    clock.now += FORCED_RENEWAL_PERIOD  # the budget is spent per period, then refills
+    assert manager.renew(stale_token=current).value != current.value
+
+
+# -- an answer no better than the stored token ---------------------------------------------
+
+
+def test_an_exchange_handing_back_the_stored_token_marks_it_final_until_it_expires(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    current = stored(store, clock, left=100.0)  # mandatory window
+    exchange.outcomes.append(IssuedToken(current.value, expires_in=100.0))
+    token = manager.token()
+    assert token.value == current.value
+    assert token.final
+    assert store.counters()["exchanges:mandatory:unchanged"] == 1
+    for _ in range(50):  # every caller and beat until expiry: no further exchange
+        clock.now += 1.9
+        assert manager.token().value == current.value
+        manager.renew()
+    assert len(exchange.calls) == 1
+    clock.now += 10.0  # expired: the next caller renews
+    assert manager.token().value == "tok-issued-2"
+    assert len(exchange.calls) == 2
+
+
+def test_a_final_token_is_renewed_only_once_the_server_surely_let_it_go(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+) -> None:
+    """Its expiry counts from before the request that issued it was sent: the server's may
+    be as much later as that exchange took (``lag``). The renewal waits for that rather
+    than be handed the same token back with 0 s left."""
+    now = clock.now
+    final = Token("tok-final", now - 100.0, now + 1.0, 1, "x", "mandatory", final=True, lag=0.3)
+    assert store.save(final) == (True, 1)
+    clock.now += 1.1  # expired on our clock, maybe not yet on the server's
+    sleep.advance_clock = True
+    assert manager.token().value == "tok-issued-1"
+    assert sleep.waits == [pytest.approx(0.2)]
+    assert exchange.calls == [pytest.approx(now + 1.3)]
+
+
+def test_an_answer_expiring_no_later_than_the_stored_token_is_no_better(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    current = stored(store, clock, left=100.0)
+    exchange.outcomes.append(IssuedToken("tok-shorter", expires_in=50.0))
+    assert manager.token().value == current.value
+    assert store.load() == dataclasses.replace(current, generation=2, final=True)
+
+
+def test_a_lifetime_of_zero_while_a_valid_token_is_stored_is_no_better_not_malformed(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    current = stored(store, clock, left=5.0)
+    exchange.outcomes.append(IssuedToken(current.value, expires_in=0.0))
+    assert manager.token().value == current.value
+    assert len(exchange.calls) == 1
+
+
+def test_a_lifetime_of_zero_without_a_valid_token_is_retried_as_an_endpoint_failure(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    exchange.outcomes.append(IssuedToken("tok-expiring-now", expires_in=0.0))
+    assert manager.token().value == "tok-issued-2"
+    assert len(exchange.calls) == 2
+
+
+def test_a_forced_renewal_handed_back_the_refused_token_is_token_rejected(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    refused = stored(store, clock, left=3000.0)
+    manager.accepted(refused)
+    exchange.outcomes.append(IssuedToken(refused.value, expires_in=3000.0))
+    with pytest.raises(TokenRejected, match="handed back the token the API refuses"):
+        manager.renew(stale_token=refused)
+
+
+# -- breaker half-open ---------------------------------------------------------------------
+
+
+def test_without_a_valid_token_one_caller_probes_the_endpoint_during_an_unavailable_pause(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    store.open_breaker(BreakerRecord("unavailable", clock.now + 60.0, 6, "", "HTTP 503"), clock.now)
+    assert manager.token().value == "tok-issued-1"  # the probe got through and closed it
+    assert store.load_breaker() is None
+
+
+def test_a_failed_half_open_probe_is_one_attempt_and_reopens_the_breaker(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    store.open_breaker(BreakerRecord("unavailable", clock.now + 60.0, 6, "", "HTTP 503"), clock.now)
+    exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * EXCHANGE_ATTEMPTS
+    with pytest.raises(TokenEndpointUnavailable, match="HTTP 503"):
+        manager.token()
+    assert len(exchange.calls) == 1
+    record = store.load_breaker()
+    assert record is not None
+    assert record.failures == 7
+    with pytest.raises(TokenEndpointUnavailable, match="paused"):  # next probe: an interval on
+        manager.token()
+    assert len(exchange.calls) == 1
+
+
+def test_the_half_open_probe_is_taken_once_per_interval_fleet_wide(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    store.open_breaker(BreakerRecord("unavailable", clock.now + 60.0, 6, "", "HTTP 503"), clock.now)
+    assert store.take_probe(PROBE_INTERVAL)  # another process probes right now
+    with pytest.raises(TokenEndpointUnavailable, match="paused"):
+        manager.token()
+    assert exchange.calls == []
 
 
 # -- single flight -----------------------------------------------------------------------
@@ -710,6 +889,7 @@ def test_without_a_valid_token_an_open_breaker_raises_its_error(
 ) -> None:
     record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "why it paused")
     store.open_breaker(record, clock.now)
+    assert store.take_probe(PROBE_INTERVAL)  # another process is probing (half-open)
     with pytest.raises(error, match="paused for 30 s more: why it paused"):
         manager.token()
     assert exchange.calls == []
@@ -890,6 +1070,7 @@ def test_threads_of_one_process_wait_for_its_renewal_in_turn_without_polling_red
     others wait for their turn in the process, not by polling the Redis lock, and then take
     the new token from the process's copy."""
     old = stored(store, clock, left=3600.0)
+    copying_manager.accepted(old)  # in use before the revocation
     exchange.during = lambda: time.sleep(0.2)  # the others arrive while it exchanges
     start = threading.Barrier(8)
     got: list[Token] = []
@@ -907,7 +1088,9 @@ def test_threads_of_one_process_wait_for_its_renewal_in_turn_without_polling_red
     assert len({token.value for token in got}) == 1
     assert got[0].value != old.value
     assert sleep.waits == []  # nobody polled the Redis lock
-    assert store.counters()["unauthorized"] == 8
+    # one 401 per process reaches Redis; its siblings take the copy it kept (a storm's
+    # Redis commands do not grow with the threads)
+    assert store.counters()["unauthorized"] == 1
 
 
 def test_a_thread_with_a_valid_token_does_not_queue_behind_another_threads_renewal(
@@ -967,7 +1150,7 @@ def test_a_forked_child_renews_although_a_parent_thread_held_the_locks_at_the_fo
     holding, release = threading.Event(), threading.Event()
 
     def hold_both() -> None:
-        with copying_manager._turn, copying_manager._copy_lock:
+        with copying_manager.flight.turn, copying_manager.copy._lock:
             holding.set()
             release.wait(10)
 

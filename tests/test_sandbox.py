@@ -237,6 +237,41 @@ def test_revoke_on_issue_revokes_every_earlier_token() -> None:
     assert call(client, third).status_code == 200
 
 
+def test_hand_back_live_token_returns_the_last_token_with_its_remaining_lifetime() -> None:
+    app = make_app(hand_back_live_token=True, lifetime=30.0)
+    client = Client(app)
+    first = body_of(exchange(client))
+    app.clock.advance(12.05)
+    again = body_of(exchange(client))
+    assert again["access_token"] == first["access_token"]
+    assert again["expires_in"] == 17  # whole seconds left
+    app.clock.advance(17.0)  # in its last second: 0 left, still the same token
+    assert body_of(exchange(client)) == {**again, "expires_in": 0}
+    app.clock.advance(1.0)  # expired: a new one
+    assert body_of(exchange(client))["access_token"] != first["access_token"]
+
+
+def test_hand_back_live_token_issues_a_new_one_once_the_last_is_revoked() -> None:
+    app = make_app(hand_back_live_token=True)
+    client = Client(app)
+    first = token_of(client)
+    app.revoke_all()
+    second = token_of(client)
+    assert second != first
+    assert call(client, second).status_code == 200
+
+
+def test_refuse_all_calls_refuses_even_a_fresh_token_while_the_token_endpoint_issues() -> None:
+    app = make_app(refuse_all_calls=True)
+    client = Client(app)
+    token = token_of(client)
+    response = call(client, token)
+    assert (response.status_code, error_of(response)) == (401, "refused_by_api")
+    assert app.counters()["exchanges"]["ok"] == 1
+    app.configure({"refuse_all_calls": False})
+    assert call(client, token).status_code == 200
+
+
 def test_revoke_all_revokes_every_token_but_allows_new_ones() -> None:
     app = make_app()
     client = Client(app)

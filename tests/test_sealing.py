@@ -214,7 +214,7 @@ def test_a_process_with_another_key_or_none_fails_clearly_and_never_renews_over_
 
     assert sandbox.exchanges()["ok"] == 1  # neither made an exchange
     assert redis_client.get(ours.manager.store.token_key) == stored
-    ours.manager._copy = None  # read Redis again: the fleet's token is still ours
+    ours.manager.copy.forget()  # read Redis again: the fleet's token is still ours
     assert ours.request("GET", PING) == {"ok": True}
     assert sandbox.exchanges()["ok"] == 1
 
@@ -229,7 +229,7 @@ def test_a_sealed_fleet_renews_once_and_calls_with_the_opened_token(
     assert first.request("GET", PING) == {"ok": True}
     assert second.request("GET", PING) == {"ok": True}
     first.manager.renew(force=True)
-    second.manager._copy = None
+    second.manager.copy.forget()
     assert second.request("GET", PING) == {"ok": True}
     assert sandbox.exchanges()["ok"] == 2
     assert sandbox.calls()["unauthorized"] == 0

@@ -177,6 +177,58 @@ def test_the_lock_names_its_holder_and_is_exclusive(
     assert store.lock_holder() is None
 
 
+def test_the_look_after_a_401_counts_it_and_takes_the_lock_when_the_refused_token_is_stored(
+    store: TokenStore,
+) -> None:
+    refused = make_token(1)
+    assert store.save(refused) == (True, 1)
+    current, lock, busy = store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits")
+    assert (current, busy) == (refused, False)
+    assert lock is not None
+    assert store.lock_holder() == "host-a:1:aa"
+    lock.release()  # the lock handed over releases as redis-py's own would
+    assert store.lock_holder() is None
+    assert store.counters() == {"401s": 1}
+
+
+def test_the_look_after_a_401_leaves_the_lock_when_a_newer_token_is_stored(
+    store: TokenStore,
+) -> None:
+    store.save(make_token(1))
+    newer = make_token(2)
+    store.save(newer)
+    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits") == (newer, None, False)
+    assert store.lock_holder() is None
+
+
+def test_the_look_after_a_401_counts_a_wait_when_another_holds_the_lock(
+    store: TokenStore,
+) -> None:
+    assert store.lock(ttl=10.0).acquire(token="host-b:2:bb")
+    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits") == (None, None, True)
+    assert store.lock_holder() == "host-b:2:bb"
+    assert store.counters() == {"401s": 1, "waits": 1}
+
+
+def test_acceptance_only_ever_rises(store: TokenStore) -> None:
+    assert store.accepted_generation() == 0
+    store.mark_accepted(3)
+    store.mark_accepted(2)
+    assert store.accepted_generation() == 3
+
+
+def test_forced_renewals_are_counted_per_period(store: TokenStore) -> None:
+    for at in (100.0, 150.0, 170.0):
+        store.log_forced(at)
+    assert store.forced_in_period(175.0, 60.0) == 2
+    assert store.forced_in_period(231.0, 60.0) == 0
+
+
+def test_the_probe_slot_is_given_once_per_interval(store: TokenStore) -> None:
+    assert store.take_probe(10.0)
+    assert not store.take_probe(10.0)
+
+
 def test_no_breaker_is_open_at_first(store: TokenStore) -> None:
     assert store.load_breaker() is None
 
@@ -220,6 +272,12 @@ OPERATIONS: dict[str, Callable[[TokenStore], object]] = {
     "close_breaker": lambda s: s.close_breaker(),
     "count": lambda s: s.count("x"),
     "counters": lambda s: s.counters(),
+    "look_after_401": lambda s: s.look_after_401(1, "o", 1.0, "a", "b"),
+    "mark_accepted": lambda s: s.mark_accepted(1),
+    "accepted_generation": lambda s: s.accepted_generation(),
+    "forced_in_period": lambda s: s.forced_in_period(1.0, 1.0),
+    "log_forced": lambda s: s.log_forced(1.0),
+    "take_probe": lambda s: s.take_probe(1.0),
 }
 
 

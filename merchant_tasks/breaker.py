@@ -1,0 +1,138 @@
+"""The breaker: a fleet-wide pause on token exchanges, with check, trip and reset.
+
+Kinds and pauses are in docs/design.md, "Guards on exchanges". The record lives in Redis
+(``store.BreakerRecord``), so every process of the fleet obeys one pause; it is only
+opened by the holder of the renewal lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .exceptions import (
+    CredentialsRejected,
+    ExchangeRateLimited,
+    MerchantError,
+    TokenEndpointUnavailable,
+    TokenExchangeError,
+    TokenRejected,
+)
+from .store import BreakerRecord, TokenStore
+from .token import Token
+
+log = logging.getLogger(__name__)
+
+REJECTED_BACKOFF = 60.0  # after rejected credentials, one exchange attempt a minute fleet-wide
+RATE_LIMITED_BACKOFF = 60.0  # after a 429 without Retry-After
+RETRY_AFTER_MARGIN = 0.5  # Retry-After is in whole seconds and each host estimates Redis's
+# clock to within milliseconds: without a margin, one may knock a moment too early
+UNAVAILABLE_BACKOFF = 2.0  # first pause after the endpoint failed; doubles per failure
+UNAVAILABLE_BACKOFF_MAX = 60.0  # ... up to a minute, so recovery is noticed within one
+PROBE_INTERVAL = 2.0  # half-open: with no valid token, one caller per interval fleet-wide
+# makes one exchange attempt during an `unavailable` pause, so recovery after an outage is
+# not held back by the rest of a pause of up to a minute (the first back-off's length)
+
+
+class BreakerKind(enum.StrEnum):
+    """Why exchanges are paused."""
+
+    REJECTED = "rejected"  # the credentials were refused
+    RATE_LIMITED = "rate_limited"  # 429
+    UNAVAILABLE = "unavailable"  # 5xx, timeouts, unreachable
+    REVOKED = "revoked"  # the forced-renewal budget is spent
+
+
+@dataclass(eq=False)
+class Breaker:
+    """Pauses exchanges fleet-wide after failures; ``check`` says whether one may go ahead."""
+
+    store: TokenStore
+    clock: Callable[[], float]
+    secret_fingerprint: Callable[[], str]  # of the secret in use: a replaced one may try again
+    rng: random.Random
+
+    def check(self, fallback: Token | None) -> Token | None:
+        """While exchanges are paused: the still-valid ``fallback``, else the pause's error.
+
+        Returns None when an exchange may go ahead: no pause, or a rejected secret since
+        replaced.
+        """
+        record = self.store.load_breaker()
+        now = self.clock()
+        if record is None or record.until <= now:
+            return None  # the record outlives its pause only to remember the failure count
+        if (
+            record.kind == BreakerKind.REJECTED
+            and record.secret_fingerprint != self.secret_fingerprint()
+        ):
+            return None  # a new secret is in place: try it now
+        if fallback is not None and fallback.expires_at > now:
+            return fallback
+        raise self._error(record, max(0.0, record.until - now))
+
+    def take_probe(self) -> bool:
+        """Half-open: whether this caller may probe the endpoint during an ``unavailable``
+        pause (one caller per PROBE_INTERVAL fleet-wide; only when it has no valid token)."""
+        if not self.store.take_probe(PROBE_INTERVAL):
+            return False
+        log.info("no valid token during an endpoint pause: probing the endpoint once")
+        return True
+
+    def trip(self, exc: TokenExchangeError) -> None:
+        """Open the breaker for the failure ``exc`` of an exchange."""
+        now = self.clock()
+        if isinstance(exc, CredentialsRejected):
+            record = BreakerRecord(
+                BreakerKind.REJECTED, now + REJECTED_BACKOFF, 1, self.secret_fingerprint(), str(exc)
+            )
+        elif isinstance(exc, ExchangeRateLimited):
+            pause = exc.retry_after if exc.retry_after is not None else RATE_LIMITED_BACKOFF
+            record = BreakerRecord(
+                BreakerKind.RATE_LIMITED, now + pause + RETRY_AFTER_MARGIN, 1, "", str(exc)
+            )
+        else:
+            previous = self.store.load_breaker()
+            failures = 1
+            if previous is not None and previous.kind == BreakerKind.UNAVAILABLE:
+                failures = previous.failures + 1
+            pause = min(UNAVAILABLE_BACKOFF * 2 ** (failures - 1), UNAVAILABLE_BACKOFF_MAX)
+            pause *= 0.5 + self.rng.random() / 2  # jitter, so hosts do not retry in step
+            pause = max(pause, getattr(exc, "retry_after", None) or 0.0)
+            record = BreakerRecord(BreakerKind.UNAVAILABLE, now + pause, failures, "", str(exc))
+            self.store.take_probe(PROBE_INTERVAL)  # the first probe comes an interval later
+        self._open(record, now)
+
+    def trip_revoked(self, pause: float, detail: str) -> None:
+        """Open the breaker because tokens keep being revoked (the forced budget is spent)."""
+        now = self.clock()
+        self._open(BreakerRecord(BreakerKind.REVOKED, now + pause, 1, "", detail), now)
+
+    def reset(self) -> None:
+        """Close the breaker after a successful exchange."""
+        if self.store.load_breaker() is not None:
+            self.store.close_breaker()
+
+    def _open(self, record: BreakerRecord, now: float) -> None:
+        self.store.open_breaker(record, now)
+        self.store.count(f"breaker_openings:{record.kind}")
+        log.warning(
+            "token exchanges paused for %.1f s for %s: %s",
+            record.until - now,
+            self.store.namespace,
+            record.detail,
+        )
+
+    @staticmethod
+    def _error(record: BreakerRecord, left: float) -> MerchantError:
+        message = f"token exchanges paused for {left:.0f} s more: {record.detail}"
+        if record.kind == BreakerKind.REJECTED:
+            return CredentialsRejected(message)
+        if record.kind == BreakerKind.RATE_LIMITED:
+            return ExchangeRateLimited(message, retry_after=left)
+        if record.kind == BreakerKind.REVOKED:
+            return TokenRejected(message)
+        return TokenEndpointUnavailable(message, retry_after=left)

@@ -1,0 +1,202 @@
+"""The exchange-and-save step of a renewal, run by the holder of the fleet's lock.
+
+Exchange (the callable passed in: nothing here speaks HTTP), retrying a failing endpoint
+a few times; judge the answer against the stored token (docs/design.md, "An answer no
+better than the stored token"); store it, or mark the stored token final; wake the
+fleet's waiters; keep forced renewals within their budget (docs/design.md, "Refusals").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from tenacity import (
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exception,
+    wait_random_exponential,
+)
+
+from .breaker import Breaker
+from .exceptions import (
+    CredentialsRejected,
+    ExchangeRateLimited,
+    MalformedTokenResponse,
+    RenewalTimeout,
+    TokenEndpointUnavailable,
+    TokenExchangeError,
+    TokenRejected,
+)
+from .exchange import IssuedToken
+from .local_copy import LocalCopy
+from .policy import (
+    FORCED_RENEWAL_BUDGET,
+    FORCED_RENEWAL_PERIOD,
+    CounterName,
+    Outcome,
+    RenewalPolicy,
+    budget_spent_message,
+)
+from .single_flight import owner
+from .store import TokenStore
+from .token import RenewalReason, Token
+
+log = logging.getLogger(__name__)
+
+EXCHANGE_ATTEMPTS = 3  # tries of one renewal against a failing endpoint, while holding the lock
+EXCHANGE_RETRY_WAIT_MAX = 4.0  # longest pause between those tries
+ZERO_LIFETIME_RETRY = 1.0  # expires_in is in whole seconds: a token handed back with 0 left
+# is gone within a second, and then the server issues a new one
+
+
+@dataclasses.dataclass(eq=False)
+class Renewer:
+    """Exchanges for a new token and stores it, if it is better than the stored one."""
+
+    store: TokenStore
+    exchange: Callable[[], IssuedToken]
+    policy: RenewalPolicy
+    breaker: Breaker
+    copy: LocalCopy
+    _: dataclasses.KW_ONLY
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+
+    def renew(self, reason: RenewalReason, *, probe: bool = False) -> Token:
+        """Exchange (retrying a failing endpoint a few times, once for a half-open probe)
+        and store the answer if it is better than the stored token; else mark the stored
+        one final."""
+        expected = self.store.generation()
+        current = self.store.load()
+        if current is not None and current.expires_at <= self.clock() < current.kept_until:
+            # a final token just expired on our clock may live on the server's for as long
+            # as its exchange took: asking before then would be handed it back again
+            self.sleep(max(0.0, current.kept_until - self.clock()))
+        issued_at = self.clock()  # before the exchange: the token is at least this old
+        if current is not None and current.expires_at <= issued_at:
+            current = None
+        if reason == RenewalReason.FORCED:
+            self._spend_forced_budget(issued_at)
+
+        def exchange() -> IssuedToken:
+            issued = self.exchange()
+            if issued.expires_in <= 0 and current is None:
+                # its last token, in its last second: a new one comes once that is over
+                raise TokenEndpointUnavailable(
+                    "token endpoint handed back a token that expires now (expires_in 0)",
+                    retry_after=ZERO_LIFETIME_RETRY,
+                )
+            return issued
+
+        retrying = Retrying(
+            # a Retry-After longer than we may hold the lock is left to the breaker
+            retry=retry_if_exception(
+                lambda exc: (
+                    isinstance(exc, TokenEndpointUnavailable | MalformedTokenResponse)
+                    and (getattr(exc, "retry_after", None) or 0) <= EXCHANGE_RETRY_WAIT_MAX
+                )
+            ),
+            wait=wait_random_exponential(multiplier=0.5, max=EXCHANGE_RETRY_WAIT_MAX)
+            + wait_exception(lambda exc: getattr(exc, "retry_after", None) or 0.0),
+            stop=stop_after_attempt(1 if probe else EXCHANGE_ATTEMPTS),
+            sleep=self.sleep,
+            reraise=True,
+        )
+        try:
+            issued: IssuedToken = retrying(exchange)
+        except TokenExchangeError as exc:
+            self.store.record_exchange(reason, _outcome(exc), self.clock())
+            self.breaker.trip(exc)
+            raise
+        forced = reason == RenewalReason.FORCED
+        expires_at = issued_at + issued.expires_in
+        if current is not None and self.policy.no_better(issued.value, expires_at, current, forced):
+            self.store.record_exchange(reason, Outcome.UNCHANGED, self.clock())
+            return self._keep_final(current, expected, forced)
+        token = Token(
+            value=issued.value,
+            issued_at=issued_at,
+            expires_at=expires_at,
+            generation=expected + 1,
+            renewed_by=owner(),
+            reason=reason.value,
+            lag=max(0.0, self.clock() - issued_at),
+        )
+        written, stored_generation = self.store.save(token)
+        self.store.record_exchange(reason, Outcome.OK, self.clock())
+        if written:
+            self._stored(token)
+            log.info(
+                "renewed token for %s: generation %d, %s, valid %.0f s",
+                self.store.namespace,
+                token.generation,
+                reason,
+                issued.expires_in,
+            )
+            return token
+        if stored_generation == expected:
+            raise MalformedTokenResponse(
+                f"token endpoint issued a token valid {issued.expires_in:g} s, "
+                "which expired before it could be stored"
+            )
+        return self._newer_than_ours(stored_generation)
+
+    def _keep_final(self, current: Token, expected: int, forced: bool) -> Token:
+        """The exchange handed back ``current`` (or worse): no exchange before it expires."""
+        if forced:
+            raise TokenRejected(
+                "the token endpoint handed back the token the API refuses (HTTP 401); "
+                f"it is renewed once it expires, in {current.expires_at - self.clock():.0f} s"
+            )
+        if current.final:
+            return current
+        final = dataclasses.replace(current, generation=expected + 1, final=True)
+        written, stored_generation = self.store.save(final)
+        if not written:
+            return self._newer_than_ours(stored_generation)
+        self._stored(final)
+        log.info(
+            "the token endpoint handed back the stored token for %s: no renewal before it "
+            "expires in %.0f s",
+            self.store.namespace,
+            final.expires_at - self.clock(),
+        )
+        return final
+
+    def _stored(self, token: Token) -> None:
+        """``token`` was written: keep it, close the breaker, wake the fleet's waiters."""
+        self.copy.keep(token)  # the other threads of this process find it there
+        self.breaker.reset()
+        self.store.announce(token.generation)  # best effort: waiters also poll
+
+    def _newer_than_ours(self, stored_generation: int) -> Token:
+        # our lock expired during a slow exchange and a newer token was stored meanwhile
+        newer = self.store.load()
+        log.warning(
+            "discarded a token from a slow exchange: generation %d was stored meanwhile",
+            stored_generation,
+        )
+        if newer is None:
+            raise RenewalTimeout("a newer token was stored during a slow exchange and expired")
+        return newer
+
+    def _spend_forced_budget(self, now: float) -> None:
+        """Count a forced renewal; past the budget, open the breaker instead."""
+        spent = self.store.forced_in_period(now, FORCED_RENEWAL_PERIOD)
+        if spent >= FORCED_RENEWAL_BUDGET:
+            message = budget_spent_message(spent, FORCED_RENEWAL_PERIOD)
+            self.breaker.trip_revoked(FORCED_RENEWAL_PERIOD, message)
+            raise TokenRejected(message)
+        self.store.log_forced(now)
+        self.store.count(CounterName.FORCED_RENEWALS)
+
+
+def _outcome(exc: TokenExchangeError) -> Outcome:
+    if isinstance(exc, CredentialsRejected):
+        return Outcome.REJECTED
+    if isinstance(exc, ExchangeRateLimited):
+        return Outcome.RATE_LIMITED
+    return Outcome.FAILED

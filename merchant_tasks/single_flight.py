@@ -1,0 +1,186 @@
+"""Single flight: at most one renewal at a time for the whole fleet, the others wait for it.
+
+One Redis lock per account across hosts and processes; inside a process, threads take
+their turn first, so in a storm one thread per process talks to Redis while the others
+wait for its token without polling. Processes that find the lock held wait for the
+renewer's announcement (``wakeup.RenewalSignal``), with a bounded poll as the fallback.
+The exchange is passed in as a callable: nothing here speaks HTTP (docs/design.md,
+"Who does what").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
+
+from redis.exceptions import LockError, RedisError
+from redis.lock import Lock
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from .exceptions import RenewalTimeout
+from .policy import CounterName
+from .store import TokenStore
+from .timing import LOCK_WAIT_SECONDS
+from .token import Token
+from .wakeup import RenewalSignal
+
+log = logging.getLogger(__name__)
+
+POLL_INITIAL = 0.02  # first wait for another process's renewal without announcements
+POLL_MAX = 0.25  # longest wait between two looks at the store while another process renews;
+# also the fallback when announcements are heard but one may have been lost
+
+Look = Callable[[], Token | None]
+
+
+@dataclass(frozen=True)
+class Prelude:
+    """A caller's own first look at the store, made in one round trip with the lock attempt
+    (``TokenStore.look_after_401``): the lock it took (None: another holds it, and the wait
+    is counted), and the announcements heard before it looked."""
+
+    lock: Lock | None
+    heard: int
+
+
+@dataclass(eq=False)
+class SingleFlight:
+    """Runs a renewal once fleet-wide; the others get its token, or keep a valid one."""
+
+    store: TokenStore
+    signal: RenewalSignal | None  # None: no announcements, waits poll the store
+    _: KW_ONLY
+    lock_ttl: float  # seconds the fleet's lock lives: the longest renewal, and a margin
+    wait_limit: float  # seconds a caller waits for another's renewal
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+
+    def __post_init__(self) -> None:
+        self.remake_locks()
+
+    def remake_locks(self) -> None:
+        # threads of this process look at the store and renew in turn, one attempt at a time
+        # (reentrant: an exchange keeps its token while holding it)
+        self.turn = threading.RLock()
+
+    def take_turn(self, blocking: bool) -> bool:
+        """Take this process's turn; without ``blocking``, only if no other thread has it.
+
+        A blocking wait lasts at most one attempt of another thread: an exchange and its
+        retries, bounded by the lock TTL (then the caller's own deadline decides)."""
+        if not blocking:
+            return self.turn.acquire(blocking=False)
+        if not self.turn.acquire(timeout=self.lock_ttl):
+            raise RenewalTimeout(
+                f"waited {self.lock_ttl:.1f} s for another thread of this process to renew"
+            )
+        return True
+
+    def run(
+        self,
+        look: Look,
+        renew: Callable[[], Token],
+        fallback: Token | None,
+        *,
+        prelude: Prelude | None = None,
+    ) -> Token:
+        """A token from ``look`` (run in this process's turn), else from ``renew`` under the
+        fleet's lock, else ``fallback`` while it is valid rather than wait.
+
+        ``prelude``: the caller's own first look (see ``Prelude``), which stands for the
+        first attempt.
+        """
+        heard = [0]
+        pending = [prelude] if prelude is not None else []
+        wait_counted: list[bool] = []
+        started = time.monotonic()
+
+        def attempt() -> Token | None:
+            has_fallback = fallback is not None and fallback.expires_at > self.clock()
+            if not self.take_turn(blocking=not has_fallback):
+                return fallback  # another thread of this process is renewing; keep using it
+            try:
+                if pending:
+                    first = pending.pop()
+                    heard[0] = first.heard
+                    lock = first.lock
+                    if lock is None:
+                        wait_counted.append(True)  # by the prelude
+                else:
+                    heard[0] = self.signal.heard if self.signal is not None else 0
+                    found = look()
+                    if found is not None:
+                        return found
+                    lock = self.store.lock(self.lock_ttl)
+                    if not lock.acquire(token=owner()):
+                        lock = None
+                if lock is not None:
+                    try:
+                        # look again: the holder we waited for may have stored a token, or
+                        # failed and paused exchanges (breakers only open under the lock)
+                        return look() or renew()
+                    finally:
+                        release(lock)
+            finally:
+                self.turn.release()
+            if fallback is not None and fallback.expires_at > self.clock():
+                return fallback
+            if not wait_counted:
+                wait_counted.append(True)
+                self.store.count(CounterName.LOCK_WAITS)
+            return None
+
+        def wait(seconds: float) -> None:
+            if self.signal is not None and self.signal.listening:
+                self.signal.wait(heard[0], POLL_MAX)
+            else:
+                self.sleep(seconds)
+
+        wait_for_holder = Retrying(
+            retry=retry_if_result(lambda token: token is None),
+            wait=wait_random_exponential(multiplier=POLL_INITIAL, max=POLL_MAX),
+            stop=stop_after_delay(self.wait_limit)
+            | stop_after_attempt(math.ceil(self.wait_limit / POLL_INITIAL)),
+            sleep=wait,
+            retry_error_callback=self._holder_too_slow,
+        )
+        token = wait_for_holder(attempt)
+        assert token is not None  # the retry only ends on a token or an error
+        if wait_counted:  # found the lock held: how long until a token (metrics.py's histogram)
+            self.store.observe(LOCK_WAIT_SECONDS, time.monotonic() - started)
+        return token
+
+    def _holder_too_slow(self, state: RetryCallState) -> Token:
+        holder = self.store.lock_holder() or "nobody (it expired)"
+        raise RenewalTimeout(
+            f"waited {state.seconds_since_start:.1f} s for the token renewal held by {holder}"
+        )
+
+
+def owner() -> str:
+    """Who renews: host and process, plus a nonce so each lock acquisition is distinct."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def release(lock: Lock) -> None:
+    """Release the renewal lock; one that expired or cannot be reached is only logged."""
+    try:
+        lock.release()
+    except LockError:
+        log.warning("the renewal lock expired before its holder released it")
+    except RedisError as exc:  # the lock's TTL frees it for the next renewal anyway
+        log.warning("could not release the renewal lock: %s", type(exc).__name__)

@@ -1,0 +1,128 @@
+"""Wake-ups on a real Redis: a process waiting for another's renewal is woken when the new
+token is stored, and falls back to polling when announcements are not heard."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from merchant_tasks.exchange import IssuedToken
+from merchant_tasks.local import wait_until
+from merchant_tasks.renewal import TokenManager
+from merchant_tasks.store import TokenStore
+from merchant_tasks.token import Token
+from merchant_tasks.wakeup import RenewalSignal
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def store(redis_client: redis.Redis, key_prefix: str) -> TokenStore:
+    return TokenStore(redis_client, TokenStore.namespace_for(key_prefix, "sandbox", "app-wake"))
+
+
+def listening(signal: RenewalSignal) -> RenewalSignal:
+    signal.start()
+    wait_until(lambda: signal.listening, "the subscription to be confirmed", 10.0)
+    return signal
+
+
+def test_an_announcement_wakes_a_waiting_thread_at_once(store: TokenStore) -> None:
+    signal = listening(RenewalSignal(store))
+    heard = signal.heard
+    timer = threading.Timer(0.05, store.announce, args=(7,))
+    timer.start()
+    assert signal.wait(heard, timeout=30.0)
+    timer.join()
+
+
+def test_a_wait_without_an_announcement_ends_at_its_timeout(store: TokenStore) -> None:
+    signal = listening(RenewalSignal(store))
+    assert not signal.wait(signal.heard, timeout=0.05)
+
+
+def test_an_announcement_heard_before_the_wait_is_not_missed(store: TokenStore) -> None:
+    """The waiter notes what it heard before looking at the store: a renewal announced
+    between that look and its wait ends the wait at once."""
+    signal = listening(RenewalSignal(store))
+    heard = signal.heard
+    assert store.announce(1)
+    wait_until(lambda: signal.heard > heard, "the announcement", 10.0)
+    assert signal.wait(heard, timeout=0.0)
+
+
+def test_the_subscriber_thread_ends_with_its_signal(store: TokenStore) -> None:
+    signal = listening(RenewalSignal(store))
+    thread = signal._thread
+    assert thread is not None
+    del signal
+    gc.collect()
+    thread.join(timeout=10.0)
+    assert not thread.is_alive()
+
+
+def test_without_redis_the_signal_is_not_listening_and_callers_poll(key_prefix: str) -> None:
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    signal = RenewalSignal(TokenStore(dead, key_prefix))
+    signal.start()
+    wait_until(lambda: signal._thread is None, "the subscriber to give up", 10.0)
+    assert not signal.listening
+
+
+def manager_for(
+    store: TokenStore, exchange: Callable[[], IssuedToken], sleeps: list[float]
+) -> TokenManager:
+    return TokenManager(
+        store,
+        exchange,
+        lambda: "fp",
+        renew_before=480.0,
+        renew_mandatory=120.0,
+        exchange_timeout=1.0,
+        sleep=sleeps.append,
+        local_copy_ttl=0.0,
+    )
+
+
+def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Two managers stand for two processes of one account. A renews after a 401 with a
+    slow exchange; B meets the same 401 meanwhile, finds the lock held and waits: it is
+    woken by A's announcement, never sleeping a poll."""
+    namespace = TokenStore.namespace_for(key_prefix, "sandbox", "app-wake")
+    store_a, store_b = TokenStore(redis_client, namespace), TokenStore(redis_client, namespace)
+    exchanging = threading.Event()
+
+    def slow_exchange() -> IssuedToken:
+        exchanging.set()
+        time.sleep(0.3)
+        return IssuedToken("tok-renewed-by-a", 3600.0)
+
+    sleeps_a: list[float] = []
+    sleeps_b: list[float] = []
+    a = manager_for(store_a, slow_exchange, sleeps_a)
+    b = manager_for(store_b, lambda: IssuedToken("tok-never", 3600.0), sleeps_b)
+    now = store_a.time()
+    revoked = Token("tok-revoked", now - 10, now + 3600, 1, "x", "scheduled")
+    assert store_a.save(revoked) == (True, 1)
+    store_a.mark_accepted(1)
+    for manager in (a, b):
+        assert manager.token() == revoked  # each starts hearing announcements
+        assert manager.signal is not None
+        listening(manager.signal)
+
+    renewed: list[Token] = []
+    renewer = threading.Thread(target=lambda: renewed.append(a.renew(stale_token=revoked)))
+    renewer.start()
+    assert exchanging.wait(10.0)
+    token_b = b.renew(stale_token=revoked)
+    renewer.join(10.0)
+    assert renewed[0].value == token_b.value == "tok-renewed-by-a"
+    assert sleeps_b == []  # woken, not polling
+    assert store_a.counters()["lock_waits"] == 1

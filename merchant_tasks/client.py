@@ -75,7 +75,7 @@ class _Unauthorized(Exception):
         self.excerpt = excerpt
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity, as exceptions are
 class _Transient(Exception):
     """Internal: a failure worth retrying (within what the method allows)."""
 

@@ -31,6 +31,8 @@ RENEW_INTERVAL = 60  # beat checks once a minute, well inside the 6-minute advis
 CONNECT_TIMEOUT = 3.05  # slightly above a multiple of 3 s, TCP's retransmission step
 READ_TIMEOUT = 10.0  # a token exchange or API call slower than this is treated as failed
 DEFAULT_TIMEOUTS = (CONNECT_TIMEOUT, READ_TIMEOUT)  # requests' (connect, read) pair
+REJECTED_RETRY_WINDOW = 900  # call_api keeps retrying refused credentials this long: time to
+# write a rotated secret to the secret file before the calls fail for good
 
 
 class Secret:
@@ -85,6 +87,7 @@ class FleetSettings:
     redis_url: str = field(default=DEFAULT_REDIS_URL, repr=False)  # may hold a password
     key_prefix: str = DEFAULT_KEY_PREFIX
     renew_interval: float = RENEW_INTERVAL
+    rejected_retry_window: float = REJECTED_RETRY_WINDOW
 
     def __post_init__(self) -> None:
         if is_sentinel_url(self.redis_url):
@@ -92,6 +95,11 @@ class FleetSettings:
         else:
             _check_url("MERCHANT_REDIS_URL", self.redis_url, ("redis", "rediss", "unix"))
         _check_seconds("MERCHANT_RENEW_INTERVAL", self.renew_interval)
+        if not (self.rejected_retry_window >= 0 and math.isfinite(self.rejected_retry_window)):
+            raise ConfigurationError(
+                "MERCHANT_REJECTED_RETRY_WINDOW must be a finite number of seconds, 0 or more "
+                "(0: a call with refused credentials fails at once)"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FleetSettings:
@@ -101,6 +109,9 @@ class FleetSettings:
             redis_url=env.get("MERCHANT_REDIS_URL") or DEFAULT_REDIS_URL,
             key_prefix=env.get("MERCHANT_KEY_PREFIX") or DEFAULT_KEY_PREFIX,
             renew_interval=env.seconds("MERCHANT_RENEW_INTERVAL", RENEW_INTERVAL),
+            rejected_retry_window=env.seconds(
+                "MERCHANT_REJECTED_RETRY_WINDOW", REJECTED_RETRY_WINDOW
+            ),
         )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from typing import Any
 
@@ -25,6 +24,7 @@ from .client import FleetClient
 from .completions import RECORD_TTL_FACTOR, CompletionRecords
 from .due import claim_ttl
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected
+from .settings import FleetSettings
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,6 @@ TRANSIENT_MAX_RETRIES = 8  # with the back-off below: about 10 minutes of an una
 TRANSIENT_BACKOFF_FACTOR = 2  # seconds; doubles per retry, full jitter
 COUNTDOWN_MAX = 300  # far below the broker's visibility timeout (3600 s), so no redelivery
 REJECTED_RETRY_PACE = 60  # seconds between retries while the credentials are refused
-REJECTED_RETRY_WINDOW = 900  # default of MERCHANT_REJECTED_RETRY_WINDOW: time to rotate
 IDEMPOTENCY_HEADER = "Idempotency-Key"  # the header most payment APIs read (IETF draft name)
 
 _clients: AccountClients | None = None
@@ -106,7 +105,7 @@ def call_api(
         result = api.request(method, path, json=json, params=params, headers=headers)
     except (CredentialsRejected, TokenRejected) as exc:
         # the secret may be rotated meanwhile: retry slowly for a while, then fail clearly
-        window = float(os.environ.get("MERCHANT_REJECTED_RETRY_WINDOW", REJECTED_RETRY_WINDOW))
+        window = FleetSettings.from_env().rejected_retry_window
         raise self.retry(
             exc=exc,
             countdown=REJECTED_RETRY_PACE,

@@ -551,6 +551,19 @@ def test_an_invalid_renew_interval_is_refused_by_fleet_settings_naming_the_varia
         FleetSettings.from_env({"MERCHANT_RENEW_INTERVAL": raw})
 
 
+@pytest.mark.parametrize("raw", ["abc", "-1", "inf"])
+def test_an_invalid_rejected_retry_window_is_refused_naming_the_variable(raw: str) -> None:
+    with pytest.raises(ConfigurationError, match="MERCHANT_REJECTED_RETRY_WINDOW"):
+        FleetSettings.from_env({"MERCHANT_REJECTED_RETRY_WINDOW": raw})
+
+
+def test_a_rejected_retry_window_of_zero_means_fail_at_once() -> None:
+    assert (
+        FleetSettings.from_env({"MERCHANT_REJECTED_RETRY_WINDOW": "0"}).rejected_retry_window == 0
+    )
+    assert FleetSettings.from_env({}).rejected_retry_window == 900
+
+
 def test_account_settings_take_their_fleet_part_from_fleet_settings(
     env: dict[str, str], tmp_path: Path
 ) -> None:

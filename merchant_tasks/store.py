@@ -392,14 +392,14 @@ class TokenStore:
     def observe(self, name: str, seconds: float) -> None:
         """Add one duration to the fleet-wide histogram ``name`` (buckets DURATION_BUCKETS).
 
-        Kept as ``name:le:<bound>`` counts (not cumulative; ``+Inf`` for longer ones),
-        ``name:count`` and ``name:sum_us`` (microseconds: HINCRBY only, no float command).
+        Kept as ``name:le:<bound>`` counts (not cumulative; ``+Inf`` for longer ones; their
+        total is the count) and ``name:sum_us`` (microseconds: HINCRBY only, no float
+        command): two commands an observation.
         Best effort: a failure is logged, never raised, so it cannot fail what it measures.
         """
         bound = next((f"{b:g}" for b in DURATION_BUCKETS if seconds <= b), "+Inf")
         pipe = self.redis.pipeline(transaction=False)
         pipe.hincrby(self.histograms_key, f"{name}:le:{bound}", 1)
-        pipe.hincrby(self.histograms_key, f"{name}:count", 1)
         pipe.hincrby(self.histograms_key, f"{name}:sum_us", round(max(0.0, seconds) * 1e6))
         try:
             pipe.execute()

@@ -30,7 +30,6 @@ import logging
 import os
 import secrets
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,6 +38,7 @@ from typing import Any
 
 import redis
 import requests
+from callers import concurrent_calls
 from harness import (
     SandboxControl,
     commands_processed,
@@ -48,7 +48,7 @@ from harness import (
     sandbox_process,
 )
 
-from merchant_tasks.client import FleetClient, MerchantClient, new_session
+from merchant_tasks.client import FleetClient, MerchantClient, _Call, new_session
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, Secret, Settings
 
 API_KEY = "bench-app-id"
@@ -115,7 +115,7 @@ def hot_path(kind: str, rounds: int, calls: int) -> None:
             response.json()
 
         def send_without_tenacity() -> None:
-            client._send("GET", PING, None, None, None)
+            client._send(client.manager.token(), _Call("GET", PING, None, None, None))
 
         def full_request() -> None:
             client.request("GET", PING)
@@ -173,9 +173,9 @@ def storm(rounds: int) -> None:
                     values.clear()
                 if phase == "storm":
                     control.revoke_all()
-                pool = client.manager.store.redis.connection_pool
+                pool = getattr(client.manager.store.redis, "connection_pool", None)
                 commands = commands_processed(counted)
-                latencies = _concurrent(client, 64)
+                latencies, _ = concurrent_calls([client], 64)
                 commands = commands_processed(counted) - commands
                 http, renew = timers["http"], timers["renew"]
                 print(
@@ -226,25 +226,6 @@ def _instrument(client: FleetClient, timers: dict[str, list[float]]) -> None:
         sleep(seconds)
 
     manager.sleep = counted_sleep
-
-
-def _concurrent(client: FleetClient, callers: int) -> list[float]:
-    started: list[float] = []
-    barrier = threading.Barrier(callers, action=lambda: started.append(time.perf_counter()))
-    latencies = [0.0] * callers
-
-    def call(i: int) -> None:
-        barrier.wait(timeout=30)
-        with contextlib.suppress(Exception):
-            client.request("GET", PING)
-        latencies[i] = time.perf_counter() - started[0]
-
-    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(callers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    return latencies
 
 
 def main() -> None:

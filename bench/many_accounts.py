@@ -23,14 +23,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
 from harness import BENCH_DIR, SandboxControl, ScenarioError, median, sandbox_process, wait_until
 from redis.connection import Connection
+from scenario import Goal, Result, Scenario, Table, yes_no
 
 from merchant_tasks.accounts import AccountClients
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.due import due_accounts, namespace_of
 from merchant_tasks.settings import Secret, Settings
 from merchant_tasks.token import Token
@@ -73,7 +74,7 @@ class _CountingConnection(Connection):
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         _CountingConnection.sent += 1
-        super().send_packed_command(command, check_health)
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
 
 
 def _timed(run: Callable[[], object]) -> tuple[float, int]:
@@ -87,230 +88,252 @@ def _timed(run: Callable[[], object]) -> tuple[float, int]:
 # -- 5. beat's check ------------------------------------------------------------------------
 
 
-def check_scenario(bench: Bench, plan: AccountsPlan) -> None:
-    prefix = f"bench-check-{uuid.uuid4().hex[:8]}"
-    template = Settings(
-        api_key=bench.env()["MERCHANT_API_KEY"],
-        secret=Secret(path=bench.secret_file),
-        base_url=bench.sandbox_url,
-        redis_url=bench.redis_url,
-    )
-    accounts = {
-        f"shop-{n}": replace(template, key_prefix=f"{prefix}-{n}")
-        for n in range(plan.check_accounts)
-    }
-    pool = redis.ConnectionPool.from_url(bench.redis_url, connection_class=_CountingConnection)
-    counting = redis.Redis(connection_pool=pool)
-    try:
-        seconds, micros = counting.time()
-        now = seconds + micros / 1e6
-        pipe = counting.pipeline(transaction=False)
-        for settings in accounts.values():  # every token fresh: nothing is due
-            token = Token("bench-token", now, now + settings.token_lifetime, 1)
-            pipe.set(f"{namespace_of(settings)}:token", token.to_json(), ex=3600)
-        pipe.execute()
+@dataclass(frozen=True)
+class AccountsScenario(Scenario):
+    """A scenario of many accounts, sized by an AccountsPlan."""
 
-        def new_check() -> None:
-            if due_accounts(accounts, lambda url: counting):
-                raise ScenarioError("the check found accounts due; every token is fresh")
+    plan: AccountsPlan
 
-        old_fleet = AccountClients(accounts)
-        old_fleet._redis[bench.redis_url] = counting  # the old loop on the counting client
 
-        def old_loop() -> None:  # renew_token before: each account's manager, one by one
-            for name in old_fleet.accounts:
-                old_fleet.get(name).manager.renew()
+class AccountsCheck(AccountsScenario):
+    """Beat's check of many accounts with nothing due, against the old loop."""
 
-        old_first_ms, old_first_trips = _timed(old_loop)  # builds 1,000 clients first
-        samples: dict[str, list[tuple[float, int]]] = {"new": [], "old": []}
-        for i in range(CHECK_REPEATS):
-            for which in ("new", "old") if i % 2 == 0 else ("old", "new"):
-                samples[which].append(_timed(new_check if which == "new" else old_loop))
-    finally:
-        keys = list(counting.scan_iter(match=f"{prefix}-*", count=1000))
-        for start in range(0, len(keys), 1000):
-            counting.delete(*keys[start : start + 1000])
-        counting.close()
-    new_ms, old_ms = (median([ms for ms, _ in samples[w]]) for w in ("new", "old"))
-    new_trips = max(trips for _, trips in samples["new"])
-    old_trips = max(trips for _, trips in samples["old"])
-    bench.results.update(
-        accounts_check_accounts=plan.check_accounts,
-        accounts_check_ms=round(new_ms, 2),
-        accounts_check_redis_roundtrips=new_trips,
-        accounts_check_old_loop_ms=round(old_ms, 2),
-        accounts_check_old_loop_redis_roundtrips=old_trips,
-        accounts_check_old_loop_first_ms=round(old_first_ms, 1),
-        accounts_check_old_loop_first_redis_roundtrips=old_first_trips,
-    )
-    bench.goals.append(
-        (
-            f"beat's check of {plan.check_accounts} accounts, nothing due: Redis round trips",
-            "1",
-            str(new_trips),
-            new_trips == 1,
+    name: ClassVar[str] = "accounts check"
+
+    def measure(self, bench: Bench) -> Result:
+        plan = self.plan
+        prefix = f"bench-check-{uuid.uuid4().hex[:8]}"
+        template = Settings(
+            api_key=bench.env()["MERCHANT_API_KEY"],
+            secret=Secret(path=bench.secret_file),
+            base_url=bench.sandbox_url,
+            redis_url=bench.redis_url,
         )
-    )
-    bench.sections.append(
-        f"### 5. Beat's check, {plan.check_accounts} accounts, nothing due "
-        f"(median of {CHECK_REPEATS} interleaved runs)\n\n"
-        + _table(
-            ["", "ms", "Redis round trips"],
-            [
-                ["ours: one pipeline (due.py)", f"{new_ms:.2f}", str(new_trips)],
-                ["old loop: manager.renew() per account", f"{old_ms:.2f}", str(old_trips)],
+        accounts = {
+            f"shop-{n}": replace(template, key_prefix=f"{prefix}-{n}")
+            for n in range(plan.check_accounts)
+        }
+        pool = redis.ConnectionPool.from_url(bench.redis_url, connection_class=_CountingConnection)
+        counting = redis.Redis(connection_pool=pool)
+        try:
+            seconds, micros = counting.time()
+            now = seconds + micros / 1e6
+            pipe = counting.pipeline(transaction=False)
+            for settings in accounts.values():  # every token fresh: nothing is due
+                token = Token("bench-token", now, now + settings.token_lifetime, 1)
+                pipe.set(f"{namespace_of(settings)}:token", token.to_json(), ex=3600)
+            pipe.execute()
+
+            def new_check() -> None:
+                if due_accounts(accounts, lambda url: counting):
+                    raise ScenarioError("the check found accounts due; every token is fresh")
+
+            old_fleet = AccountClients(accounts)
+            # the old loop on the counting client
+            old_fleet._redis_by_url[bench.redis_url] = counting
+
+            def old_loop() -> None:  # renew_token before: each account's manager, one by one
+                for name in old_fleet.accounts:
+                    old_fleet.get(name).manager.renew()
+
+            old_first_ms, old_first_trips = _timed(old_loop)  # builds 1,000 clients first
+            samples: dict[str, list[tuple[float, int]]] = {"new": [], "old": []}
+            for i in range(CHECK_REPEATS):
+                for which in ("new", "old") if i % 2 == 0 else ("old", "new"):
+                    samples[which].append(_timed(new_check if which == "new" else old_loop))
+        finally:
+            keys = list(counting.scan_iter(match=f"{prefix}-*", count=1000))
+            for start in range(0, len(keys), 1000):
+                counting.delete(*keys[start : start + 1000])
+            counting.close()
+        new_ms, old_ms = (median([ms for ms, _ in samples[w]]) for w in ("new", "old"))
+        new_trips = max(trips for _, trips in samples["new"])
+        old_trips = max(trips for _, trips in samples["old"])
+        return Result(
+            title=f"5. Beat's check, {plan.check_accounts} accounts, nothing due "
+            f"(median of {CHECK_REPEATS} interleaved runs)",
+            table=Table(
+                ["", "ms", "Redis round trips"],
                 [
-                    "old loop, first run (builds every client)",
-                    f"{old_first_ms:.1f}",
-                    str(old_first_trips),
+                    ["ours: one pipeline (due.py)", f"{new_ms:.2f}", str(new_trips)],
+                    ["old loop: manager.renew() per account", f"{old_ms:.2f}", str(old_trips)],
+                    [
+                        "old loop, first run (builds every client)",
+                        f"{old_first_ms:.1f}",
+                        str(old_first_trips),
+                    ],
                 ],
+            ),
+            json={
+                "accounts_check_accounts": plan.check_accounts,
+                "accounts_check_ms": round(new_ms, 2),
+                "accounts_check_redis_roundtrips": new_trips,
+                "accounts_check_old_loop_ms": round(old_ms, 2),
+                "accounts_check_old_loop_redis_roundtrips": old_trips,
+                "accounts_check_old_loop_first_ms": round(old_first_ms, 1),
+                "accounts_check_old_loop_first_redis_roundtrips": old_first_trips,
+            },
+            goals=[
+                Goal(
+                    f"beat's check of {plan.check_accounts} accounts, nothing due: "
+                    "Redis round trips",
+                    "1",
+                    str(new_trips),
+                    new_trips == 1,
+                )
             ],
         )
-    )
 
 
 # -- 6. cold start through the fleet --------------------------------------------------------
 
 
-def cold_start_scenario(bench: Bench, plan: AccountsPlan) -> None:
-    prefix = f"bench-cold-{uuid.uuid4().hex[:8]}"
-    bench.control.configure(lifetime=plan.lifetime, revoke_on_issue=False)
-    env = bench.env(
-        BENCH_ACCOUNTS=str(plan.accounts),
-        BENCH_ACCOUNTS_PREFIX=prefix,
-        BENCH_API_KEY=bench.env()["MERCHANT_API_KEY"],
-        MERCHANT_ACCOUNTS_SOURCE="many_accounts:accounts_source",
-        MERCHANT_TOKEN_LIFETIME=f"{plan.lifetime:g}",
-        MERCHANT_RENEW_BEFORE=f"{plan.renew_before:g}",
-        MERCHANT_RENEW_MANDATORY=f"{plan.renew_mandatory:g}",
-        MERCHANT_RENEW_INTERVAL=f"{plan.renew_interval:g}",
-        PYTHONPATH=os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p),
-    )
-    del env["MERCHANT_API_KEY"]  # only the source's accounts, no "default" one
-    workdir = bench.workdir / "cold-start"
-    workdir.mkdir()
-    celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
-    namespaces = [f"{prefix}-{n}:sandbox:{env['BENCH_API_KEY']}" for n in range(plan.accounts)]
-    store = bench.store
+class ColdStart(AccountsScenario):
+    """Many accounts with no token, through one beat and one worker, until each renewed."""
 
-    def generations() -> list[int]:
-        pipe = store.pipeline(transaction=False)
-        for namespace in namespaces:
-            pipe.get(f"{namespace}:generation")
-        return [int(g or 0) for g in pipe.execute()]
+    name: ClassVar[str] = "cold start"
 
-    def tokens() -> list[Token]:
-        pipe = store.pipeline(transaction=False)
-        for namespace in namespaces:
-            pipe.get(f"{namespace}:token")
-        return [Token.from_json(raw) for raw in pipe.execute()]
-
-    exchanges_before = bench.control.counters()["exchanges"]["ok"]
-    worker = bench.spawn(
-        "cold-start-worker",
-        [
-            *celery,
-            "worker",
-            "--pool=prefork",
-            "--concurrency=2",
-            "--loglevel=WARNING",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-Q",
-            "merchant-renewal",
-            "-n",
-            f"bench-cold-{uuid.uuid4().hex[:6]}@%h",
-        ],
-        env=env,
-        cwd=workdir,
-    )
-    beat = bench.spawn(
-        "cold-start-beat",
-        [*celery, "beat", "-s", str(workdir / "beat-schedule"), "--loglevel=WARNING"],
-        env=env,
-        cwd=workdir,
-    )
-    try:
-        wait_until(
-            lambda: min(generations()) >= 1,
-            "every account's first token",
-            timeout=plan.lifetime - plan.renew_before,
+    def measure(self, bench: Bench) -> Result:
+        plan = self.plan
+        bench.control.configure(lifetime=plan.lifetime, revoke_on_issue=False)
+        prefix = f"bench-cold-{uuid.uuid4().hex[:8]}"
+        env = bench.env(
+            BENCH_ACCOUNTS=str(plan.accounts),
+            BENCH_ACCOUNTS_PREFIX=prefix,
+            BENCH_API_KEY=bench.env()["MERCHANT_API_KEY"],
+            MERCHANT_ACCOUNTS_SOURCE="many_accounts:accounts_source",
+            MERCHANT_TOKEN_LIFETIME=f"{plan.lifetime:g}",
+            MERCHANT_RENEW_BEFORE=f"{plan.renew_before:g}",
+            MERCHANT_RENEW_MANDATORY=f"{plan.renew_mandatory:g}",
+            MERCHANT_RENEW_INTERVAL=f"{plan.renew_interval:g}",
+            PYTHONPATH=os.pathsep.join(
+                p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p
+            ),
         )
-        first = tokens()
-        wait_until(
-            lambda: min(generations()) >= 2,
-            "every account's renewal",
-            timeout=plan.lifetime + 30,
-        )
-    finally:
-        beat.stop()
-        worker.stop()
-    exchanges = bench.control.counters()["exchanges"]["ok"] - exchanges_before
-    stored = generations()
-    pipe = store.pipeline(transaction=False)
-    for namespace in namespaces:
-        pipe.zrange(f"{namespace}:exchanges", 0, -1, withscores=True)
-    logs: list[list[tuple[bytes, float]]] = pipe.execute()
-    per_account = [sorted(score for _, score in log) for log in logs]
-    # one exchange per renewal: every exchange stored a generation (accounts renewing
-    # early in the window renew again while the last ones take their first renewal)
-    once_each = exchanges == sum(stored) and all(
-        len(times) == generation for times, generation in zip(per_account, stored, strict=True)
-    )
-    renewals = [times[1] for times in per_account if len(times) >= 2]
-    bursts = [times[0] for times in per_account if times]
-    in_time = sum(
-        1
-        for token, times in zip(first, per_account, strict=True)
-        if len(times) >= 2 and times[1] < token.expires_at - plan.renew_mandatory
-    )
-    scheduled = sum(1 for log in logs for member, _ in log if b":scheduled:ok" in member)
-    renewal_rate, burst_rate = _max_per_second(renewals), _max_per_second(bursts)
-    spread = max(renewals) - min(renewals) if renewals else 0.0
-    bench.results.update(
-        accounts_cold_start_accounts=plan.accounts,
-        accounts_cold_start_max_exchanges_per_s=renewal_rate,
-        accounts_cold_start_first_burst_max_exchanges_per_s=burst_rate,
-        accounts_cold_start_renewals_spread_s=round(spread, 1),
-        accounts_cold_start_renewed_before_mandatory=in_time,
-        accounts_cold_start_exchanges=exchanges,
-        accounts_cold_start_one_exchange_each=once_each,
-        accounts_cold_start_scheduled_exchanges=scheduled,
-    )
-    bench.goals += [
-        (
-            "cold start: accounts renewed before their mandatory window",
-            str(plan.accounts),
-            str(in_time),
-            in_time == plan.accounts,
-        ),
-        ("cold start: one exchange per renewal", "yes", met_word(once_each), once_each),
-    ]
-    bench.sections.append(
-        f"### 6. Cold start through the fleet: {plan.accounts} accounts, one beat, one worker "
-        f"(prefork, 2 children); lifetime {plan.lifetime:g} s, advisory window "
-        f"{plan.renew_before:g} s, mandatory {plan.renew_mandatory:g} s, beat every "
-        f"{plan.renew_interval:g} s\n\n"
-        + _table(
-            ["", "value"],
+        del env["MERCHANT_API_KEY"]  # only the source's accounts, no "default" one
+        workdir = bench.workdir / "cold-start"
+        workdir.mkdir()
+        celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
+        namespaces = [f"{prefix}-{n}:sandbox:{env['BENCH_API_KEY']}" for n in range(plan.accounts)]
+        store = bench.store
+
+        def generations() -> list[int]:
+            pipe = store.pipeline(transaction=False)
+            for namespace in namespaces:
+                pipe.get(f"{namespace}:generation")
+            return [int(g or 0) for g in pipe.execute()]
+
+        def tokens() -> list[Token]:
+            pipe = store.pipeline(transaction=False)
+            for namespace in namespaces:
+                pipe.get(f"{namespace}:token")
+            return [Token.from_json(raw) for raw in pipe.execute()]
+
+        exchanges_before = bench.control.counters()["exchanges"]["ok"]
+        worker = bench.spawn(
+            "cold-start-worker",
             [
-                ["first tokens: most exchanges in one second (no token: all due)", str(burst_rate)],
-                ["renewals: most exchanges in one second (spread points)", str(renewal_rate)],
-                ["renewals spread over (s)", f"{spread:.1f}"],
+                *celery,
+                "worker",
+                "--pool=prefork",
+                "--concurrency=2",
+                "--loglevel=WARNING",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-Q",
+                "merchant-renewal",
+                "-n",
+                f"bench-cold-{uuid.uuid4().hex[:6]}@%h",
+            ],
+            env=env,
+            cwd=workdir,
+        )
+        beat = bench.spawn(
+            "cold-start-beat",
+            [*celery, "beat", "-s", str(workdir / "beat-schedule"), "--loglevel=WARNING"],
+            env=env,
+            cwd=workdir,
+        )
+        try:
+            wait_until(
+                lambda: min(generations()) >= 1,
+                "every account's first token",
+                timeout=plan.lifetime - plan.renew_before,
+            )
+            first = tokens()
+            wait_until(
+                lambda: min(generations()) >= 2,
+                "every account's renewal",
+                timeout=plan.lifetime + 30,
+            )
+        finally:
+            beat.stop()
+            worker.stop()
+        exchanges = bench.control.counters()["exchanges"]["ok"] - exchanges_before
+        stored = generations()
+        pipe = store.pipeline(transaction=False)
+        for namespace in namespaces:
+            pipe.zrange(f"{namespace}:exchanges", 0, -1, withscores=True)
+        logs: list[list[tuple[bytes, float]]] = pipe.execute()
+        per_account = [sorted(score for _, score in log) for log in logs]
+        # one exchange per renewal: every exchange stored a generation (accounts renewing
+        # early in the window renew again while the last ones take their first renewal)
+        once_each = exchanges == sum(stored) and all(
+            len(times) == generation for times, generation in zip(per_account, stored, strict=True)
+        )
+        renewals = [times[1] for times in per_account if len(times) >= 2]
+        bursts = [times[0] for times in per_account if times]
+        in_time = sum(
+            1
+            for token, times in zip(first, per_account, strict=True)
+            if len(times) >= 2 and times[1] < token.expires_at - plan.renew_mandatory
+        )
+        scheduled = sum(1 for log in logs for member, _ in log if b":scheduled:ok" in member)
+        renewal_rate, burst_rate = _max_per_second(renewals), _max_per_second(bursts)
+        spread = max(renewals) - min(renewals) if renewals else 0.0
+        return Result(
+            title=f"6. Cold start through the fleet: {plan.accounts} accounts, one beat, "
+            f"one worker (prefork, 2 children); lifetime {plan.lifetime:g} s, advisory window "
+            f"{plan.renew_before:g} s, mandatory {plan.renew_mandatory:g} s, beat every "
+            f"{plan.renew_interval:g} s",
+            table=Table(
+                ["", "value"],
                 [
-                    "renewed before their mandatory window",
-                    f"{in_time} of {plan.accounts}",
+                    [
+                        "first tokens: most exchanges in one second (no token: all due)",
+                        str(burst_rate),
+                    ],
+                    ["renewals: most exchanges in one second (spread points)", str(renewal_rate)],
+                    ["renewals spread over (s)", f"{spread:.1f}"],
+                    [
+                        "renewed before their mandatory window",
+                        f"{in_time} of {plan.accounts}",
+                    ],
+                    ["exchanges (emulator) / accounts", f"{exchanges} / {plan.accounts}"],
+                    ["one exchange per stored generation, every account", str(once_each)],
                 ],
-                ["exchanges (emulator) / accounts", f"{exchanges} / {plan.accounts}"],
-                ["one exchange per stored generation, every account", str(once_each)],
+            ),
+            json={
+                "accounts_cold_start_accounts": plan.accounts,
+                "accounts_cold_start_max_exchanges_per_s": renewal_rate,
+                "accounts_cold_start_first_burst_max_exchanges_per_s": burst_rate,
+                "accounts_cold_start_renewals_spread_s": round(spread, 1),
+                "accounts_cold_start_renewed_before_mandatory": in_time,
+                "accounts_cold_start_exchanges": exchanges,
+                "accounts_cold_start_one_exchange_each": once_each,
+                "accounts_cold_start_scheduled_exchanges": scheduled,
+            },
+            goals=[
+                Goal(
+                    "cold start: accounts renewed before their mandatory window",
+                    str(plan.accounts),
+                    str(in_time),
+                    in_time == plan.accounts,
+                ),
+                Goal("cold start: one exchange per renewal", "yes", yes_no(once_each), once_each),
             ],
         )
-    )
-
-
-def met_word(ok: bool) -> str:
-    return "yes" if ok else "no"
 
 
 def _max_per_second(times: list[float]) -> int:
@@ -327,66 +350,76 @@ def _max_per_second(times: list[float]) -> int:
 # -- 7. hot path with the token sealed -----------------------------------------------------
 
 
-def sealing_scenario(bench: Bench, plan: AccountsPlan) -> None:
-    key_file = bench.workdir / "token-key"
-    key_file.write_text(base64.urlsafe_b64encode(os.urandom(32)).decode())
-    key_file.chmod(0o600)
-    # the emulator behind a keep-alive server: a new connection per call would hide the
-    # client's own cost (as in scenario 3's keep-alive variant)
-    with sandbox_process(bench.workdir, bench.sandbox_env, "tornado") as (url, child):
-        bench.children.append(child)
-        SandboxControl(url).configure(lifetime=7200.0, revoke_on_issue=False)
-        clients = {"clear": _client(bench, url, None), "sealed": _client(bench, url, key_file)}
-        wall: dict[str, list[float]] = {"clear": [], "sealed": []}
-        cpu: dict[str, list[float]] = {"clear": [], "sealed": []}
-        for client in clients.values():
-            client.request("GET", PING)  # token and connection first
-        for i in range(plan.sealing_rounds):
-            for which in ("clear", "sealed") if i % 2 == 0 else ("sealed", "clear"):
-                t0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(plan.sealing_calls):
-                    clients[which].request("GET", PING)
-                wall[which].append((time.perf_counter() - t0) / plan.sealing_calls * 1e6)
-                cpu[which].append((time.process_time() - c0) / plan.sealing_calls * 1e6)
-    # the cost a call pays when it meets a token it has not opened yet (once per process
-    # and renewal: the parsed token is reused until the stored value changes)
-    store = clients["sealed"].manager.store
-    opens = []
-    for _ in range(200):
-        stored = store.codec.seal("a-token-value-of-typical-length-0123456789", store.namespace)
-        t0 = time.perf_counter()
-        store.codec.open(stored, store.namespace)
-        opens.append((time.perf_counter() - t0) * 1e6)
-    clear_us, sealed_us = median(wall["clear"]), median(wall["sealed"])
-    clear_cpu, sealed_cpu = median(cpu["clear"]), median(cpu["sealed"])
-    ratios = [c / s for c, s in zip(wall["clear"], wall["sealed"], strict=True)]
-    ratio = median(ratios)
-    bench.results.update(
-        sealing_hot_path_ratio=round(ratio, 3),
-        sealing_hot_path_ratios=[round(r, 3) for r in ratios],
-        sealing_hot_path_clear_us=round(clear_us, 1),
-        sealing_hot_path_sealed_us=round(sealed_us, 1),
-        sealing_hot_path_clear_cpu_us=round(clear_cpu, 1),
-        sealing_hot_path_sealed_cpu_us=round(sealed_cpu, 1),
-        sealing_open_us=round(median(opens), 1),
-    )
-    bench.sections.append(
-        f"### 7. Hot path with the token sealed at rest: MerchantClient.request against the "
-        f"keep-alive emulator, {plan.sealing_rounds} interleaved rounds of "
-        f"{plan.sealing_calls} calls\n\n"
-        + _table(
-            ["", "µs per call (median round)", "client CPU µs per call"],
-            [
-                ["token in clear", f"{clear_us:.1f}", f"{clear_cpu:.1f}"],
-                ["token sealed (MERCHANT_TOKEN_KEY_FILE)", f"{sealed_us:.1f}", f"{sealed_cpu:.1f}"],
-                ["clear / sealed, median of rounds (1.0 = no cost)", f"{ratio:.3f}", ""],
-                ["opening one sealed value (median of 200)", f"{median(opens):.1f}", ""],
-            ],
+class Sealing(AccountsScenario):
+    """The hot path with the token sealed at rest, against the same in clear."""
+
+    name: ClassVar[str] = "sealing"
+
+    def measure(self, bench: Bench) -> Result:
+        plan = self.plan
+        key_file = bench.workdir / "token-key"
+        key_file.write_text(base64.urlsafe_b64encode(os.urandom(32)).decode())
+        key_file.chmod(0o600)
+        # the emulator behind a keep-alive server: a new connection per call would hide the
+        # client's own cost (as in scenario 3's keep-alive variant)
+        with sandbox_process(bench.workdir, bench.sandbox_env, "tornado") as (url, child):
+            bench.children.append(child)
+            SandboxControl(url).configure(lifetime=7200.0, revoke_on_issue=False)
+            clients = {"clear": _client(bench, url, None), "sealed": _client(bench, url, key_file)}
+            wall: dict[str, list[float]] = {"clear": [], "sealed": []}
+            cpu: dict[str, list[float]] = {"clear": [], "sealed": []}
+            for client in clients.values():
+                client.request("GET", PING)  # token and connection first
+            for i in range(plan.sealing_rounds):
+                for which in ("clear", "sealed") if i % 2 == 0 else ("sealed", "clear"):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    for _ in range(plan.sealing_calls):
+                        clients[which].request("GET", PING)
+                    wall[which].append((time.perf_counter() - t0) / plan.sealing_calls * 1e6)
+                    cpu[which].append((time.process_time() - c0) / plan.sealing_calls * 1e6)
+        # the cost a call pays when it meets a token it has not opened yet (once per process
+        # and renewal: the parsed token is reused until the stored value changes)
+        store = clients["sealed"].manager.store
+        opens = []
+        for _ in range(200):
+            stored = store.codec.seal("a-token-value-of-typical-length-0123456789", store.namespace)
+            t0 = time.perf_counter()
+            store.codec.open(stored, store.namespace)
+            opens.append((time.perf_counter() - t0) * 1e6)
+        clear_us, sealed_us = median(wall["clear"]), median(wall["sealed"])
+        clear_cpu, sealed_cpu = median(cpu["clear"]), median(cpu["sealed"])
+        ratios = [c / s for c, s in zip(wall["clear"], wall["sealed"], strict=True)]
+        ratio = median(ratios)
+        return Result(
+            title=f"7. Hot path with the token sealed at rest: MerchantClient.request against the "
+            f"keep-alive emulator, {plan.sealing_rounds} interleaved rounds of "
+            f"{plan.sealing_calls} calls",
+            table=Table(
+                ["", "µs per call (median round)", "client CPU µs per call"],
+                [
+                    ["token in clear", f"{clear_us:.1f}", f"{clear_cpu:.1f}"],
+                    [
+                        "token sealed (MERCHANT_TOKEN_KEY_FILE)",
+                        f"{sealed_us:.1f}",
+                        f"{sealed_cpu:.1f}",
+                    ],
+                    ["clear / sealed, median of rounds (1.0 = no cost)", f"{ratio:.3f}", ""],
+                    ["opening one sealed value (median of 200)", f"{median(opens):.1f}", ""],
+                ],
+            ),
+            json={
+                "sealing_hot_path_ratio": round(ratio, 3),
+                "sealing_hot_path_ratios": [round(r, 3) for r in ratios],
+                "sealing_hot_path_clear_us": round(clear_us, 1),
+                "sealing_hot_path_sealed_us": round(sealed_us, 1),
+                "sealing_hot_path_clear_cpu_us": round(clear_cpu, 1),
+                "sealing_hot_path_sealed_cpu_us": round(sealed_cpu, 1),
+                "sealing_open_us": round(median(opens), 1),
+            },
         )
-    )
 
 
-def _client(bench: Bench, url: str, key_file: Path | None) -> MerchantClient:
+def _client(bench: Bench, url: str, key_file: Path | None) -> FleetClient:
     settings = Settings(
         api_key=bench.env()["MERCHANT_API_KEY"],
         secret=Secret(path=bench.secret_file),
@@ -398,7 +431,5 @@ def _client(bench: Bench, url: str, key_file: Path | None) -> MerchantClient:
     return MerchantClient.from_settings(settings)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+def scenarios(plan: AccountsPlan) -> list[Scenario]:
+    return [AccountsCheck(plan), ColdStart(plan), Sealing(plan)]

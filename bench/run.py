@@ -42,12 +42,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, ClassVar
@@ -55,6 +54,7 @@ from typing import Any, ClassVar
 import many_accounts
 import redis
 import requests
+from callers import concurrent_calls
 from harness import (
     BENCH_DIR,
     Child,
@@ -70,6 +70,7 @@ from harness import (
     spawn,
     wait_until,
 )
+from scenario import Goal, Result, Scenario, Table, fmt
 
 from merchant_tasks.client import FleetClient, MerchantClient
 from merchant_tasks.settings import DEFAULT_KEY_PREFIX, Secret, Settings, child_env
@@ -88,68 +89,23 @@ HOT_PATH_GOAL = 0.97
 REDIS_OPS_GOAL = 1.0
 CELERY_GOAL = 0.95
 STATIC_TOKEN_KEY = "bench:static-token"  # the bare Celery task's token, written by the bench
-
-log = logging.getLogger("bench")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Sizes of one run."""
-
-    name: str
-    processes: int  # P
-    threads: int  # T
-    duration: float  # D, seconds
-    lifetime: float  # L, seconds
-    advisory: float  # R, seconds
-    storm_rounds: int
-    storm_lag_rounds: int
-    hot_rounds: int
-    hot_calls: int
-    celery_pairs: int
-    celery_tasks: int
-    celery_concurrency: int = 2
-
-    @property
-    def mandatory(self) -> float:
-        return round(self.advisory / 3, 3)
-
-    @property
-    def renew_interval(self) -> float:
-        return round(self.lifetime / 10, 3)
-
-    @property
-    def minimum_exchanges(self) -> int:
-        return math.ceil(self.duration / (self.lifetime - self.advisory))
-
-
-QUICK = Plan(
-    name="quick",
-    processes=2,
-    threads=4,
-    duration=4.0,
-    lifetime=3.0,
-    advisory=1.0,
-    storm_rounds=3,
-    storm_lag_rounds=1,
-    hot_rounds=5,
-    hot_calls=300,
-    celery_pairs=2,
-    celery_tasks=100,
-)
-FULL = Plan(
-    name="full",
-    processes=4,
-    threads=4,
-    duration=20.0,
-    lifetime=4.0,
-    advisory=1.5,
-    storm_rounds=10,
-    storm_lag_rounds=3,
-    hot_rounds=7,
-    hot_calls=2000,
-    celery_pairs=5,
-    celery_tasks=400,
+HEADLINE_KEYS = (  # first in the JSON line, null when their scenario could not run
+    "exchanges_ours",
+    "exchanges_minimum",
+    "exchanges_peer_per_process",
+    "exchanges_peer_shared_nolock",
+    "storm_exchanges",
+    "storm_p99_added_ms",
+    "storm_overhead_p99_ms",
+    "storm_slow_exchange_overhead_p99_ms",
+    "storm_redis_cmds_per_waiter",
+    "hot_path_ratio",
+    "redis_ops_per_call",
+    "celery_ratio",
+    "accounts_check_ms",
+    "accounts_check_redis_roundtrips",
+    "accounts_cold_start_max_exchanges_per_s",
+    "sealing_hot_path_ratio",
 )
 
 CONTENDERS = (
@@ -159,12 +115,13 @@ CONTENDERS = (
 )
 JSON_NAMES = {"ours": "ours", "authlib": "peer_per_process", "nolock": "peer_shared_nolock"}
 
+log = logging.getLogger("bench")
+
 
 @dataclass
 class Bench:
-    """What the scenarios share: the servers, the plan, and what they found."""
+    """What the scenarios share: the servers and the processes started for them."""
 
-    plan: Plan
     workdir: Path
     redis_url: str
     sandbox_url: str
@@ -172,10 +129,6 @@ class Bench:
     control: SandboxControl
     store: redis.Redis
     sandbox_env: dict[str, str]
-    results: dict[str, Any] = field(default_factory=dict)
-    sections: list[str] = field(default_factory=list)
-    goals: list[tuple[str, str, str, bool | None]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
 
     def settings(self, prefix: str, base_url: str | None = None, **fields: Any) -> Settings:
@@ -200,9 +153,8 @@ class Bench:
         self, prefix: str, base_url: str | None = None, redis_client: redis.Redis | None = None
     ) -> FleetClient:
         """A MerchantClient in this process, default windows, its own key prefix."""
-        return MerchantClient.from_settings(
-            self.settings(prefix, base_url), redis_client=redis_client
-        )
+        settings = self.settings(prefix, base_url)
+        return MerchantClient.from_settings(settings, redis_client=redis_client)
 
     def spawn(self, name: str, argv: list[str], **kwargs: Any) -> Child:
         child = spawn(name, argv, self.workdir / f"{name}.log", **kwargs)
@@ -215,16 +167,6 @@ def progress(message: str) -> None:
     sys.stderr.flush()
 
 
-def fmt(value: float | None, digits: int = 0) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return f"{value:,.{digits}f}"
-
-
-def met(ok: bool | None) -> str:
-    return {True: "yes", False: "**no**", None: "n/a"}[ok]
-
-
 def compact(error: str, limit: int = 400) -> str:
     """One line for a report: the first line of an error and, if more, its last line."""
     lines = [line.strip() for line in error.splitlines() if line.strip()]
@@ -232,12 +174,6 @@ def compact(error: str, limit: int = 400) -> str:
         lines = [lines[0].removesuffix("Traceback (most recent call last):").strip(), lines[-1]]
     text = " ... ".join(lines)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 # -- 1. fleet economy ---------------------------------------------------------------------
@@ -256,174 +192,189 @@ class FleetRun:
     errors: dict[str, int]
     beat_errors: dict[str, int]
 
-
-def fleet_run(bench: Bench, contender: str, revoke_on_issue: bool) -> FleetRun:
-    plan = bench.plan
-    bench.control.configure(lifetime=plan.lifetime, revoke_on_issue=revoke_on_issue)
-    bench.control.revoke_all()  # nothing issued for an earlier run stays usable
-    tag = uuid.uuid4().hex[:8]
-    ready_key, go_key = f"bench:{tag}:ready", f"bench:{tag}:go"
-    windows = bench.settings(
-        f"bench-{tag}",
-        token_lifetime=plan.lifetime,
-        renew_before=plan.advisory,
-        renew_mandatory=plan.mandatory,
-        renew_interval=plan.renew_interval,
-    )
-    env = bench.env(
-        windows,
-        BENCH_REDIS_URL=bench.redis_url,
-        BENCH_READY_KEY=ready_key,
-        BENCH_GO_KEY=go_key,
-        BENCH_ADVISORY=repr(plan.advisory),
-        BENCH_SHARED_KEY=f"bench:{tag}:shared-token",
-    )
-    roles = [contender] * plan.processes + (["beat"] if contender == "ours" else [])
-    worker = str(BENCH_DIR / "fleet_worker.py")
-    children = [
-        bench.spawn(
-            f"fleet-{contender}-{'revoke' if revoke_on_issue else 'keep'}-{i}-{role}",
-            [sys.executable, worker, role, str(plan.threads), repr(plan.duration)],
-            env=env,
-            stdout_pipe=True,
-        )
-        for i, role in enumerate(roles)
-    ]
-    try:
-
-        def all_ready() -> bool:
-            for child in children:
-                if child.process.poll() is not None:
-                    raise ScenarioError(f"{child.name} exited early: {child.log_tail()}")
-            return int(bench.store.get(ready_key) or 0) == len(children)
-
-        wait_until(all_ready, f"{len(children)} fleet processes", timeout=60)
-        before = bench.control.counters()
-        bench.store.set(go_key, repr(time.time() + 0.3))
-        outputs: list[dict[str, Any]] = []
-        for child in children:
-            try:
-                out, _ = child.process.communicate(timeout=plan.duration + 60)
-            except Exception as exc:
-                raise ScenarioError(f"{child.name} did not finish: {child.log_tail()}") from exc
-            if child.process.returncode != 0:
-                raise ScenarioError(f"{child.name} failed: {child.log_tail()}")
-            outputs.append(last_json_line(out.decode(errors="replace")))
-        after = bench.control.counters()
-    finally:
-        for child in children:
-            child.stop()
-            if child.process.stdout is not None:
-                child.process.stdout.close()
-    delta = counter_delta(before, after)
-    callers = [o for o in outputs if o["role"] != "beat"]
-    errors: Counter[str] = Counter()
-    beat_errors: Counter[str] = Counter()
-    for output in outputs:
-        (beat_errors if output["role"] == "beat" else errors).update(output["errors"])
-    return FleetRun(
-        contender=contender,
-        revoke_on_issue=revoke_on_issue,
-        exchanges=delta["exchanges.ok"],
-        exchange_refusals=sum(v for k, v in delta.items() if k.startswith("exchanges."))
-        - delta["exchanges.ok"],
-        unauthorized=delta["calls.unauthorized"],
-        failed=sum(int(o["failed"]) for o in callers),
-        ok=sum(int(o["ok"]) for o in callers),
-        server_ok=delta["calls.ok"],
-        errors=dict(errors),
-        beat_errors=dict(beat_errors),
-    )
+    def json(self) -> dict[str, Any]:
+        """This run's keys: the contender's JSON name, then the emulator's mode."""
+        mode = "_revoke_on_issue" if self.revoke_on_issue else ""
+        name = JSON_NAMES[self.contender] + mode
+        found: dict[str, Any] = {
+            f"exchanges_{name}": self.exchanges,
+            f"unauthorized_{name}": self.unauthorized,
+            f"failed_calls_{name}": self.failed,
+            f"calls_ok_{name}": self.ok,
+        }
+        if self.exchange_refusals:
+            found[f"exchanges_refused_{name}"] = self.exchange_refusals
+        if self.errors:
+            found[f"errors_{name}"] = self.errors
+        if self.beat_errors:
+            found[f"beat_errors{mode}"] = self.beat_errors
+        return found
 
 
-def fleet(bench: Bench) -> None:
-    plan = bench.plan
-    minimum = plan.minimum_exchanges
-    bench.results["exchanges_minimum"] = minimum
-    runs: list[FleetRun] = []
-    for revoke in (False, True):
-        for contender, _ in CONTENDERS:
-            started = time.monotonic()
-            try:
-                run = fleet_run(bench, contender, revoke)
-            except Exception as exc:  # one contender that cannot run does not stop the rest
-                log.exception("fleet run %s (revoke_on_issue=%s) could not run", contender, revoke)
-                bench.errors.append(
-                    compact(
-                        f"fleet {contender} revoke_on_issue={revoke}: {type(exc).__name__}: {exc}"
+@dataclass(frozen=True)
+class Fleet(Scenario):
+    """P processes x T threads calling for D seconds with token lifetime L and advisory
+    window R, each contender in turn, with the emulator's revoke-on-issue off and on."""
+
+    processes: int  # P
+    threads: int  # T
+    duration: float  # D, seconds
+    lifetime: float  # L, seconds
+    advisory: float  # R, seconds
+    name: ClassVar[str] = "fleet"
+
+    @property
+    def mandatory(self) -> float:
+        return round(self.advisory / 3, 3)
+
+    @property
+    def renew_interval(self) -> float:
+        return round(self.lifetime / 10, 3)
+
+    @property
+    def minimum_exchanges(self) -> int:
+        return math.ceil(self.duration / (self.lifetime - self.advisory))
+
+    def measure(self, bench: Bench) -> Result:
+        minimum = self.minimum_exchanges
+        found: dict[str, Any] = {"exchanges_minimum": minimum}
+        runs: list[FleetRun] = []
+        errors: list[str] = []
+        for revoke in (False, True):
+            for contender, _ in CONTENDERS:
+                started = time.monotonic()
+                try:
+                    run = self.run(bench, contender, revoke)
+                except Exception as exc:  # one contender that cannot run does not stop the rest
+                    log.exception(
+                        "fleet run %s (revoke_on_issue=%s) could not run", contender, revoke
+                    )
+                    what = f"fleet {contender} revoke_on_issue={revoke}"
+                    errors.append(compact(f"{what}: {type(exc).__name__}: {exc}"))
+                    continue
+                runs.append(run)
+                progress(
+                    f"fleet {contender} revoke_on_issue={revoke}: {run.exchanges} exchanges, "
+                    f"{run.unauthorized} 401s, {run.failed} failed, {run.ok} ok "
+                    f"({time.monotonic() - started:.1f} s)"
+                )
+                found.update(run.json())
+        labels = dict(CONTENDERS)
+        rows = [
+            [
+                labels[r.contender],
+                "on" if r.revoke_on_issue else "off",
+                str(r.exchanges),
+                f"{r.exchanges / minimum:.2f}",
+                str(r.unauthorized),
+                str(r.failed),
+                f"{r.ok:,}",
+                f"{r.ok / self.duration:,.0f}",
+            ]
+            for r in runs
+        ]
+        header = ["contender", "revoke-on-issue", "exchanges", "x minimum", "401s"]
+        header += ["failed calls", "calls ok", "calls/s"]
+        goals: list[Goal] = []
+        for r in runs:
+            if r.contender == "ours":
+                mode = f"ours, revoke-on-issue {'on' if r.revoke_on_issue else 'off'}"
+                goals.append(
+                    Goal(
+                        f"fleet exchanges, {mode}",
+                        f"<= {minimum}",
+                        str(r.exchanges),
+                        r.exchanges <= minimum,
                     )
                 )
-                continue
-            runs.append(run)
-            progress(
-                f"fleet {contender} revoke_on_issue={revoke}: {run.exchanges} exchanges, "
-                f"{run.unauthorized} 401s, {run.failed} failed, {run.ok} ok "
-                f"({time.monotonic() - started:.1f} s)"
-            )
-            suffix = "_revoke_on_issue" if revoke else ""
-            name = JSON_NAMES[contender]
-            bench.results[f"exchanges_{name}{suffix}"] = run.exchanges
-            bench.results[f"unauthorized_{name}{suffix}"] = run.unauthorized
-            bench.results[f"failed_calls_{name}{suffix}"] = run.failed
-            bench.results[f"calls_ok_{name}{suffix}"] = run.ok
-            if run.exchange_refusals:
-                bench.results[f"exchanges_refused_{name}{suffix}"] = run.exchange_refusals
-            if run.errors:
-                bench.results[f"errors_{name}{suffix}"] = run.errors
-            if run.beat_errors:
-                bench.results[f"beat_errors{suffix}"] = run.beat_errors
-    labels = dict(CONTENDERS)
-    rows = [
-        [
-            labels[r.contender],
-            "on" if r.revoke_on_issue else "off",
-            str(r.exchanges),
-            f"{r.exchanges / minimum:.2f}",
-            str(r.unauthorized),
-            str(r.failed),
-            f"{r.ok:,}",
-            f"{r.ok / plan.duration:,.0f}",
-        ]
-        for r in runs
-    ]
-    bench.sections.append(
-        f"### 1. Fleet economy: {plan.processes} processes x {plan.threads} threads, "
-        f"{plan.duration:g} s, lifetime L={plan.lifetime:g} s, advisory R={plan.advisory:g} s "
-        f"(mandatory {plan.mandatory:g} s, beat every {plan.renew_interval:g} s)\n\n"
-        f"minimum exchanges = ceil(D / (L - R)) = {minimum}\n\n"
-        + table(
-            [
-                "contender",
-                "revoke-on-issue",
-                "exchanges",
-                "x minimum",
-                "401s",
-                "failed calls",
-                "calls ok",
-                "calls/s",
-            ],
-            rows,
+                goals.append(Goal(f"fleet failed calls, {mode}", "0", str(r.failed), r.failed == 0))
+        return Result(
+            title=f"1. Fleet economy: {self.processes} processes x {self.threads} threads, "
+            f"{self.duration:g} s, lifetime L={self.lifetime:g} s, advisory R={self.advisory:g} s "
+            f"(mandatory {self.mandatory:g} s, beat every {self.renew_interval:g} s)",
+            table=Table(header, rows),
+            json=found,
+            goals=goals,
+            notes=[f"minimum exchanges = ceil(D / (L - R)) = {minimum}"],
+            errors=errors,
         )
-    )
-    for r in runs:
-        if r.contender == "ours":
-            mode = "on" if r.revoke_on_issue else "off"
-            bench.goals.append(
-                (
-                    f"fleet exchanges, ours, revoke-on-issue {mode}",
-                    f"<= {minimum}",
-                    str(r.exchanges),
-                    r.exchanges <= minimum,
-                )
+
+    def run(self, bench: Bench, contender: str, revoke_on_issue: bool) -> FleetRun:
+        bench.control.configure(lifetime=self.lifetime, revoke_on_issue=revoke_on_issue)
+        bench.control.revoke_all()  # nothing issued for an earlier run stays usable
+        tag = uuid.uuid4().hex[:8]
+        ready_key, go_key = f"bench:{tag}:ready", f"bench:{tag}:go"
+        windows = bench.settings(
+            f"bench-{tag}",
+            token_lifetime=self.lifetime,
+            renew_before=self.advisory,
+            renew_mandatory=self.mandatory,
+            renew_interval=self.renew_interval,
+        )
+        env = bench.env(
+            windows,
+            BENCH_REDIS_URL=bench.redis_url,
+            BENCH_READY_KEY=ready_key,
+            BENCH_GO_KEY=go_key,
+            BENCH_ADVISORY=repr(self.advisory),
+            BENCH_SHARED_KEY=f"bench:{tag}:shared-token",
+        )
+        roles = [contender] * self.processes + (["beat"] if contender == "ours" else [])
+        worker = str(BENCH_DIR / "fleet_worker.py")
+        children = [
+            bench.spawn(
+                f"fleet-{contender}-{'revoke' if revoke_on_issue else 'keep'}-{i}-{role}",
+                [sys.executable, worker, role, str(self.threads), repr(self.duration)],
+                env=env,
+                stdout_pipe=True,
             )
-            bench.goals.append(
-                (
-                    f"fleet failed calls, ours, revoke-on-issue {mode}",
-                    "0",
-                    str(r.failed),
-                    r.failed == 0,
-                )
-            )
+            for i, role in enumerate(roles)
+        ]
+        try:
+
+            def all_ready() -> bool:
+                for child in children:
+                    if child.process.poll() is not None:
+                        raise ScenarioError(f"{child.name} exited early: {child.log_tail()}")
+                return int(bench.store.get(ready_key) or 0) == len(children)
+
+            wait_until(all_ready, f"{len(children)} fleet processes", timeout=60)
+            before = bench.control.counters()
+            bench.store.set(go_key, repr(time.time() + 0.3))
+            outputs: list[dict[str, Any]] = []
+            for child in children:
+                try:
+                    out, _ = child.process.communicate(timeout=self.duration + 60)
+                except Exception as exc:
+                    raise ScenarioError(f"{child.name} did not finish: {child.log_tail()}") from exc
+                if child.process.returncode != 0:
+                    raise ScenarioError(f"{child.name} failed: {child.log_tail()}")
+                outputs.append(last_json_line(out.decode(errors="replace")))
+            after = bench.control.counters()
+        finally:
+            for child in children:
+                child.stop()
+                if child.process.stdout is not None:
+                    child.process.stdout.close()
+        delta = counter_delta(before, after)
+        callers = [o for o in outputs if o["role"] != "beat"]
+        errors: Counter[str] = Counter()
+        beat_errors: Counter[str] = Counter()
+        for output in outputs:
+            (beat_errors if output["role"] == "beat" else errors).update(output["errors"])
+        return FleetRun(
+            contender=contender,
+            revoke_on_issue=revoke_on_issue,
+            exchanges=delta["exchanges.ok"],
+            exchange_refusals=sum(v for k, v in delta.items() if k.startswith("exchanges."))
+            - delta["exchanges.ok"],
+            unauthorized=delta["calls.unauthorized"],
+            failed=sum(int(o["failed"]) for o in callers),
+            ok=sum(int(o["ok"]) for o in callers),
+            server_ok=delta["calls.ok"],
+            errors=dict(errors),
+            beat_errors=dict(beat_errors),
+        )
 
 
 # -- 2. 401 storm -------------------------------------------------------------------------
@@ -436,12 +387,12 @@ class CountingConnection(redis.Connection):
 
     def send_command(self, *args: Any, **kwargs: Any) -> None:
         self.counts[str(args[0]).upper().split()[0]] += 1
-        super().send_command(*args, **kwargs)
+        super().send_command(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     def pack_commands(self, commands: Any) -> list[bytes | memoryview]:
         for command in commands:
             self.counts[str(command[0]).upper().split()[0]] += 1
-        return super().pack_commands(commands)
+        return super().pack_commands(commands)  # type: ignore[no-untyped-call, no-any-return]
 
 
 @dataclass
@@ -454,7 +405,9 @@ class StormProcess:
 
 
 def storm_process(bench: Bench, prefix: str) -> StormProcess:
-    counting = type("Counting", (CountingConnection,), {"counts": Counter()})
+    counting: type[CountingConnection] = type(
+        "Counting", (CountingConnection,), {"counts": Counter()}
+    )
     pool = redis.ConnectionPool.from_url(bench.redis_url, connection_class=counting)
     client = bench.client(prefix, redis_client=redis.Redis(connection_pool=pool))
     timed: list[float] = []
@@ -469,34 +422,6 @@ def storm_process(bench: Bench, prefix: str) -> StormProcess:
 
     client.manager.exchange = timed_exchange
     return StormProcess(client, counting.counts, timed)
-
-
-def concurrent_calls(clients: list[FleetClient], callers: int) -> tuple[list[float], Counter[str]]:
-    """``callers`` threads call at once, spread over ``clients``; latency of each from the
-    common start, in seconds."""
-    started: list[float] = []
-    barrier = threading.Barrier(callers, action=lambda: started.append(time.perf_counter()))
-    latencies = [math.nan] * callers
-    errors: Counter[str] = Counter()
-    lock = threading.Lock()
-
-    def call(i: int) -> None:
-        barrier.wait(timeout=30)
-        try:
-            clients[i % len(clients)].request("GET", PING)
-        except Exception as exc:
-            with lock:
-                errors[type(exc).__name__] += 1
-        latencies[i] = time.perf_counter() - started[0]
-
-    threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(callers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    if any(thread.is_alive() for thread in threads):
-        raise ScenarioError("storm callers did not finish within 60 s")
-    return latencies, errors
 
 
 @dataclass
@@ -574,6 +499,33 @@ class StormFigures:
     errors: Counter[str]
     waiter_commands: float
 
+    def rows(self, name: str) -> list[list[str]]:
+        """This latency's rows of the storm's table."""
+        floor = f"2 x calm p99 + exchange {self.exchange_ms:.1f} ms"
+        return [
+            [
+                f"{name}: same calls, no storm",
+                fmt(self.calm_p50, 1),
+                fmt(self.calm_p99, 1),
+                *["", "", ""],
+            ],
+            [
+                f"{name}: right after revoke-all",
+                fmt(self.storm_p50, 1),
+                fmt(self.storm_p99, 1),
+                f"max {max(self.per_round)} ({', '.join(map(str, self.per_round))})",
+                str(self.unauthorized),
+                str(sum(self.errors.values())),
+            ],
+            [
+                f"{name}: overhead over the floor ({floor})",
+                "",
+                fmt(self.overhead_p99, 1),
+                f"{fmt(self.waiter_commands, 1)} Redis commands per waiting process",
+                *["", ""],
+            ],
+        ]
+
 
 def storm_figures(rounds: list[StormRound]) -> StormFigures:
     ms = 1000.0
@@ -596,140 +548,125 @@ def storm_figures(rounds: list[StormRound]) -> StormFigures:
     )
 
 
-def storm(bench: Bench) -> None:
-    plan = bench.plan
-    bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False, token_latency=0.0)
-    fast = storm_figures([storm_round(bench, False) for _ in range(plan.storm_rounds)])
-    lagging = [storm_round(bench, renewed_elsewhere=True) for _ in range(plan.storm_lag_rounds)]
-    bench.control.configure(token_latency=SLOW_EXCHANGE)
-    try:
-        slow = storm_figures([storm_round(bench, False) for _ in range(plan.storm_rounds)])
-    finally:
-        bench.control.configure(token_latency=0.0)
-    lag_errors: Counter[str] = sum((r.errors for r in lagging), Counter())
-    lag_exchanges = [r.exchanges for r in lagging]
-    lag_failed = sum(lag_errors.values())
-    worst = max(fast.per_round + slow.per_round)
-    failed = sum(fast.errors.values()) + sum(slow.errors.values())
-    bench.results.update(
-        storm_exchanges=worst,
-        storm_exchanges_per_round=fast.per_round,
-        storm_slow_exchange_exchanges_per_round=slow.per_round,
-        storm_rounds=plan.storm_rounds,
-        storm_processes=STORM_PROCESSES,
-        storm_unauthorized=fast.unauthorized,
-        storm_failed_calls=failed,
-        storm_p50_ms=round(fast.storm_p50, 2),
-        storm_p99_ms=round(fast.storm_p99, 2),
-        storm_calm_p50_ms=round(fast.calm_p50, 2),
-        storm_calm_p99_ms=round(fast.calm_p99, 2),
-        storm_p50_added_ms=round(fast.storm_p50 - fast.calm_p50, 2),
-        storm_p99_added_ms=round(fast.storm_p99 - fast.calm_p99, 2),
-        storm_exchange_ms=round(fast.exchange_ms, 2),
-        storm_overhead_p99_ms=round(fast.overhead_p99, 2),
-        storm_slow_exchange_p99_ms=round(slow.storm_p99, 2),
-        storm_slow_exchange_calm_p99_ms=round(slow.calm_p99, 2),
-        storm_slow_exchange_ms=round(slow.exchange_ms, 2),
-        storm_slow_exchange_overhead_p99_ms=round(slow.overhead_p99, 2),
-        storm_redis_cmds_per_waiter=round(fast.waiter_commands, 2),
-        storm_slow_exchange_redis_cmds_per_waiter=round(slow.waiter_commands, 2),
-        storm_after_renewal_exchanges_per_round=lag_exchanges,
-        storm_after_renewal_unauthorized=sum(r.unauthorized for r in lagging),
-        storm_after_renewal_failed_calls=lag_failed,
-    )
-    errors = fast.errors + slow.errors
-    if errors:
-        bench.results["storm_errors"] = dict(errors)
-    if lag_errors:
-        bench.results["storm_after_renewal_errors"] = dict(lag_errors)
-    progress(
-        f"storm: exchanges per round {fast.per_round} / slow {slow.per_round}, overhead p99 "
-        f"{fast.overhead_p99:.1f} / slow {slow.overhead_p99:.1f} ms, Redis commands per "
-        f"waiter {fast.waiter_commands:.1f}; after a renewal elsewhere: exchanges "
-        f"{lag_exchanges}, {lag_failed} failed calls"
-    )
-    calls = STORM_CALLERS * len(lagging)
+@dataclass(frozen=True)
+class Storm(Scenario):
+    """64 concurrent callers over STORM_PROCESSES clients right after revoke-all, against
+    the same calls without a storm, with the token endpoint fast and slow; then revoke-all
+    just after another process renewed."""
 
-    def rows(name: str, f: StormFigures) -> list[list[str]]:
-        return [
-            [f"{name}: same calls, no storm", fmt(f.calm_p50, 1), fmt(f.calm_p99, 1), "", "", ""],
+    rounds: int
+    lag_rounds: int
+    name: ClassVar[str] = "storm"
+
+    def measure(self, bench: Bench) -> Result:
+        bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False, token_latency=0.0)
+        fast = storm_figures([storm_round(bench, False) for _ in range(self.rounds)])
+        lagging = [storm_round(bench, renewed_elsewhere=True) for _ in range(self.lag_rounds)]
+        bench.control.configure(token_latency=SLOW_EXCHANGE)
+        try:
+            slow = storm_figures([storm_round(bench, False) for _ in range(self.rounds)])
+        finally:
+            bench.control.configure(token_latency=0.0)
+        lag_errors: Counter[str] = sum((r.errors for r in lagging), Counter())
+        lag_exchanges = [r.exchanges for r in lagging]
+        lag_unauthorized = sum(r.unauthorized for r in lagging)
+        lag_failed = sum(lag_errors.values())
+        worst = max(fast.per_round + slow.per_round)
+        errors = fast.errors + slow.errors
+        failed = sum(errors.values())
+        found: dict[str, Any] = {
+            "storm_exchanges": worst,
+            "storm_exchanges_per_round": fast.per_round,
+            "storm_slow_exchange_exchanges_per_round": slow.per_round,
+            "storm_rounds": self.rounds,
+            "storm_processes": STORM_PROCESSES,
+            "storm_unauthorized": fast.unauthorized,
+            "storm_failed_calls": failed,
+            "storm_p50_ms": round(fast.storm_p50, 2),
+            "storm_p99_ms": round(fast.storm_p99, 2),
+            "storm_calm_p50_ms": round(fast.calm_p50, 2),
+            "storm_calm_p99_ms": round(fast.calm_p99, 2),
+            "storm_p50_added_ms": round(fast.storm_p50 - fast.calm_p50, 2),
+            "storm_p99_added_ms": round(fast.storm_p99 - fast.calm_p99, 2),
+            "storm_exchange_ms": round(fast.exchange_ms, 2),
+            "storm_overhead_p99_ms": round(fast.overhead_p99, 2),
+            "storm_slow_exchange_p99_ms": round(slow.storm_p99, 2),
+            "storm_slow_exchange_calm_p99_ms": round(slow.calm_p99, 2),
+            "storm_slow_exchange_ms": round(slow.exchange_ms, 2),
+            "storm_slow_exchange_overhead_p99_ms": round(slow.overhead_p99, 2),
+            "storm_redis_cmds_per_waiter": round(fast.waiter_commands, 2),
+            "storm_slow_exchange_redis_cmds_per_waiter": round(slow.waiter_commands, 2),
+            "storm_after_renewal_exchanges_per_round": lag_exchanges,
+            "storm_after_renewal_unauthorized": lag_unauthorized,
+            "storm_after_renewal_failed_calls": lag_failed,
+        }
+        if errors:
+            found["storm_errors"] = dict(errors)
+        if lag_errors:
+            found["storm_after_renewal_errors"] = dict(lag_errors)
+        progress(
+            f"storm: exchanges per round {fast.per_round} / slow {slow.per_round}, overhead p99 "
+            f"{fast.overhead_p99:.1f} / slow {slow.overhead_p99:.1f} ms, Redis commands per "
+            f"waiter {fast.waiter_commands:.1f}; after a renewal elsewhere: exchanges "
+            f"{lag_exchanges}, {lag_failed} failed calls"
+        )
+        calls = STORM_CALLERS * len(lagging)
+        lag_failures = f"{lag_failed} of {calls}"
+        if lag_errors:
+            lag_failures += f" ({', '.join(f'{k} {v}' for k, v in lag_errors.items())})"
+        slow_name = f"{SLOW_EXCHANGE * 1000:.0f} ms"
+        rows = [
+            *fast.rows("exchange ~0 ms"),
+            *slow.rows(f"exchange {slow_name}"),
             [
-                f"{name}: right after revoke-all",
-                fmt(f.storm_p50, 1),
-                fmt(f.storm_p99, 1),
-                f"max {max(f.per_round)} ({', '.join(map(str, f.per_round))})",
-                str(f.unauthorized),
-                str(sum(f.errors.values())),
-            ],
-            [
-                f"{name}: overhead over the floor (2 x calm p99 + exchange {f.exchange_ms:.1f} ms)",
-                "",
-                fmt(f.overhead_p99, 1),
-                f"{fmt(f.waiter_commands, 1)} Redis commands per waiting process",
-                "",
-                "",
+                "revoke-all just after another process renewed",
+                *["", ""],
+                ", ".join(map(str, lag_exchanges)),
+                str(lag_unauthorized),
+                lag_failures,
             ],
         ]
-
-    bench.sections.append(
-        f"### 2. 401 storm: {STORM_CALLERS} concurrent callers over {STORM_PROCESSES} clients "
-        f"(each standing for a process), {plan.storm_rounds} rounds per exchange latency "
-        "(a new account each round)\n\n"
-        + table(
-            ["", "p50 ms", "p99 ms", "exchanges per round", "401s", "failed calls"],
-            [
-                *rows("exchange ~0 ms", fast),
-                *rows(f"exchange {SLOW_EXCHANGE * 1000:.0f} ms", slow),
-                [
-                    "revoke-all just after another process renewed",
-                    "",
-                    "",
-                    ", ".join(map(str, lag_exchanges)),
-                    str(sum(r.unauthorized for r in lagging)),
-                    f"{lag_failed} of {calls}"
-                    + (
-                        f" ({', '.join(f'{k} {v}' for k, v in lag_errors.items())})"
-                        if lag_errors
-                        else ""
-                    ),
-                ],
-            ],
+        goals = [
+            Goal("storm exchanges per revoke-all", "1", str(worst), worst == 1),
+            Goal("storm failed calls", "0", str(failed), failed == 0),
+            *(
+                Goal(
+                    f"storm overhead p99 over the floor, exchange {name}",
+                    f"<= {STORM_OVERHEAD_GOAL:g} ms",
+                    fmt(f.overhead_p99, 1),
+                    f.overhead_p99 <= STORM_OVERHEAD_GOAL,
+                )
+                for name, f in (("~0 ms", fast), (slow_name, slow))
+            ),
+            Goal(
+                "storm Redis commands per waiting process",
+                f"<= {STORM_WAITER_COMMANDS_GOAL:g}",
+                fmt(fast.waiter_commands, 1),
+                fast.waiter_commands <= STORM_WAITER_COMMANDS_GOAL,
+            ),
+            Goal(
+                "storm just after a renewal elsewhere: failed calls",
+                "0",
+                f"{lag_failed} of {calls}",
+                lag_failed == 0,
+            ),
+        ]
+        header = ["", "p50 ms", "p99 ms", "exchanges per round", "401s", "failed calls"]
+        return Result(
+            title=f"2. 401 storm: {STORM_CALLERS} concurrent callers over {STORM_PROCESSES} "
+            f"clients (each standing for a process), {self.rounds} rounds per exchange latency "
+            "(a new account each round)",
+            table=Table(header, rows),
+            json=found,
+            goals=goals,
         )
-    )
-    bench.goals.append(("storm exchanges per revoke-all", "1", str(worst), worst == 1))
-    bench.goals.append(("storm failed calls", "0", str(failed), failed == 0))
-    for name, f in (("~0 ms", fast), (f"{SLOW_EXCHANGE * 1000:.0f} ms", slow)):
-        bench.goals.append(
-            (
-                f"storm overhead p99 over the floor, exchange {name}",
-                f"<= {STORM_OVERHEAD_GOAL:g} ms",
-                fmt(f.overhead_p99, 1),
-                f.overhead_p99 <= STORM_OVERHEAD_GOAL,
-            )
-        )
-    bench.goals.append(
-        (
-            "storm Redis commands per waiting process",
-            f"<= {STORM_WAITER_COMMANDS_GOAL:g}",
-            fmt(fast.waiter_commands, 1),
-            fast.waiter_commands <= STORM_WAITER_COMMANDS_GOAL,
-        )
-    )
-    bench.goals.append(
-        (
-            "storm just after a renewal elsewhere: failed calls",
-            "0",
-            f"{lag_failed} of {calls}",
-            lag_failed == 0,
-        )
-    )
 
 
 # -- 3. hot path --------------------------------------------------------------------------
 
 
 @dataclass
-class HotPath:
+class HotPathRun:
     server: str
     ours_rate: float
     raw_rate: float
@@ -746,170 +683,165 @@ class HotPath:
     def added_us(self) -> float:
         return (1 / self.ours_rate - 1 / self.raw_rate) * 1e6
 
-
-def measure_hot_path(
-    bench: Bench, base_url: str, server: str, profile_path: Path | None
-) -> HotPath:
-    """Interleaved rounds of ours and raw in this thread, against the emulator at base_url."""
-    plan = bench.plan
-    client = bench.client(f"bench-hot-{uuid.uuid4().hex[:8]}", base_url)
-    token = client.manager.token().value  # valid for 7200 s: no renewal during the rounds
-    raw = requests.Session()
-    raw.headers.update({"accept": "application/json", "authorization": f"Bearer {token}"})
-    url = base_url + PING
-
-    def ours(n: int) -> None:
-        for _ in range(n):
-            client.request("GET", PING)
-
-    def baseline(n: int) -> None:
-        for _ in range(n):
-            response = raw.get(url, timeout=TIMEOUT, allow_redirects=False)
-            response.raise_for_status()
-            response.json()
-
-    ours(50)  # warm both connections and caches
-    baseline(50)
-    ours_rates: list[float] = []
-    raw_rates: list[float] = []
-    ratios: list[float] = []
-    cpu: dict[str, list[float]] = {"ours": [], "raw": []}
-    redis_commands = 0
-    for i in range(plan.hot_rounds):
-        rates: dict[str, float] = {}
-        for which in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
-            counted = commands_processed(bench.store) if which == "ours" else 0
-            cpu0, t0 = time.thread_time(), time.perf_counter()
-            (ours if which == "ours" else baseline)(plan.hot_calls)
-            elapsed = time.perf_counter() - t0
-            cpu[which].append((time.thread_time() - cpu0) / plan.hot_calls * 1e6)
-            if which == "ours":
-                redis_commands += commands_processed(bench.store) - counted
-            rates[which] = plan.hot_calls / elapsed
-        ours_rates.append(rates["ours"])
-        raw_rates.append(rates["raw"])
-        ratios.append(rates["ours"] / rates["raw"])
-    if profile_path is not None:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        ours(plan.hot_calls)
-        profiler.disable()
-        text = io.StringIO()
-        text.write(f"# {plan.hot_calls} calls of MerchantClient.request, {server}\n")
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(30)
-        stats.sort_stats("cumulative").print_stats(45)
-        with profile_path.open("a") as out:
-            out.write(text.getvalue())
-        progress(f"hot path profile ({server}) appended to {profile_path}")
-    raw.close()
-    return HotPath(
-        server,
-        median(ours_rates),
-        median(raw_rates),
-        ratios,
-        redis_commands / (plan.hot_calls * plan.hot_rounds),
-        median(cpu["ours"]),
-        median(cpu["raw"]),
-    )
+    def json(self, server: str) -> dict[str, Any]:
+        """This run's keys, each ending in ``server`` (which emulator it measured)."""
+        return {
+            f"hot_path_ratio{server}": round(self.ratio, 3),
+            f"hot_path_ratios{server}": [round(r, 3) for r in self.ratios],
+            f"hot_path_ours_calls_per_s{server}": round(self.ours_rate),
+            f"hot_path_raw_calls_per_s{server}": round(self.raw_rate),
+            f"hot_path_added_us_per_call{server}": round(self.added_us, 1),
+            f"redis_ops_per_call{server}": round(self.redis_per_call, 4),
+            f"hot_path_client_cpu_us_ours{server}": round(self.ours_cpu_us, 1),
+            f"hot_path_client_cpu_us_raw{server}": round(self.raw_cpu_us, 1),
+        }
 
 
-def hot_path(bench: Bench, profile_path: Path | None) -> None:
-    plan = bench.plan
-    if profile_path is not None:
-        profile_path.write_text("")
-    bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False)
-    runs = [measure_hot_path(bench, bench.sandbox_url, "SandboxServer (werkzeug)", profile_path)]
-    with sandbox_process(bench.workdir, bench.sandbox_env, "tornado") as (url, child):
-        bench.children.append(child)
-        runs.append(measure_hot_path(bench, url, "same app, keep-alive (tornado)", profile_path))
-    main, keepalive = runs
-    bench.results.update(
-        hot_path_ratio=round(main.ratio, 3),
-        hot_path_ratios=[round(r, 3) for r in main.ratios],
-        hot_path_ours_calls_per_s=round(main.ours_rate),
-        hot_path_raw_calls_per_s=round(main.raw_rate),
-        hot_path_added_us_per_call=round(main.added_us, 1),
-        redis_ops_per_call=round(main.redis_per_call, 4),
-        hot_path_client_cpu_us_ours=round(main.ours_cpu_us, 1),
-        hot_path_client_cpu_us_raw=round(main.raw_cpu_us, 1),
-        hot_path_client_cpu_us_ours_keepalive=round(keepalive.ours_cpu_us, 1),
-        hot_path_client_cpu_us_raw_keepalive=round(keepalive.raw_cpu_us, 1),
-        hot_path_ratio_keepalive=round(keepalive.ratio, 3),
-        hot_path_ratios_keepalive=[round(r, 3) for r in keepalive.ratios],
-        hot_path_ours_calls_per_s_keepalive=round(keepalive.ours_rate),
-        hot_path_raw_calls_per_s_keepalive=round(keepalive.raw_rate),
-        hot_path_added_us_per_call_keepalive=round(keepalive.added_us, 1),
-        redis_ops_per_call_keepalive=round(keepalive.redis_per_call, 4),
-    )
-    rows: list[list[str]] = []
-    for run in runs:
-        progress(
-            f"hot path, {run.server}: ratio {run.ratio:.3f}, "
-            f"{run.redis_per_call:.3f} Redis commands per call"
-        )
-        rows += [
-            [
-                run.server,
-                "ours: MerchantClient.request",
-                fmt(run.ours_rate),
-                fmt(1e6 / run.ours_rate, 1),
-                fmt(run.ours_cpu_us, 1),
-                f"{run.redis_per_call:.3f}",
-            ],
-            [
-                "",
-                "raw requests.Session, fixed bearer",
-                fmt(run.raw_rate),
-                fmt(1e6 / run.raw_rate, 1),
-                fmt(run.raw_cpu_us, 1),
-                "0",
-            ],
-            [
-                "",
-                "**ours / raw** (median of rounds)",
-                f"**{run.ratio:.3f}**",
-                f"{run.added_us:+.1f}",
-                f"{run.ours_cpu_us - run.raw_cpu_us:+.1f}",
-                "",
-            ],
-        ]
-    bench.sections.append(
-        f"### 3. Hot path: one thread, {plan.hot_rounds} interleaved rounds x "
-        f"{plan.hot_calls} calls of GET {PING}\n\n"
-        + table(
-            [
-                "emulator served by",
-                "",
-                "calls/s (median round)",
-                "us per call",
-                "client CPU us per call",
-                "Redis cmds/call",
-            ],
-            rows,
-        )
-        + "".join(
-            f"\n\nper-round ratios, {run.server}: {', '.join(f'{r:.3f}' for r in run.ratios)}"
-            for run in runs
-        )
-    )
-    for run, label in ((main, ""), (keepalive, ", keep-alive emulator")):
-        bench.goals.append(
-            (
+@dataclass(frozen=True)
+class HotPath(Scenario):
+    """MerchantClient.request against a raw requests.Session with a fixed bearer header,
+    interleaved rounds in one thread; Redis commands per call from INFO commandstats."""
+
+    rounds: int
+    calls: int
+    profile_path: Path | None = None  # also profile one extra round into this file
+    name: ClassVar[str] = "hot path"
+
+    def measure(self, bench: Bench) -> Result:
+        if self.profile_path is not None:
+            self.profile_path.write_text("")
+        bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False)
+        runs = [self.run(bench, bench.sandbox_url, "SandboxServer (werkzeug)")]
+        with sandbox_process(bench.workdir, bench.sandbox_env, "tornado") as (url, child):
+            bench.children.append(child)
+            runs.append(self.run(bench, url, "same app, keep-alive (tornado)"))
+        main, keepalive = runs
+        found = {**main.json(""), **keepalive.json("_keepalive")}
+        rows: list[list[str]] = []
+        for run in runs:
+            progress(
+                f"hot path, {run.server}: ratio {run.ratio:.3f}, "
+                f"{run.redis_per_call:.3f} Redis commands per call"
+            )
+            rows += [
+                [
+                    run.server,
+                    "ours: MerchantClient.request",
+                    fmt(run.ours_rate),
+                    fmt(1e6 / run.ours_rate, 1),
+                    fmt(run.ours_cpu_us, 1),
+                    f"{run.redis_per_call:.3f}",
+                ],
+                [
+                    "",
+                    "raw requests.Session, fixed bearer",
+                    fmt(run.raw_rate),
+                    fmt(1e6 / run.raw_rate, 1),
+                    fmt(run.raw_cpu_us, 1),
+                    "0",
+                ],
+                [
+                    "",
+                    "**ours / raw** (median of rounds)",
+                    f"**{run.ratio:.3f}**",
+                    f"{run.added_us:+.1f}",
+                    f"{run.ours_cpu_us - run.raw_cpu_us:+.1f}",
+                    "",
+                ],
+            ]
+        goals = [
+            Goal(
                 f"hot path calls/s, ours / raw{label}",
                 f">= {HOT_PATH_GOAL}",
                 f"{run.ratio:.3f}",
                 run.ratio >= HOT_PATH_GOAL,
             )
+            for run, label in ((main, ""), (keepalive, ", keep-alive emulator"))
+        ]
+        goals.append(
+            Goal(
+                "Redis commands per call (hot path)",
+                f"<= {REDIS_OPS_GOAL:g}",
+                f"{main.redis_per_call:.3f}",
+                main.redis_per_call <= REDIS_OPS_GOAL,
+            )
         )
-    bench.goals.append(
-        (
-            "Redis commands per call (hot path)",
-            f"<= {REDIS_OPS_GOAL:g}",
-            f"{main.redis_per_call:.3f}",
-            main.redis_per_call <= REDIS_OPS_GOAL,
+        header = ["emulator served by", "", "calls/s (median round)", "us per call"]
+        header += ["client CPU us per call", "Redis cmds/call"]
+        return Result(
+            title=f"3. Hot path: one thread, {self.rounds} interleaved rounds x "
+            f"{self.calls} calls of GET {PING}",
+            table=Table(header, rows),
+            json=found,
+            goals=goals,
+            notes=[
+                f"per-round ratios, {run.server}: {', '.join(f'{r:.3f}' for r in run.ratios)}"
+                for run in runs
+            ],
         )
-    )
+
+    def run(self, bench: Bench, base_url: str, server: str) -> HotPathRun:
+        """Interleaved rounds of ours and raw in this thread, against the emulator at base_url."""
+        client = bench.client(f"bench-hot-{uuid.uuid4().hex[:8]}", base_url)
+        token = client.manager.token().value  # valid for 7200 s: no renewal during the rounds
+        raw = requests.Session()
+        raw.headers.update({"accept": "application/json", "authorization": f"Bearer {token}"})
+        url = base_url + PING
+
+        def ours(n: int) -> None:
+            for _ in range(n):
+                client.request("GET", PING)
+
+        def baseline(n: int) -> None:
+            for _ in range(n):
+                response = raw.get(url, timeout=TIMEOUT, allow_redirects=False)
+                response.raise_for_status()
+                response.json()
+
+        ours(50)  # warm both connections and caches
+        baseline(50)
+        ours_rates: list[float] = []
+        raw_rates: list[float] = []
+        ratios: list[float] = []
+        cpu: dict[str, list[float]] = {"ours": [], "raw": []}
+        redis_commands = 0
+        for i in range(self.rounds):
+            rates: dict[str, float] = {}
+            for which in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
+                counted = commands_processed(bench.store) if which == "ours" else 0
+                cpu0, t0 = time.thread_time(), time.perf_counter()
+                (ours if which == "ours" else baseline)(self.calls)
+                elapsed = time.perf_counter() - t0
+                cpu[which].append((time.thread_time() - cpu0) / self.calls * 1e6)
+                if which == "ours":
+                    redis_commands += commands_processed(bench.store) - counted
+                rates[which] = self.calls / elapsed
+            ours_rates.append(rates["ours"])
+            raw_rates.append(rates["raw"])
+            ratios.append(rates["ours"] / rates["raw"])
+        if self.profile_path is not None:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            ours(self.calls)
+            profiler.disable()
+            text = io.StringIO()
+            text.write(f"# {self.calls} calls of MerchantClient.request, {server}\n")
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(45)
+            with self.profile_path.open("a") as out:
+                out.write(text.getvalue())
+            progress(f"hot path profile ({server}) appended to {self.profile_path}")
+        raw.close()
+        return HotPathRun(
+            server,
+            median(ours_rates),
+            median(raw_rates),
+            ratios,
+            redis_commands / (self.calls * self.rounds),
+            median(cpu["ours"]),
+            median(cpu["raw"]),
+        )
 
 
 # -- 4. Celery ----------------------------------------------------------------------------
@@ -920,118 +852,127 @@ imports = ("merchant_tasks.tasks", "bare_tasks")
 '''
 
 
-def celery_scenario(bench: Bench) -> None:
-    from celery import Celery
-    from celery.result import ResultSet
+@dataclass(frozen=True)
+class Tasks(Scenario):
+    """Celery: merchant_tasks.call_api against a bare task doing the same GET, one worker."""
 
-    plan = bench.plan
-    bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False)
-    prefix = f"bench-celery-{uuid.uuid4().hex[:8]}"
-    # the bare task's static token: a valid one, put in Redis before the worker starts
-    bench.store.set(STATIC_TOKEN_KEY, bench.client(prefix).manager.token().value)
-    celery_dir = bench.workdir / "celery"
-    celery_dir.mkdir()
-    (celery_dir / "celeryconfig.py").write_text(CELERYCONFIG)
-    pythonpath = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
-    worker = bench.spawn(
-        "celery-worker",
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "merchant_tasks",
-            "worker",
-            "--pool=prefork",
-            f"--concurrency={plan.celery_concurrency}",
-            "--loglevel=WARNING",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-n",
-            f"bench-{uuid.uuid4().hex[:6]}@%h",
-        ],
-        env=bench.env(
-            bench.settings(prefix),
-            PYTHONPATH=pythonpath,
-            BENCH_STATIC_TOKEN_KEY=STATIC_TOKEN_KEY,
-        ),
-        cwd=celery_dir,
-    )
-    producer = Celery(
-        "bench-producer", broker=bench.redis_url, backend=bench.redis_url, set_as_current=False
-    )
-    producer.conf.update(
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        broker_connection_retry_on_startup=True,
-    )
-    names = {"ours": "merchant_tasks.call_api", "bare": "bench.bare_call"}
+    pairs: int
+    tasks: int
+    concurrency: int = 2
+    name: ClassVar[str] = "celery"
 
-    def batch(which: str, n: int, timeout: float) -> tuple[float, int]:
-        t0 = time.perf_counter()
-        results = [producer.send_task(names[which], args=["GET", PING]) for _ in range(n)]
-        try:
-            values = ResultSet(results).get(timeout=timeout, propagate=False)
-        except Exception as exc:
-            raise ScenarioError(
-                f"{which} tasks did not finish in {timeout:g} s ({type(exc).__name__}); "
-                f"worker log: {worker.log_tail()}"
-            ) from exc
-        elapsed = time.perf_counter() - t0
-        failures = sum(1 for v in values if not (isinstance(v, dict) and v.get("ok") is True))
-        return n / elapsed, failures
+    def measure(self, bench: Bench) -> Result:
+        from celery import Celery
+        from celery.result import ResultSet
 
-    try:
-        for which in names:  # readiness, and every child warm: connections, token, imports
-            _, failures = batch(which, 8 * plan.celery_concurrency, timeout=90)
-            if failures:
-                raise ScenarioError(f"{which} warm-up tasks failed: {worker.log_tail()}")
-        rates: dict[str, list[float]] = {"ours": [], "bare": []}
-        ratios: list[float] = []
-        failed = {"ours": 0, "bare": 0}
-        for i in range(plan.celery_pairs):
-            pair: dict[str, float] = {}
-            for which in ("ours", "bare") if i % 2 == 0 else ("bare", "ours"):
-                pair[which], failures = batch(which, plan.celery_tasks, timeout=300)
-                failed[which] += failures
-                rates[which].append(pair[which])
-            ratios.append(pair["ours"] / pair["bare"])
-    finally:
-        producer.close()
-        worker.stop()
-    ratio = median(ratios)
-    ours_rate, bare_rate = median(rates["ours"]), median(rates["bare"])
-    bench.results.update(
-        celery_ratio=round(ratio, 3),
-        celery_ratios=[round(r, 3) for r in ratios],
-        celery_ours_tasks_per_s=round(ours_rate, 1),
-        celery_bare_tasks_per_s=round(bare_rate, 1),
-        celery_failed_tasks=failed,
-    )
-    progress(f"celery: ratio {ratio:.3f} ({ours_rate:.0f} vs {bare_rate:.0f} tasks/s)")
-    bench.sections.append(
-        f"### 4. Celery: one worker, --pool=prefork --concurrency={plan.celery_concurrency}, "
-        f"{plan.celery_pairs} interleaved pairs of {plan.celery_tasks} tasks\n\n"
-        + table(
-            ["", "tasks/s (median batch)", "failed tasks"],
+        bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False)
+        prefix = f"bench-celery-{uuid.uuid4().hex[:8]}"
+        # the bare task's static token: a valid one, put in Redis before the worker starts
+        bench.store.set(STATIC_TOKEN_KEY, bench.client(prefix).manager.token().value)
+        celery_dir = bench.workdir / "celery"
+        celery_dir.mkdir()
+        (celery_dir / "celeryconfig.py").write_text(CELERYCONFIG)
+        pythonpath = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
+        worker = bench.spawn(
+            "celery-worker",
             [
-                ["ours: merchant_tasks.call_api", fmt(ours_rate, 1), str(failed["ours"])],
-                ["bare task, static token", fmt(bare_rate, 1), str(failed["bare"])],
-                ["ours / bare (median of pairs)", f"{ratio:.3f}", ""],
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "merchant_tasks",
+                "worker",
+                "--pool=prefork",
+                f"--concurrency={self.concurrency}",
+                "--loglevel=WARNING",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-n",
+                f"bench-{uuid.uuid4().hex[:6]}@%h",
             ],
+            env=bench.env(
+                bench.settings(prefix),
+                PYTHONPATH=pythonpath,
+                BENCH_STATIC_TOKEN_KEY=STATIC_TOKEN_KEY,
+            ),
+            cwd=celery_dir,
         )
-        + f"\n\nper-pair ratios: {', '.join(f'{r:.3f}' for r in ratios)}"
-    )
-    bench.goals.append(
-        (
-            "Celery tasks/s, call_api / bare",
-            f">= {CELERY_GOAL}",
-            f"{ratio:.3f}",
-            ratio >= CELERY_GOAL,
+        producer = Celery(
+            "bench-producer", broker=bench.redis_url, backend=bench.redis_url, set_as_current=False
         )
-    )
+        producer.conf.update(
+            task_serializer="json",
+            result_serializer="json",
+            accept_content=["json"],
+            broker_connection_retry_on_startup=True,
+        )
+        names = {"ours": "merchant_tasks.call_api", "bare": "bench.bare_call"}
+
+        def batch(which: str, n: int, timeout: float) -> tuple[float, int]:
+            t0 = time.perf_counter()
+            results = [producer.send_task(names[which], args=["GET", PING]) for _ in range(n)]
+            try:
+                values = ResultSet(results).get(timeout=timeout, propagate=False)
+            except Exception as exc:
+                raise ScenarioError(
+                    f"{which} tasks did not finish in {timeout:g} s ({type(exc).__name__}); "
+                    f"worker log: {worker.log_tail()}"
+                ) from exc
+            elapsed = time.perf_counter() - t0
+            failures = sum(1 for v in values if not (isinstance(v, dict) and v.get("ok") is True))
+            return n / elapsed, failures
+
+        try:
+            for which in names:  # readiness, and every child warm: connections, token, imports
+                _, failures = batch(which, 8 * self.concurrency, timeout=90)
+                if failures:
+                    raise ScenarioError(f"{which} warm-up tasks failed: {worker.log_tail()}")
+            rates: dict[str, list[float]] = {"ours": [], "bare": []}
+            ratios: list[float] = []
+            failed = {"ours": 0, "bare": 0}
+            for i in range(self.pairs):
+                pair: dict[str, float] = {}
+                for which in ("ours", "bare") if i % 2 == 0 else ("bare", "ours"):
+                    pair[which], failures = batch(which, self.tasks, timeout=300)
+                    failed[which] += failures
+                    rates[which].append(pair[which])
+                ratios.append(pair["ours"] / pair["bare"])
+        finally:
+            producer.close()
+            worker.stop()
+        ratio = median(ratios)
+        ours_rate, bare_rate = median(rates["ours"]), median(rates["bare"])
+        found = {
+            "celery_ratio": round(ratio, 3),
+            "celery_ratios": [round(r, 3) for r in ratios],
+            "celery_ours_tasks_per_s": round(ours_rate, 1),
+            "celery_bare_tasks_per_s": round(bare_rate, 1),
+            "celery_failed_tasks": failed,
+        }
+        progress(f"celery: ratio {ratio:.3f} ({ours_rate:.0f} vs {bare_rate:.0f} tasks/s)")
+        return Result(
+            title=f"4. Celery: one worker, --pool=prefork --concurrency={self.concurrency}, "
+            f"{self.pairs} interleaved pairs of {self.tasks} tasks",
+            table=Table(
+                ["", "tasks/s (median batch)", "failed tasks"],
+                [
+                    ["ours: merchant_tasks.call_api", fmt(ours_rate, 1), str(failed["ours"])],
+                    ["bare task, static token", fmt(bare_rate, 1), str(failed["bare"])],
+                    ["ours / bare (median of pairs)", f"{ratio:.3f}", ""],
+                ],
+            ),
+            json=found,
+            goals=[
+                Goal(
+                    "Celery tasks/s, call_api / bare",
+                    f">= {CELERY_GOAL}",
+                    f"{ratio:.3f}",
+                    ratio >= CELERY_GOAL,
+                )
+            ],
+            notes=[f"per-pair ratios: {', '.join(f'{r:.3f}' for r in ratios)}"],
+        )
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -1055,24 +996,20 @@ def machine() -> dict[str, Any]:
 
 def library_version() -> str:
     """The commit measured, marked "+changes" if merchant_tasks/ differs from it."""
-    repo = BENCH_DIR.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args],
+            cwd=BENCH_DIR.parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        changes = subprocess.run(
-            ["git", "status", "--porcelain", "--", "merchant_tasks"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        changes = git("status", "--porcelain", "--", "merchant_tasks")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit + ("+changes" if changes else "")
@@ -1093,8 +1030,52 @@ def stopped_by_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def run(plan: Plan, profile_path: Path | None, only: str | None = None) -> tuple[Bench, list[str]]:
-    leftovers: list[str] = []
+@dataclass(frozen=True)
+class Plan:
+    """The sizes of one run: each scenario's own (the fleet's in the docstring's letters:
+    Fleet(P, T, D, L, R))."""
+
+    name: str
+    fleet: Fleet
+    storm: Storm
+    hot_path: HotPath
+    tasks: Tasks
+
+    def scenarios(self, profile_path: Path | None) -> list[Scenario]:
+        accounts = many_accounts.QUICK if self.name == "quick" else many_accounts.FULL
+        return [
+            self.fleet,
+            self.storm,
+            replace(self.hot_path, profile_path=profile_path),
+            self.tasks,
+            *many_accounts.scenarios(accounts),
+        ]
+
+
+QUICK = Plan("quick", Fleet(2, 4, 4.0, 3.0, 1.0), Storm(3, 1), HotPath(5, 300), Tasks(2, 100))
+FULL = Plan("full", Fleet(4, 4, 20.0, 4.0, 1.5), Storm(10, 3), HotPath(7, 2000), Tasks(5, 400))
+
+
+@dataclass
+class Findings:
+    """What a run found: each scenario's result, what could not run, what was left behind."""
+
+    results: list[Result] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    leftovers: list[str] = field(default_factory=list)
+
+    def json(self) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for result in self.results:
+            found.update(result.json)
+        return found
+
+    def goals(self) -> list[Goal]:
+        return [goal for result in self.results for goal in result.goals]
+
+
+def run(plan: Plan, profile_path: Path | None, only: str | None = None) -> Findings:
+    findings = Findings()
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mt-bench-")))
         secret_file = workdir / "api-secret"
@@ -1111,38 +1092,31 @@ def run(plan: Plan, profile_path: Path | None, only: str | None = None) -> tuple
         stack.callback(control.close)
         store = redis.Redis.from_url(redis_url)
         stack.callback(store.close)
-        bench = Bench(plan, workdir, redis_url, sandbox_url, secret_file, control, store, base_env)
+        bench = Bench(workdir, redis_url, sandbox_url, secret_file, control, store, base_env)
         bench.children += [redis_child, sandbox_child]
-        accounts_plan = many_accounts.QUICK if plan is QUICK else many_accounts.FULL
-        scenarios: list[tuple[str, Callable[[], None]]] = [
-            ("fleet", lambda: fleet(bench)),
-            ("storm", lambda: storm(bench)),
-            ("hot path", lambda: hot_path(bench, profile_path)),
-            ("celery", lambda: celery_scenario(bench)),
-            ("accounts check", lambda: many_accounts.check_scenario(bench, accounts_plan)),
-            ("cold start", lambda: many_accounts.cold_start_scenario(bench, accounts_plan)),
-            ("sealing", lambda: many_accounts.sealing_scenario(bench, accounts_plan)),
-        ]
-        for name, scenario in scenarios:
-            if only is not None and name != only:
+        for scenario in plan.scenarios(profile_path):
+            if only is not None and scenario.name != only:
                 continue
             started = time.monotonic()
             try:
-                scenario()
+                result = scenario.measure(bench)
             except Exception as exc:
-                log.exception("scenario %s could not run", name)
-                bench.errors.append(compact(f"{name}: {type(exc).__name__}: {exc}"))
-            progress(f"{name} done in {time.monotonic() - started:.1f} s")
-    for child in bench.children:
-        if child.group_alive():
-            leftovers.append(child.name)
-    return bench, leftovers
+                log.exception("scenario %s could not run", scenario.name)
+                findings.errors.append(compact(f"{scenario.name}: {type(exc).__name__}: {exc}"))
+            else:
+                findings.results.append(result)
+                findings.errors += result.errors
+            progress(f"{scenario.name} done in {time.monotonic() - started:.1f} s")
+    findings.leftovers = [child.name for child in bench.children if child.group_alive()]
+    return findings
 
 
-def report(bench: Bench, leftovers: list[str], elapsed: float) -> int:
-    plan = bench.plan
+def report(plan: Plan, findings: Findings, run_facts: dict[str, Any], elapsed: float) -> int:
+    """The markdown report, then the JSON line; ``run_facts`` are the run's own keys."""
+    fleet = plan.fleet
     host = machine()
-    load = bench.results.get("load_average_1min", ["?", "?"])
+    load = run_facts.get("load_average_1min", ["?", "?"])
+    goals = findings.goals()
     out = [
         f"## merchant-tasks bench ({plan.name} run, {elapsed:.0f} s)",
         "",
@@ -1150,63 +1124,42 @@ def report(bench: Bench, leftovers: list[str], elapsed: float) -> int:
         f"Python {host['python']}; 1-minute load average {load[0]} before, {load[1]} after",
         "",
     ]
-    for section in bench.sections:
-        out += [section, ""]
-    out += [
-        "### Goals",
-        "",
-        table(
-            ["goal", "target", "measured", "met"],
-            [[name, target, value, met(ok)] for name, target, value, ok in bench.goals],
-        ),
-        "",
-    ]
-    for error in bench.errors:
-        out.append(f"**could not run**: {error}")
-    if leftovers:
-        out.append(f"**processes left behind**: {', '.join(leftovers)}")
-    keys = (
-        "exchanges_ours",
-        "exchanges_minimum",
-        "exchanges_peer_per_process",
-        "exchanges_peer_shared_nolock",
-        "storm_exchanges",
-        "storm_p99_added_ms",
-        "storm_overhead_p99_ms",
-        "storm_slow_exchange_overhead_p99_ms",
-        "storm_redis_cmds_per_waiter",
-        "hot_path_ratio",
-        "redis_ops_per_call",
-        "celery_ratio",
-        "accounts_check_ms",
-        "accounts_check_redis_roundtrips",
-        "accounts_cold_start_max_exchanges_per_s",
-        "sealing_hot_path_ratio",
+    for result in findings.results:
+        out += [result.section(), ""]
+    goals_table = Table(
+        ["goal", "target", "measured", "met"],
+        [[goal.name, goal.target, goal.measured, goal.verdict] for goal in goals],
     )
-    summary: dict[str, Any] = {key: bench.results.get(key) for key in keys}
-    summary.update(bench.results)
+    out += ["### Goals", "", goals_table.markdown(), ""]
+    for error in findings.errors:
+        out.append(f"**could not run**: {error}")
+    if findings.leftovers:
+        out.append(f"**processes left behind**: {', '.join(findings.leftovers)}")
+    found = {**findings.json(), **run_facts}
+    summary: dict[str, Any] = {key: found.get(key) for key in HEADLINE_KEYS}
+    summary.update(found)
     summary.update(
         mode=plan.name,
         parameters={
-            "P": plan.processes,
-            "T": plan.threads,
-            "D": plan.duration,
-            "L": plan.lifetime,
-            "R": plan.advisory,
-            "mandatory": plan.mandatory,
-            "beat_interval": plan.renew_interval,
+            "P": fleet.processes,
+            "T": fleet.threads,
+            "D": fleet.duration,
+            "L": fleet.lifetime,
+            "R": fleet.advisory,
+            "mandatory": fleet.mandatory,
+            "beat_interval": fleet.renew_interval,
             "storm_callers": STORM_CALLERS,
         },
-        goals_missed=[name for name, _, _, ok in bench.goals if ok is False],
-        errors=bench.errors,
-        leftover_processes=leftovers,
+        goals_missed=[goal.name for goal in goals if goal.met is False],
+        errors=findings.errors,
+        leftover_processes=findings.leftovers,
         elapsed_s=round(elapsed, 1),
         machine=host,
     )
     sys.stdout.write("\n".join(out) + "\n")
     sys.stdout.write(json.dumps(summary) + "\n")
     sys.stdout.flush()
-    return 1 if bench.errors or leftovers else 0
+    return 1 if findings.errors or findings.leftovers else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1220,7 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only",
-        choices=["fleet", "storm", "hot path", "celery"],
+        choices=[scenario.name for scenario in QUICK.scenarios(None)],
         help="run one scenario only (to compare two versions of one figure quickly)",
     )
     args = parser.parse_args(argv)
@@ -1233,13 +1186,15 @@ def main(argv: list[str] | None = None) -> int:
     commit_at_start = library_version()
     try:
         with stopped_by_signals():
-            bench, leftovers = run(plan, args.profile, args.only)
+            findings = run(plan, args.profile, args.only)
     except KeyboardInterrupt as exc:
         progress(f"interrupted ({exc or 'Ctrl-C'}); every process it started is stopped")
         return 130
-    bench.results["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-    bench.results["commit_at_start"] = commit_at_start
-    return report(bench, leftovers, time.monotonic() - started)
+    run_facts = {
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "commit_at_start": commit_at_start,
+    }
+    return report(plan, findings, run_facts, time.monotonic() - started)
 
 
 if __name__ == "__main__":

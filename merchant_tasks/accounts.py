@@ -199,7 +199,7 @@ class AccountClients:
     def __init__(self, accounts: Mapping[str, Settings]) -> None:
         self.accounts = dict(accounts)
         self._clients: dict[str, FleetClient] = {}
-        self._redis: dict[str, StoreClient] = {}  # by URL
+        self._redis_by_url: dict[str, StoreClient] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -233,11 +233,11 @@ class AccountClients:
             return self._redis_for(url)
 
     def _redis_for(self, url: str) -> StoreClient:
-        client = self._redis.get(url)
+        client = self._redis_by_url.get(url)
         if client is None:
             # the accounts of one URL share the topology variables (MERCHANT_REDIS_*)
             settings = next(s for s in self.accounts.values() if s.redis_url == url)
-            client = self._redis[url] = redis_topology.redis_for(settings)
+            client = self._redis_by_url[url] = redis_topology.redis_for(settings)
         return client
 
     def due(self) -> list[str]:

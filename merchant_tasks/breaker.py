@@ -11,6 +11,7 @@ import enum
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .exceptions import (
     CredentialsRejected,
@@ -45,20 +46,14 @@ class BreakerKind(enum.StrEnum):
     REVOKED = "revoked"  # the forced-renewal budget is spent
 
 
+@dataclass(eq=False)
 class Breaker:
     """Pauses exchanges fleet-wide after failures; ``check`` says whether one may go ahead."""
 
-    def __init__(
-        self,
-        store: TokenStore,
-        clock: Callable[[], float],
-        secret_fingerprint: Callable[[], str],
-        rng: random.Random,
-    ) -> None:
-        self.store = store
-        self.clock = clock
-        self.secret_fingerprint = secret_fingerprint
-        self.rng = rng
+    store: TokenStore
+    clock: Callable[[], float]
+    secret_fingerprint: Callable[[], str]  # of the secret in use: a replaced one may try again
+    rng: random.Random
 
     def check(self, fallback: Token | None) -> Token | None:
         """While exchanges are paused: the still-valid ``fallback``, else the pause's error.

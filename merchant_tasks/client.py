@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -74,23 +75,29 @@ class _Unauthorized(Exception):
         self.excerpt = excerpt
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as exceptions are
 class _Transient(Exception):
     """Internal: a failure worth retrying (within what the method allows)."""
 
-    def __init__(
-        self,
-        reason: str,
-        *,
-        status: int | None = None,
-        excerpt: str = "",
-        retry_after: float | None = None,
-        resendable: bool,
-    ) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.excerpt = excerpt
-        self.retry_after = retry_after
-        self.resendable = resendable  # idempotent method, or surely not processed
+    reason: str
+    resendable: bool  # idempotent method, or surely not processed
+    status: int | None = None
+    excerpt: str = ""
+    retry_after: float | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What the caller asked for, sent again as it was after a 401 or a transient failure."""
+
+    method: str
+    path: str
+    json: Any
+    params: Mapping[str, Any] | None
+    headers: Mapping[str, str] | None
 
 
 class TokenSource(Protocol):
@@ -199,9 +206,10 @@ class MerchantClient(Generic[SourceT]):
         _check_path(path)
         if headers and any(name.lower() == "authorization" for name in headers):
             raise ValueError("the Authorization header is set by the client from the shared token")
+        call = _Call(method, path, json, params, headers)
         try:
             # the usual case, kept free of the retry machinery's cost
-            return self._send(self.manager.token(), method, path, json, params, headers)
+            return self._send(self.manager.token(), call)
         except (_Unauthorized, _Transient) as exc:
             first_failure: list[_Unauthorized | _Transient] = [exc]
 
@@ -212,7 +220,7 @@ class MerchantClient(Generic[SourceT]):
                 if isinstance(failure, _Transient):
                     raise failure
                 refused = failure
-            return self._send_renewing(refused, method, path, json, params, headers)
+            return self._send_renewing(refused, call)
 
         try:
             return self._retry_transient(attempt)
@@ -224,15 +232,7 @@ class MerchantClient(Generic[SourceT]):
                 retry_after=exc.retry_after,
             ) from None
 
-    def _send_renewing(
-        self,
-        refused: _Unauthorized | None,
-        method: str,
-        path: str,
-        json: Any,
-        params: Mapping[str, Any] | None,
-        headers: Mapping[str, str] | None,
-    ) -> Any:
+    def _send_renewing(self, refused: _Unauthorized | None, call: _Call) -> Any:
         """Send; on 401, renew the refused token and send again, a bounded number of times."""
         token = self.manager.token() if refused is None else refused.token
         renewals = 0
@@ -244,27 +244,20 @@ class MerchantClient(Generic[SourceT]):
                 log.info("call got 401 with token %s; renewing", refused.token.fingerprint)
                 token = self.manager.renew(stale_token=refused.token)
             try:
-                return self._send(token, method, path, json, params, headers)
+                return self._send(token, call)
             except _Unauthorized as exc:
                 refused = exc
 
-    def _send(
-        self,
-        token: Token,
-        method: str,
-        path: str,
-        json: Any,
-        params: Mapping[str, Any] | None,
-        headers: Mapping[str, str] | None,
-    ) -> Any:
-        all_headers = {"accept": "application/json", **(headers or {})}
+    def _send(self, token: Token, call: _Call) -> Any:
+        method, path = call.method, call.path
+        all_headers = {"accept": "application/json", **(call.headers or {})}
         all_headers["authorization"] = f"Bearer {token.value}"
         try:
             response = self.session.request(
                 method,
                 self.base_url + path,
-                json=json,
-                params=params,
+                json=call.json,
+                params=call.params,
                 headers=all_headers,
                 timeout=self.timeout,
                 allow_redirects=False,  # a redirect would carry the token elsewhere

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from .exceptions import StoreUnavailable
-from .store import TokenStore
-from .store import _unavailable_as_error as unavailable_as_error
+from .store import TokenStore, unavailable_as_error
 
 log = logging.getLogger(__name__)
 

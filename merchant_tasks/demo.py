@@ -57,16 +57,16 @@ DRAIN_TIMEOUT = 30.0  # seconds to wait for calls still queued when the duration
 class DemoSummary:
     """What one demo run did, as printed at the end."""
 
+    redis: str = ""
     enqueued: int = 0
     ok: int = 0
     failed: int = 0
     lost: int = 0
+    errors: list[str] = field(default_factory=list)  # the first failed calls' results
     exchanges: int = 0
     expected_exchanges: int = 0
     unauthorized: int = 0
     forced_renewals: int = 0
-    redis: str = ""
-    errors: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:

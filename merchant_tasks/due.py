@@ -32,7 +32,7 @@ from redis.cluster import RedisCluster
 
 from .redis_topology import StoreClient
 from .settings import Settings
-from .store import TokenStore, _unavailable_as_error
+from .store import TokenStore, unavailable_as_error
 from .token import Token
 
 SPREAD_TICKS = 2.0  # the lowest renewal point leaves two beat intervals before the
@@ -107,7 +107,7 @@ def claim_renewals(
         for name in server_names:
             settings = accounts[name]
             pipe.set(claim_key(settings), b"1", nx=True, px=int(claim_ttl(settings) * 1000))
-        with _unavailable_as_error():
+        with unavailable_as_error():
             replies = pipe.execute()
         claimed += [name for name, won in zip(server_names, replies, strict=True) if won]
     return claimed
@@ -115,7 +115,7 @@ def claim_renewals(
 
 def release_renewal(settings: Settings, client: StoreClient) -> None:
     """The renewal task has run: beat may send the next one."""
-    with _unavailable_as_error():
+    with unavailable_as_error():
         client.delete(claim_key(settings))
 
 
@@ -136,7 +136,7 @@ def _due_on_server(client: StoreClient, entries: list[_Entry]) -> list[str]:
         pipe.time()
     for entry in entries:
         pipe.get(entry.token_key)
-    with _unavailable_as_error():
+    with unavailable_as_error():
         clock = [client.time()] if clustered else []
         replies = [*clock, *pipe.execute()]
     seconds, micros = cast(tuple[int, int], replies[0])

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 LOCK_MARGIN = 5.0  # seconds of lock TTL beyond the longest renewal we allow ourselves
 
 Clock = Callable[[], float]
-Satisfied = Callable[[Token | None], bool]
+Acceptable = Callable[[Token | None], bool]  # whether a token (or none) serves the caller
 
 
 class TokenManager:
@@ -322,14 +322,14 @@ class TokenManager:
     def _renew(
         self,
         reason: RenewalReason,
-        satisfied: Satisfied,
+        acceptable: Acceptable,
         fallback: Token | None,
         *,
         started: float | None = None,
         probe: bool = False,
         prelude: Prelude | None = None,
     ) -> Token:
-        """A token that satisfies the caller, exchanging at most once fleet-wide.
+        """A token ``acceptable`` to the caller, exchanging at most once fleet-wide.
 
         ``prelude``: the caller's own look at the store and the lock, as the first attempt.
         """
@@ -338,10 +338,10 @@ class TokenManager:
 
         def look() -> Token | None:
             kept = self.copy.kept_since(since)
-            if kept is not None and satisfied(kept):
+            if kept is not None and acceptable(kept):
                 return kept
             current = self.store.load()
-            if satisfied(current):
+            if acceptable(current):
                 return current
             try:
                 return self.breaker.check(fallback)

@@ -52,27 +52,18 @@ ZERO_LIFETIME_RETRY = 1.0  # expires_in is in whole seconds: a token handed back
 # is gone within a second, and then the server issues a new one
 
 
+@dataclasses.dataclass(eq=False)
 class Renewer:
     """Exchanges for a new token and stores it, if it is better than the stored one."""
 
-    def __init__(
-        self,
-        store: TokenStore,
-        exchange: Callable[[], IssuedToken],
-        policy: RenewalPolicy,
-        breaker: Breaker,
-        copy: LocalCopy,
-        *,
-        clock: Callable[[], float],
-        sleep: Callable[[float], None],
-    ) -> None:
-        self.store = store
-        self.exchange = exchange
-        self.policy = policy
-        self.breaker = breaker
-        self.copy = copy
-        self.clock = clock
-        self.sleep = sleep
+    store: TokenStore
+    exchange: Callable[[], IssuedToken]
+    policy: RenewalPolicy
+    breaker: Breaker
+    copy: LocalCopy
+    _: dataclasses.KW_ONLY
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
 
     def renew(self, reason: RenewalReason, *, probe: bool = False) -> Token:
         """Exchange (retrying a failing endpoint a few times, once for a half-open probe)

@@ -94,7 +94,7 @@ SHUTDOWN_POLL = 0.1  # seconds; how quickly stop() returns
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 EXCHANGE_OUTCOMES = ("ok", "rejected", "rate_limited", "failed")
-# "rejected" (400/405 on a known endpoint) is not in the brief's list: without it such calls vanish.
+# "rejected" counts 400/405 on a known endpoint, so such calls are counted somewhere.
 CALL_OUTCOMES = ("ok", "unauthorized", "failed", "not_found", "rejected")
 
 

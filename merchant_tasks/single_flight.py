@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from redis.exceptions import LockError, RedisError
 from redis.lock import Lock
@@ -57,25 +57,19 @@ class Prelude:
     heard: int
 
 
+@dataclass(eq=False)
 class SingleFlight:
     """Runs a renewal once fleet-wide; the others get its token, or keep a valid one."""
 
-    def __init__(
-        self,
-        store: TokenStore,
-        signal: RenewalSignal | None,
-        *,
-        lock_ttl: float,
-        wait_limit: float,
-        clock: Callable[[], float],
-        sleep: Callable[[float], None],
-    ) -> None:
-        self.store = store
-        self.signal = signal
-        self.lock_ttl = lock_ttl
-        self.wait_limit = wait_limit
-        self.clock = clock
-        self.sleep = sleep
+    store: TokenStore
+    signal: RenewalSignal | None  # None: no announcements, waits poll the store
+    _: KW_ONLY
+    lock_ttl: float  # seconds the fleet's lock lives: the longest renewal, and a margin
+    wait_limit: float  # seconds a caller waits for another's renewal
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+
+    def __post_init__(self) -> None:
         self.remake_locks()
 
     def remake_locks(self) -> None:
@@ -112,7 +106,7 @@ class SingleFlight:
         """
         heard = [0]
         pending = [prelude] if prelude is not None else []
-        counted: list[bool] = []
+        wait_counted: list[bool] = []
         started = time.monotonic()
 
         def attempt() -> Token | None:
@@ -125,7 +119,7 @@ class SingleFlight:
                     heard[0] = first.heard
                     lock = first.lock
                     if lock is None:
-                        counted.append(True)  # the prelude counted its wait
+                        wait_counted.append(True)  # by the prelude
                 else:
                     heard[0] = self.signal.heard if self.signal is not None else 0
                     found = look()
@@ -145,8 +139,8 @@ class SingleFlight:
                 self.turn.release()
             if fallback is not None and fallback.expires_at > self.clock():
                 return fallback
-            if not counted:
-                counted.append(True)
+            if not wait_counted:
+                wait_counted.append(True)
                 self.store.count(CounterName.LOCK_WAITS)
             return None
 
@@ -166,7 +160,7 @@ class SingleFlight:
         )
         token = wait_for_holder(attempt)
         assert token is not None  # the retry only ends on a token or an error
-        if counted:  # found the lock held: how long until a token (metrics.py's histogram)
+        if wait_counted:  # found the lock held: how long until a token (metrics.py's histogram)
             self.store.observe(LOCK_WAIT_SECONDS, time.monotonic() - started)
         return token
 

@@ -188,7 +188,7 @@ class TokenStore:
 
     def time(self) -> float:
         """Redis's clock, in seconds."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             seconds, micros = self.redis.time()
         return seconds + micros / 1e6
 
@@ -198,7 +198,7 @@ class TokenStore:
         None too when the stored token is older than one this process has seen stored
         (Redis lost writes): it is renewed rather than used again.
         """
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = cast(bytes | None, self.redis.get(self.token_key))
         return self._parse(raw)
 
@@ -220,20 +220,32 @@ class TokenStore:
         return token
 
     def look_after_401(
-        self, refused_generation: int, owner: str, lock_ttl: float, counted: str, waited: str
+        self,
+        refused_generation: int,
+        owner: str,
+        lock_ttl: float,
+        unauthorized_counter: str,
+        wait_counter: str,
     ) -> tuple[Token | None, Lock | None, bool]:
-        """After a 401, in one round trip: count it (``counted``), load the token and, if it
-        is still the refused generation (or none is stored), try the renewal lock.
+        """After a 401, in one round trip: count it (in ``unauthorized_counter``), load the
+        token and, if it is still the refused generation (or none is stored), try the renewal
+        lock.
 
         Returns the stored token, the lock if it was taken, and whether another holds it
-        (then ``waited`` was counted).
+        (then ``wait_counter`` was counted).
         """
-        with _unavailable_as_error():
+        with unavailable_as_error():
             raw, outcome = cast(
                 list[Any],
                 self._look_after_401(
                     keys=[self.token_key, self.lock_key, self.counters_key],
-                    args=[refused_generation, owner, int(lock_ttl * 1000), counted, waited],
+                    args=[
+                        refused_generation,
+                        owner,
+                        int(lock_ttl * 1000),
+                        unauthorized_counter,
+                        wait_counter,
+                    ],
                 ),
             )
         lock = None
@@ -246,7 +258,7 @@ class TokenStore:
     def generation(self) -> int:
         """The generation of the last token written (0 if none ever was), or the highest
         this process has seen stored if Redis has lost writes since."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = self.redis.get(self.generation_key)
         stored = int(cast(bytes, raw)) if raw is not None else 0
         return max(stored, self._seen_generation)
@@ -257,7 +269,7 @@ class TokenStore:
         ``token.generation`` must be the stored generation plus one. Returns whether it was
         written and the generation now stored.
         """
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             result = cast(
                 list[int],
                 self._save(
@@ -294,18 +306,18 @@ class TokenStore:
 
     def mark_accepted(self, generation: int) -> None:
         """Record that the API accepted a token of ``generation`` (no write if already known)."""
-        with _unavailable_as_error():
+        with unavailable_as_error():
             self._raise_accepted(keys=[self.accepted_key], args=[generation])
 
     def accepted_generation(self) -> int:
         """The highest generation the API is known to have accepted (0: none ever)."""
-        with _unavailable_as_error():
+        with unavailable_as_error():
             raw = self.redis.get(self.accepted_key)
         return int(cast(bytes, raw)) if raw is not None else 0
 
     def forced_in_period(self, now: float, period: float) -> int:
         """Forced renewals logged in the ``period`` seconds before ``now``."""
-        with _unavailable_as_error():
+        with unavailable_as_error():
             pipe = self.redis.pipeline(transaction=False)
             pipe.zremrangebyscore(self.forced_key, "-inf", now - period)
             pipe.zcount(self.forced_key, now - period, "+inf")
@@ -314,12 +326,12 @@ class TokenStore:
 
     def log_forced(self, now: float) -> None:
         """Log one forced renewal at ``now``, for the budget."""
-        with _unavailable_as_error():
+        with unavailable_as_error():
             self.redis.zadd(self.forced_key, {f"{now:.6f}": now})
 
     def take_probe(self, interval: float) -> bool:
         """The half-open probe slot, at most once per ``interval`` seconds fleet-wide."""
-        with _unavailable_as_error():
+        with unavailable_as_error():
             return bool(self.redis.set(self.probe_key, b"1", nx=True, px=int(interval * 1000)))
 
     def lock(self, ttl: float) -> Lock:
@@ -328,12 +340,12 @@ class TokenStore:
 
     def lock_holder(self) -> str | None:
         """Who holds the renewal lock, if anyone."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = self.redis.get(self.lock_key)
         return cast(bytes, raw).decode() if raw is not None else None
 
     def load_breaker(self) -> BreakerRecord | None:
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = self.redis.get(self.breaker_key)
         if raw is None:
             return None
@@ -343,16 +355,16 @@ class TokenStore:
     def open_breaker(self, record: BreakerRecord, now: float) -> None:
         """Store the breaker; it outlives ``record.until`` by BREAKER_MEMORY."""
         ttl_ms = max(1, int((record.until - now + BREAKER_MEMORY) * 1000))
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             self.redis.set(self.breaker_key, json.dumps(asdict(record)), px=ttl_ms)
 
     def close_breaker(self) -> None:
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             self.redis.delete(self.breaker_key)
 
     def count(self, *events: str) -> None:
         """Add one to each named fleet-wide counter."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             pipe = self.redis.pipeline(transaction=False)
             for event in events:
                 pipe.hincrby(self.counters_key, event, 1)
@@ -360,7 +372,7 @@ class TokenStore:
 
     def record_exchange(self, reason: str, outcome: str, now: float) -> None:
         """Count one exchange attempt by reason and outcome, and log its time for rates."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             pipe = self.redis.pipeline(transaction=False)
             pipe.hincrby(self.counters_key, f"exchanges:{reason}:{outcome}", 1)
             pipe.zadd(self.exchange_log_key, {f"{now:.6f}:{reason}:{outcome}": now})
@@ -369,25 +381,25 @@ class TokenStore:
 
     def exchanges_since(self, since: float) -> int:
         """Exchange attempts (any outcome) since ``since``, within the last day."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             return int(self.redis.zcount(self.exchange_log_key, since, "+inf"))
 
     def counters(self) -> dict[str, int]:
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = cast(dict[bytes, bytes], self.redis.hgetall(self.counters_key))
         return {k.decode(): int(v) for k, v in raw.items()}
 
     def observe(self, name: str, seconds: float) -> None:
         """Add one duration to the fleet-wide histogram ``name`` (buckets DURATION_BUCKETS).
 
-        Kept as ``name:le:<bound>`` counts (not cumulative; ``+Inf`` for longer ones),
-        ``name:count`` and ``name:sum_us`` (microseconds: HINCRBY only, no float command).
+        Kept as ``name:le:<bound>`` counts (not cumulative; ``+Inf`` for longer ones; their
+        total is the count) and ``name:sum_us`` (microseconds: HINCRBY only, no float
+        command): two commands an observation.
         Best effort: a failure is logged, never raised, so it cannot fail what it measures.
         """
         bound = next((f"{b:g}" for b in DURATION_BUCKETS if seconds <= b), "+Inf")
         pipe = self.redis.pipeline(transaction=False)
         pipe.hincrby(self.histograms_key, f"{name}:le:{bound}", 1)
-        pipe.hincrby(self.histograms_key, f"{name}:count", 1)
         pipe.hincrby(self.histograms_key, f"{name}:sum_us", round(max(0.0, seconds) * 1e6))
         try:
             pipe.execute()
@@ -396,7 +408,7 @@ class TokenStore:
 
     def histograms(self) -> dict[str, int]:
         """The raw fields written by ``observe``."""
-        with _unavailable_as_error(self.address):
+        with unavailable_as_error(self.address):
             raw = cast(dict[bytes, bytes], self.redis.hgetall(self.histograms_key))
         return {k.decode(): int(v) for k, v in raw.items()}
 
@@ -413,8 +425,9 @@ def redis_address(client: object) -> str:
 
 
 @contextmanager
-def _unavailable_as_error(address: str | None = None) -> Iterator[None]:
-    """Redis's connection errors as StoreUnavailable, naming ``address`` (host:port)."""
+def unavailable_as_error(address: str | None = None) -> Iterator[None]:
+    """Redis's connection errors as StoreUnavailable, naming ``address`` (host:port);
+    shared by every module that talks to the account's Redis."""
     where = f"Redis at {address}" if address else "Redis"
     try:
         yield

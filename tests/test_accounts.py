@@ -321,4 +321,4 @@ def test_loading_a_thousand_accounts_builds_no_client(tmp_path: Path, secret_fil
     )
     assert len(fleet.accounts) == 1000
     assert fleet._clients == {}
-    assert fleet._redis == {}
+    assert fleet._redis_by_url == {}

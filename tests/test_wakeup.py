@@ -58,7 +58,7 @@ def test_an_announcement_heard_before_the_wait_is_not_missed(store: TokenStore) 
 
 def test_the_subscriber_thread_ends_with_its_signal(store: TokenStore) -> None:
     signal = listening(RenewalSignal(store))
-    thread = signal._thread
+    thread = signal.subscriber_thread
     assert thread is not None
     del signal
     gc.collect()
@@ -66,11 +66,31 @@ def test_the_subscriber_thread_ends_with_its_signal(store: TokenStore) -> None:
     assert not thread.is_alive()
 
 
+def test_accounts_of_one_process_share_one_subscriber_and_hear_only_their_own_renewals(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """A worker serving many accounts holds one listening connection, not one per account."""
+    stores = [
+        TokenStore(redis_client, TokenStore.namespace_for(key_prefix, "sandbox", f"app-{n}"))
+        for n in range(20)
+    ]
+    signals = [listening(RenewalSignal(store)) for store in stores]
+    threads = {signal.subscriber_thread for signal in signals}
+    assert len(threads) == 1
+    assert None not in threads
+    before = [signal.heard for signal in signals]
+    assert stores[7].announce(2)
+    wait_until(lambda: signals[7].heard > before[7], "the announcement", 10.0)
+    assert [signal.heard - seen for signal, seen in zip(signals, before, strict=True)] == [
+        1 if n == 7 else 0 for n in range(20)
+    ]
+
+
 def test_without_redis_the_signal_is_not_listening_and_callers_poll(key_prefix: str) -> None:
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
     signal = RenewalSignal(TokenStore(dead, key_prefix))
     signal.start()
-    wait_until(lambda: signal._thread is None, "the subscriber to give up", 10.0)
+    wait_until(lambda: signal.subscriber_thread is None, "the subscriber to give up", 10.0)
     assert not signal.listening
 
 

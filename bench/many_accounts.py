@@ -55,7 +55,8 @@ class AccountsPlan:
     sealing_calls: int
 
 
-QUICK = AccountsPlan(1000, 100, 15.0, 10.0, 2.0, 0.5, 3, 100)
+# quick: 15 s (lifetime - renew_before) for the first tokens; 5 s was too short under load
+QUICK = AccountsPlan(1000, 100, 25.0, 10.0, 2.0, 0.5, 3, 100)
 FULL = AccountsPlan(1000, 1000, 90.0, 60.0, 5.0, 1.0, 9, 1000)
 
 

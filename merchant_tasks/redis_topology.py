@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeAlias
 from urllib.parse import unquote, urlsplit
 
@@ -46,7 +46,8 @@ class SentinelUrl:
     sentinels: tuple[tuple[str, int], ...]
     db: int
     username: str | None
-    password: str | None  # the master's (Celery reads it from the first address too)
+    password: str | None = field(repr=False)  # the master's (Celery reads it from the first
+    # address too); never in repr, which a log line or a traceback could show
 
 
 def is_kombu_redis_url(url: str) -> bool:

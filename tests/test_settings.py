@@ -417,6 +417,7 @@ def test_a_sentinel_url_in_celerys_form_is_accepted_with_master_and_sentinel_pas
     parsed = parse_sentinel_url(url)
     assert parsed.sentinels == (("s1.example.test", 26379), ("s2.example.test", 26379))
     assert (parsed.db, parsed.password) == (2, "master-pw")
+    assert "master-pw" not in repr(parsed)
 
 
 def test_the_sentinel_master_defaults_to_mymaster(env: dict[str, str]) -> None:

@@ -217,10 +217,6 @@ class TokenStore:
         self.probe_key = f"{namespace}:probe"
         self.waits_key = f"{namespace}:waits"
         self.renewed_channel = f"{namespace}:renewed"
-        self._save = client.register_script(_SAVE_IF_GENERATION)
-        self._raise_accepted = client.register_script(_RAISE_ACCEPTED)
-        self._look_after_401 = client.register_script(_LOOK_AFTER_401)
-        self._note_wait = client.register_script(_NOTE_WAIT_UNLESS_RENEWED)
         self._parsed: tuple[bytes, Token] | None = None
         self._parsed_lock = threading.Lock()
         # the highest generation this process has seen stored: Redis may lose the last
@@ -293,7 +289,8 @@ class TokenStore:
         with unavailable_as_error():
             raw, outcome = cast(
                 list[Any],
-                self._look_after_401(
+                self._run(
+                    _LOOK_AFTER_401,
                     keys=[self.token_key, self.lock_key, self.counters_key, self.waits_key],
                     args=[
                         refused_generation,
@@ -329,7 +326,8 @@ class TokenStore:
         with unavailable_as_error(self.address):
             result = cast(
                 list[int],
-                self._save(
+                self._run(
+                    _SAVE_IF_GENERATION,
                     keys=[self.token_key, self.generation_key, self.waits_key, self.histograms_key],
                     args=[
                         token.generation - 1,
@@ -369,7 +367,8 @@ class TokenStore:
         it, so a waiter sends no command for it. False, nothing noted, if a newer
         generation is already stored."""
         with unavailable_as_error(self.address):
-            noted = self._note_wait(
+            noted = self._run(
+                _NOTE_WAIT_UNLESS_RENEWED,
                 keys=[self.generation_key, self.counters_key, self.waits_key],
                 args=[stale_generation, wait_counter, _milliseconds(wait_limit)],
             )
@@ -380,10 +379,19 @@ class TokenStore:
         """The highest generation this process has seen stored."""
         return self._seen_generation
 
+    def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        """Run one of this module's scripts, sent whole (EVAL), not by digest (EVALSHA).
+
+        They run a few times a renewal, never on the hot path; after a Redis restart or
+        failover the server's script cache is empty, and a digest would cost every process
+        two more commands (NOSCRIPT, SCRIPT LOAD) in the very storm that follows.
+        """
+        return self.redis.eval(script, len(keys), *keys, *args)
+
     def mark_accepted(self, generation: int) -> None:
         """Record that the API accepted a token of ``generation`` (no write if already known)."""
         with unavailable_as_error():
-            self._raise_accepted(keys=[self.accepted_key], args=[generation])
+            self._run(_RAISE_ACCEPTED, keys=[self.accepted_key], args=[generation])
 
     def accepted_generation(self) -> int:
         """The highest generation the API is known to have accepted (0: none ever)."""

@@ -12,17 +12,29 @@ import redis
 
 from conftest import TEST_API_KEY, Sandbox
 from merchant_tasks.accounts import AccountClients, client_for
+from merchant_tasks.completions import CompletionRecords
 from merchant_tasks.local import wait_until
+from merchant_tasks.policy import CounterName
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.store import LOCK_WAIT_SECONDS
 
 pytestmark = pytest.mark.integration
 
 # the README's ACL, with the key pattern of this test's prefix
 TOKEN_STORE_COMMANDS = (
-    "+get +set +del +hincrby +hgetall +zadd +zcount +zremrangebyscore "
-    "+eval +evalsha +script|load +time +ping +publish +subscribe +unsubscribe"
+    "+get +set +del +hincrby +hgetall +zadd +zcount +zremrangebyscore +rpush +lrange +ltrim "
+    "+pexpire +eval +evalsha +script|load +time +ping +publish +subscribe +unsubscribe"
 )
+
+
+def test_the_readme_and_the_reliability_notes_show_this_acl() -> None:
+    root = Path(__file__).parent.parent
+    for document in ("README.md", "docs/reliability.md"):
+        text = (root / document).read_text()
+        block = text[text.index("ACL SETUSER merchant-tokens") :].split("```")[0]
+        shown = [word for word in block.split() if word.startswith("+")]
+        assert shown == TOKEN_STORE_COMMANDS.split(), document
 
 
 @pytest.fixture
@@ -69,9 +81,17 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     heard = signal.heard
     sandbox.app.revoke_all()
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}  # lock, CAS, counters
+    # a wait for another's renewal, noted now and recorded by the next write
+    store = client.manager.store
+    assert store.note_wait(store.seen_generation, CounterName.LOCK_WAITS, 30.0)
     client.manager.renew(force=True)
     assert sandbox.exchanges()["ok"] == 3
+    assert f"{LOCK_WAIT_SECONDS}:sum_us" in store.histograms()
     wait_until(lambda: signal.heard >= heard + 2, "both renewals announced", 10.0)
+    # completion records of calls that succeeded (completions.py)
+    records = CompletionRecords(store, ttl=60.0)
+    records.record("task-1", {"ok": True})
+    assert records.earlier_run("task-1") is not None
     # beat's check and its claims (due.py): one pipeline of TIME and GETs, SET NX, DEL
     fleet = AccountClients({"default": settings, "other": replace(settings, api_key="other")})
     assert fleet.due() == ["other"]

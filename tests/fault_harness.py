@@ -24,7 +24,7 @@ import redis
 from conftest import redis_value, shows
 from merchant_tasks.client import FleetClient
 from merchant_tasks.exceptions import MerchantError
-from merchant_tasks.local import Child, spawn, wait_until
+from merchant_tasks.local import Child, spawn, wait_all_ready
 from merchant_tasks.sandbox import SandboxApp
 
 PING = "/open-api/v1/ping"
@@ -146,13 +146,10 @@ class Callers:
             )
 
         def all_ready() -> bool:
-            for child in self.processes:
-                if child.process.poll() is not None:
-                    raise AssertionError(f"caller exited at start:\n{child.log_tail(60)}")
             ready = int(cast(bytes, self.control.get(f"{self.key}:ready") or 0))
             return ready >= len(self.processes)
 
-        wait_until(all_ready, "caller processes ready", START_TIMEOUT)
+        wait_all_ready(self.processes, all_ready, "caller processes ready", START_TIMEOUT)
 
     @property
     def pids(self) -> list[int]:
@@ -193,10 +190,9 @@ class Callers:
         for child in self.processes:
             process = child.process
             try:
-                out = process.communicate(timeout=STOP_TIMEOUT)[0].decode()
+                out = child.output(STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
                 child.kill()
-                process.communicate()
                 raise AssertionError(f"caller {process.pid} did not stop") from None
             self.evidence.add(f"{self.name}: caller {process.pid} output", out)
             self.evidence.add(f"{self.name}: caller {process.pid} DEBUG log", child.log_text())
@@ -208,9 +204,7 @@ class Callers:
     def kill(self) -> None:
         """SIGKILL every process still running (no report)."""
         for child in self.processes:
-            if child.process.poll() is None:
-                child.kill()
-            child.process.communicate()
+            child.kill()
             self.evidence.add(f"{self.name}: killed caller {child.process.pid}", child.log_text())
         self.processes.clear()
 

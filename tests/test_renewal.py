@@ -14,11 +14,9 @@ from collections.abc import Callable
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
 from redis.lock import Lock
-from redis.retry import Retry
 
-from conftest import FakeExchange
+from conftest import FakeExchange, dead_redis
 from merchant_tasks.breaker import (
     PROBE_INTERVAL,
     RATE_LIMITED_BACKOFF,
@@ -148,15 +146,6 @@ def stored(
 def hold_lock(store: TokenStore) -> None:
     """Another process takes the renewal lock (and never lets go during the test)."""
     assert store.lock(ttl=60.0).acquire(token=OTHER_HOLDER)
-
-
-def dead_redis() -> redis.Redis:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return redis.Redis(
-        host="127.0.0.1", port=port, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
-    )
 
 
 # -- token(): the callers' path ----------------------------------------------------------

@@ -151,19 +151,20 @@ def hold_lock(store: TokenStore) -> None:
 # -- token(): the callers' path ----------------------------------------------------------
 
 
-def test_token_returns_the_stored_token_while_fresh_without_exchanging(
-    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+@pytest.mark.parametrize(
+    "elapsed",
+    [0.0, 3600.0 - RENEW_MANDATORY - 1.0],  # fresh; just above the mandatory window
+    ids=["fresh", "advisory-window"],
+)
+def test_token_returns_the_stored_token_until_the_mandatory_window_without_exchanging(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    elapsed: float,
 ) -> None:
     token = stored(store, clock, left=3600.0)
-    assert manager.token() == token
-    assert exchange.calls == []
-
-
-def test_token_returns_the_stored_token_in_the_advisory_window_without_exchanging(
-    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
-) -> None:
-    token = stored(store, clock, left=3600.0)
-    clock.now += 3600.0 - RENEW_MANDATORY - 1.0  # just above the mandatory window
+    clock.now += elapsed
     assert manager.token() == token
     assert exchange.calls == []
 

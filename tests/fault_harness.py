@@ -215,7 +215,9 @@ def report_outcomes(report: Mapping[str, Any], phase: str) -> list[str]:
 
 
 class CallLoop:
-    """Threads calling PING through one client until stopped; every outcome kept."""
+    """Threads calling PING through one client until stopped; every outcome kept with its
+    phase, thread and start time. Thread ``n`` sends ``X-Caller: thread-n``, so that an
+    emulator can tell the callers apart; each distinct failure goes to the evidence."""
 
     def __init__(
         self,
@@ -230,7 +232,7 @@ class CallLoop:
         self.where = where
         self.pause = pause
         self.phase = "0"
-        self.outcomes: list[tuple[str, int, str]] = []  # (phase, thread, outcome)
+        self.outcomes: list[tuple[str, int, str, float]] = []  # (phase, thread, outcome, start)
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(threads)
@@ -248,28 +250,39 @@ class CallLoop:
 
     def _run(self, n: int) -> None:
         seen: set[str] = set()
-        deadline = time.monotonic() + 120  # never outlive a test that forgot to stop
+        deadline = time.monotonic() + 300  # never outlive a test that forgot to stop
         while not self._stop.is_set() and time.monotonic() < deadline:
-            phase = self.phase
+            phase, started = self.phase, time.monotonic()
             try:
-                self.client.request("GET", PING)
+                self.client.request("GET", PING, headers={"x-caller": f"thread-{n}"})
                 outcome = "ok"
-            except MerchantError as exc:
-                outcome = type(exc).__name__
-                if outcome not in seen:
-                    seen.add(outcome)
+            except Exception as exc:  # a typed error, or a crash: the test says which may occur
+                kind = type(exc).__name__
+                outcome = kind if isinstance(exc, MerchantError) else f"crash {kind}: {exc}"
+                text = f"{exc!r} {exc} {exc.__cause__!r} {exc.__context__!r}"
+                if text not in seen:
+                    seen.add(text)
                     self.evidence.exception(f"{self.where}: thread {n}", exc)
-            except Exception as exc:  # a crash is an outcome the test reports
-                outcome = f"crash {type(exc).__name__}: {exc}"
-            self.outcomes.append((phase, n, outcome))
+            self.outcomes.append((phase, n, outcome, started))
             self._stop.wait(self.pause)
 
-    def of(self, phase: str | None = None, thread: int | None = None) -> list[str]:
+    def of(
+        self, phase: str | None = None, thread: int | None = None, since: float = 0.0
+    ) -> list[str]:
+        """Outcomes in ``phase`` of ``thread`` (all if None) of calls started after ``since``."""
         return [
             outcome
-            for ph, n, outcome in list(self.outcomes)
-            if phase in (None, ph) and thread in (None, n)
+            for ph, n, outcome, started in list(self.outcomes)
+            if phase in (None, ph) and thread in (None, n) and started >= since
         ]
 
     def each_thread_ok_in(self, phase: str) -> bool:
         return all("ok" in self.of(phase, n) for n in range(len(self._threads)))
+
+    def failures(self, origin: float) -> list[str]:
+        """Every failed call: its thread, start (seconds after ``origin``) and outcome."""
+        return [
+            f"thread {n} at {started - origin:+.2f} s: {outcome}"
+            for _, n, outcome, started in list(self.outcomes)
+            if outcome != "ok"
+        ]

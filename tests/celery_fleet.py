@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 import redis
@@ -243,6 +243,12 @@ class Fleet:
         for client in self._redis_clients:
             client.close()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def send_calls_for(self, seconds: float) -> list[Any]:
         """Enqueue a ping or an echo every CALL_PERIOD for ``seconds``; return the results."""
         results = []
@@ -300,11 +306,8 @@ def running_fleet(
     """A Fleet on a redis-server of its own (broker, result backend and token store), every
     process group stopped and checked gone on exit."""
     with RedisServer(tmp_path / "redis") as server:
-        fleet = Fleet(tmp_path, sandbox, server.url, key_prefix, secret_file)
-        try:
+        with Fleet(tmp_path, sandbox, server.url, key_prefix, secret_file) as fleet:
             yield fleet
-        finally:
-            fleet.close()
         # killed groups vanish at once; allow a moment for the process table to catch up
         with contextlib.suppress(AssertionError):
             wait_until(lambda: not fleet.leftovers(), "children gone", 5.0)

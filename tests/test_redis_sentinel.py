@@ -271,13 +271,10 @@ def fleet(
 ) -> Iterator[Fleet]:
     """A fleet whose token store, broker and results are all the group's, through one
     MERCHANT_REDIS_URL; long windows, so that no scheduled renewal interferes."""
-    fleet = Fleet(tmp_path, sandbox, sentinel_group.url, key_prefix, secret_file)
-    fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
-    fleet.long_windows()
-    try:
+    with Fleet(tmp_path, sandbox, sentinel_group.url, key_prefix, secret_file) as fleet:
+        fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
+        fleet.long_windows()
         yield fleet
-    finally:
-        fleet.close()
 
 
 def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_goes_back(

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -251,15 +251,24 @@ class Fleet:
 
     def send_calls_for(self, seconds: float) -> list[Any]:
         """Enqueue a ping or an echo every CALL_PERIOD for ``seconds``; return the results."""
-        results = []
         deadline = time.monotonic() + seconds
-        n = 0
-        while time.monotonic() < deadline:
+        return self.send_calls_until(lambda: time.monotonic() >= deadline, "the span", seconds + 1)
+
+    def send_calls_until(self, done: Callable[[], bool], what: str, timeout: float) -> list[Any]:
+        """Enqueue a ping or an echo every CALL_PERIOD until ``done`` holds; the results.
+
+        TimeoutError naming ``what`` if it does not hold within ``timeout`` s.
+        """
+        results: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout:g} s")
+            n = len(results)
             if n % 2:
                 results.append(self.call("POST", ECHO, json={"n": n}))
             else:
                 results.append(self.call("GET", PING))
-            n += 1
             time.sleep(CALL_PERIOD)
         return results
 

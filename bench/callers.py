@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from harness import ScenarioError
 
-from merchant_tasks.client import FleetClient
+from merchant_tasks.accounts import FleetClient
 
 PING = "/open-api/v1/ping"
 JOIN_TIMEOUT = 60.0  # seconds for every caller to finish, on a busy 2-core machine

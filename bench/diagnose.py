@@ -48,7 +48,8 @@ from harness import (
     sandbox_process,
 )
 
-from merchant_tasks.client import FleetClient, MerchantClient, _Call, new_session
+from merchant_tasks.accounts import FleetClient, client_for
+from merchant_tasks.client import _Call, new_session
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, Secret, Settings
 
 API_KEY = "bench-app-id"
@@ -84,7 +85,7 @@ def new_client(redis_url: str, url: str, secret_file: Path) -> FleetClient:
         redis_url=redis_url,
         key_prefix=f"diagnose-{uuid.uuid4().hex[:8]}",
     )
-    return MerchantClient.from_settings(settings)
+    return client_for(settings)
 
 
 def hot_path(kind: str, rounds: int, calls: int) -> None:

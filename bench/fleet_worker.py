@@ -2,7 +2,7 @@
 
 Run as ``python bench/fleet_worker.py ROLE THREADS DURATION`` where ROLE is
 
-- ``ours``     MerchantClient.from_env(), shared by the threads;
+- ``ours``     client_from_env(), shared by the threads;
 - ``beat``     no calls: client.manager.renew() every MERCHANT_RENEW_INTERVAL s (the
                Celery beat task's body), so ours renews in the advisory window;
 - ``authlib``  peer (a): one authlib OAuth2Session per process, shared by the threads;
@@ -62,9 +62,9 @@ def make_call(role: str) -> Callable[[], str | None]:
     base_url = os.environ["MERCHANT_BASE_URL"]
     api_key = os.environ["MERCHANT_API_KEY"]
     if role == "ours":
-        from merchant_tasks.client import MerchantClient
+        from merchant_tasks.accounts import client_from_env
 
-        client = MerchantClient.from_env()
+        client = client_from_env()
 
         def ours() -> str | None:
             client.request("GET", PING)
@@ -107,10 +107,10 @@ def make_call(role: str) -> Callable[[], str | None]:
 
 
 def beat(deadline: float, tally: Tally) -> None:
-    from merchant_tasks.client import MerchantClient
+    from merchant_tasks.accounts import client_from_env
     from merchant_tasks.exceptions import MerchantError
 
-    client = MerchantClient.from_env()
+    client = client_from_env()
     interval = float(os.environ["MERCHANT_RENEW_INTERVAL"])
     while time.time() < deadline:
         try:

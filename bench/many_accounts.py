@@ -30,8 +30,7 @@ from harness import BENCH_DIR, SandboxControl, ScenarioError, median, sandbox_pr
 from redis.connection import Connection
 from scenario import Goal, Result, Scenario, Table, yes_no
 
-from merchant_tasks.accounts import AccountClients
-from merchant_tasks.client import FleetClient, MerchantClient
+from merchant_tasks.accounts import AccountClients, FleetClient, client_for
 from merchant_tasks.due import due_accounts, namespace_of
 from merchant_tasks.settings import Secret, Settings
 from merchant_tasks.token import Token
@@ -429,7 +428,7 @@ def _client(bench: Bench, url: str, key_file: Path | None) -> FleetClient:
         key_prefix=f"bench-sealing-{uuid.uuid4().hex[:8]}",
         token_key_file=str(key_file) if key_file is not None else None,
     )
-    return MerchantClient.from_settings(settings)
+    return client_for(settings)
 
 
 def scenarios(plan: AccountsPlan) -> list[Scenario]:

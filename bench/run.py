@@ -72,7 +72,7 @@ from harness import (
 )
 from scenario import Goal, Result, Scenario, Table, fmt
 
-from merchant_tasks.client import FleetClient, MerchantClient
+from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.settings import DEFAULT_KEY_PREFIX, Secret, Settings, child_env
 
 API_KEY = "bench-app-id"
@@ -154,7 +154,7 @@ class Bench:
     ) -> FleetClient:
         """A MerchantClient in this process, default windows, its own key prefix."""
         settings = self.settings(prefix, base_url)
-        return MerchantClient.from_settings(settings, redis_client=redis_client)
+        return client_for(settings, redis_client=redis_client)
 
     def spawn(self, name: str, argv: list[str], **kwargs: Any) -> Child:
         child = spawn(name, argv, self.workdir / f"{name}.log", **kwargs)

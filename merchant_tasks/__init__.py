@@ -3,7 +3,8 @@
 Reading order follows the token's life: ``token`` (the value), ``exchange`` (getting one),
 ``store`` (keeping it in Redis), ``policy`` (when it is renewed, what a 401 means),
 ``single_flight``, ``wakeup``, ``renewer``, ``breaker``, ``local_copy`` and ``renewal``
-(who renews it, and how the fleet waits), ``client`` (using it), then the Celery wiring
+(who renews it, and how the fleet waits), ``client`` (using it), ``accounts`` (wiring
+each account's settings to a client), then the Celery wiring
 (``celery_app``, ``worker_pools``, ``completions``, ``tasks``). The design, its windows,
 guards and rules: docs/design.md.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import logging
 from importlib.metadata import PackageNotFoundError, version
 
-from .client import MerchantClient
+from .accounts import AccountClients, FleetClient, client_for, client_from_env
+from .client import MerchantClient, TokenSource
 from .exceptions import (
     ApiError,
     ApiUnavailable,
@@ -39,11 +41,13 @@ except PackageNotFoundError:  # a source tree used without installing it
     __version__ = "0+unknown"
 
 __all__ = [
+    "AccountClients",
     "ApiError",
     "ApiUnavailable",
     "ConfigurationError",
     "CredentialsRejected",
     "ExchangeRateLimited",
+    "FleetClient",
     "MalformedApiResponse",
     "MalformedTokenResponse",
     "MerchantClient",
@@ -55,8 +59,11 @@ __all__ = [
     "TokenEndpointUnavailable",
     "TokenExchangeError",
     "TokenRejected",
+    "TokenSource",
     "TokenUnreadable",
     "__version__",
+    "client_for",
+    "client_from_env",
 ]
 
 # a library leaves logging to its application: without this, Python's last-resort handler

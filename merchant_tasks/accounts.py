@@ -37,11 +37,17 @@ from urllib.parse import urlsplit
 import requests
 
 from . import redis_topology
-from .client import FleetClient, MerchantClient, new_session
+from .client import MerchantClient, new_session
 from .due import claim_renewals, due_accounts, release_renewal
 from .exceptions import ConfigurationError
+from .exchange import TokenExchange
 from .redis_topology import StoreClient
+from .renewal import TokenManager
+from .sealing import codec_for
 from .settings import Settings
+from .store import TokenStore
+from .timing import TimedExchange
+from .token import fingerprint
 
 DEFAULT_ACCOUNT = "default"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -192,6 +198,53 @@ def _check_environments_apart(accounts: Mapping[str, Settings]) -> None:
             )
 
 
+FleetClient = MerchantClient[TokenManager]  # the client whose token source is the fleet's
+
+
+def client_for(
+    settings: Settings,
+    *,
+    redis_client: StoreClient | None = None,
+    session: requests.Session | None = None,
+) -> FleetClient:
+    """The client of one account: its settings wired to a store, an exchange and a manager.
+
+    ``redis_client`` and ``session`` are shared when given (``AccountClients`` shares one
+    Redis pool per server); otherwise the client gets its own.
+    """
+    session = session or new_session()
+    store = TokenStore(
+        redis_client or redis_topology.redis_for(settings),
+        TokenStore.namespace_for(
+            settings.key_prefix,
+            settings.environment,
+            settings.api_key,
+            hash_tag=settings.redis_cluster,
+        ),
+        codec_for(settings.token_key_file, settings.token_key_previous_file),
+    )
+    manager = TokenManager(
+        store,
+        TimedExchange(TokenExchange.from_settings(settings, session), store),
+        lambda: fingerprint(settings.secret.reveal()),
+        renew_before=settings.renew_before,
+        renew_mandatory=settings.renew_mandatory,
+        exchange_timeout=settings.connect_timeout + settings.read_timeout,
+    )
+    return MerchantClient(
+        settings.base_url,
+        manager,
+        session=session,
+        timeout=(settings.connect_timeout, settings.read_timeout),
+    )
+
+
+def client_from_env(environ: Mapping[str, str] | None = None) -> FleetClient:
+    """The client of the only (or ``default``) account the MERCHANT_* variables and
+    MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see README.md)."""
+    return AccountClients.from_env(environ).get()
+
+
 class AccountClients:
     """This process's clients, one per account, each made on its first use (one HTTP
     session each; one Redis pool per Redis server)."""
@@ -221,7 +274,7 @@ class AccountClients:
             client = self._clients.get(name)
             if client is None:
                 session: requests.Session = new_session()  # cookies never cross accounts
-                client = MerchantClient.from_settings(
+                client = client_for(
                     settings, redis_client=self._redis_for(settings.redis_url), session=session
                 )
                 self._clients[name] = client

@@ -11,13 +11,13 @@
   request: the connection was never made, or the answer was 429 or 503 (refused before
   processing).
 
-The client needs only a ``TokenSource``; ``TokenManager`` is the fleet's.
+The client needs only a ``TokenSource``; ``TokenManager`` is the fleet's, wired to its
+account's settings by ``accounts.client_for``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,15 +38,10 @@ from tenacity import (
 from urllib3.exceptions import NewConnectionError
 
 from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
-from .exchange import TOKEN_PATH, TokenExchange, error_code, parse_retry_after
+from .exchange import TOKEN_PATH, error_code, parse_retry_after
 from .policy import refused_after_renewal_message
-from .redis_topology import StoreClient, redis_for
-from .renewal import TokenManager
-from .sealing import codec_for
-from .settings import DEFAULT_TIMEOUTS, Settings
-from .store import TokenStore
-from .timing import TimedExchange
-from .token import Token, fingerprint
+from .settings import DEFAULT_TIMEOUTS
+from .token import Token
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +111,8 @@ SourceT = TypeVar("SourceT", bound=TokenSource)
 class MerchantClient(Generic[SourceT]):
     """Calls the merchant API under ``/open-api/v1`` with the account's shared token.
 
-    Needs only a ``TokenSource``; ``FleetClient`` is the one the fleet wires up, whose
-    source is the ``TokenManager``.
+    Needs only a ``TokenSource``; ``accounts.FleetClient`` is the one the fleet wires up
+    (``accounts.client_for``), whose source is the ``TokenManager``.
     """
 
     def __init__(
@@ -140,45 +135,6 @@ class MerchantClient(Generic[SourceT]):
             stop=stop_after_attempt(CALL_ATTEMPTS) | stop_before_delay(CALL_RETRY_BUDGET),
             retry_error_callback=_gave_up,
             sleep=sleep,
-        )
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> FleetClient:
-        """A client configured by the MERCHANT_* variables (see README.md)."""
-        return cls.from_settings(Settings.from_env(os.environ if environ is None else environ))
-
-    @classmethod
-    def from_settings(
-        cls,
-        settings: Settings,
-        *,
-        redis_client: StoreClient | None = None,
-        session: requests.Session | None = None,
-    ) -> FleetClient:
-        session = session or new_session()
-        store = TokenStore(
-            redis_client or redis_for(settings),
-            TokenStore.namespace_for(
-                settings.key_prefix,
-                settings.environment,
-                settings.api_key,
-                hash_tag=settings.redis_cluster,
-            ),
-            codec_for(settings.token_key_file, settings.token_key_previous_file),
-        )
-        manager = TokenManager(
-            store,
-            TimedExchange(TokenExchange.from_settings(settings, session), store),
-            lambda: fingerprint(settings.secret.reveal()),
-            renew_before=settings.renew_before,
-            renew_mandatory=settings.renew_mandatory,
-            exchange_timeout=settings.connect_timeout + settings.read_timeout,
-        )
-        return MerchantClient(
-            settings.base_url,
-            manager,
-            session=session,
-            timeout=(settings.connect_timeout, settings.read_timeout),
         )
 
     def __repr__(self) -> str:
@@ -296,9 +252,6 @@ class MerchantClient(Generic[SourceT]):
             code=found[1] if found else None,
             excerpt=excerpt,
         )
-
-
-FleetClient = MerchantClient[TokenManager]
 
 
 def new_session() -> requests.Session:

@@ -9,7 +9,7 @@ queue or result and there is nothing to reset between tests:
 - ``merchant_settings``: the validated ``Settings`` of that account (Redis, key prefix).
 - ``merchant_env``: the same as MERCHANT_* variables in ``os.environ`` for the test only
   (any other MERCHANT_* or CELERY_* variable is hidden), for code that reads the
-  environment (``MerchantClient.from_env()``, ``call_api``).
+  environment (``client_from_env()``, ``call_api``).
 - ``merchant_client``: a ``MerchantClient`` for that account.
 - ``merchant_celery_eager``: ``call_api.delay(...)`` runs in the test's process at once
   (Celery's ``task_always_eager``), through the test's account: for unit tests.
@@ -38,7 +38,7 @@ import pytest
 from .settings import Secret, Settings, child_env
 
 if TYPE_CHECKING:
-    from .client import FleetClient
+    from .accounts import FleetClient
     from .sandbox import SandboxApp, SandboxServer
 
 LOCAL_REDIS = ("127.0.0.1", 6379)
@@ -153,9 +153,9 @@ def merchant_env(merchant_settings: Settings, monkeypatch: pytest.MonkeyPatch) -
 @pytest.fixture
 def merchant_client(merchant_settings: Settings) -> Iterator[FleetClient]:
     """A client of the test's account."""
-    from .client import MerchantClient
+    from .accounts import client_for
 
-    client = MerchantClient.from_settings(merchant_settings)
+    client = client_for(merchant_settings)
     yield client
     client.session.close()
     client.manager.store.redis.close()

@@ -271,6 +271,7 @@ class TokenManager:
                 self.lock_ttl,
                 CounterName.UNAUTHORIZED,
                 CounterName.LOCK_WAITS,
+                self.wait_limit,
             )
             if (
                 current is not None

@@ -15,7 +15,6 @@ import math
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
@@ -34,7 +33,6 @@ from tenacity import (
 from .exceptions import RenewalTimeout
 from .policy import CounterName
 from .store import TokenStore
-from .timing import LOCK_WAIT_SECONDS
 from .token import Token
 from .wakeup import RenewalSignal
 
@@ -106,10 +104,10 @@ class SingleFlight:
         """
         heard = [0]
         pending = [prelude] if prelude is not None else []
-        wait_counted: list[bool] = []
-        started = time.monotonic()
+        wait_noted: list[bool] = []  # the store records it when the next token is written
 
         def attempt() -> Token | None:
+            stale_generation = self.store.seen_generation
             has_fallback = fallback is not None and fallback.expires_at > self.clock()
             if not self.take_turn(blocking=not has_fallback):
                 return fallback  # another thread of this process is renewing; keep using it
@@ -119,12 +117,13 @@ class SingleFlight:
                     heard[0] = first.heard
                     lock = first.lock
                     if lock is None:
-                        wait_counted.append(True)  # by the prelude
+                        wait_noted.append(True)  # by the prelude
                 else:
                     heard[0] = self.signal.heard if self.signal is not None else 0
                     found = look()
                     if found is not None:
                         return found
+                    stale_generation = self.store.seen_generation  # what look() found
                     lock = self.store.lock(self.lock_ttl)
                     if not lock.acquire(token=owner()):
                         lock = None
@@ -139,9 +138,10 @@ class SingleFlight:
                 self.turn.release()
             if fallback is not None and fallback.expires_at > self.clock():
                 return fallback
-            if not wait_counted:
-                wait_counted.append(True)
-                self.store.count(CounterName.LOCK_WAITS)
+            if not wait_noted and self.store.note_wait(
+                stale_generation, CounterName.LOCK_WAITS, self.wait_limit
+            ):
+                wait_noted.append(True)
             return None
 
         def wait(seconds: float) -> None:
@@ -160,8 +160,6 @@ class SingleFlight:
         )
         token = wait_for_holder(attempt)
         assert token is not None  # the retry only ends on a token or an error
-        if wait_counted:  # found the lock held: how long until a token (metrics.py's histogram)
-            self.store.observe(LOCK_WAIT_SECONDS, time.monotonic() - started)
         return token
 
     def _holder_too_slow(self, state: RetryCallState) -> Token:

@@ -18,6 +18,8 @@ on a Redis Cluster: the hash tag keeps them in one slot, as the save script and 
                  revocation, docs/design.md "Refusals")
 - ``forced``     forced renewals of the last period (a sorted set by time), the budget
 - ``probe``      the half-open breaker's probe slot
+- ``waits``      when each caller waiting for another's renewal began (and its limit); the
+                 next write turns them into the lock-wait histogram
 - channel ``renewed``: the generation of each token written, to wake waiting processes
 
 Times come from Redis's own clock (TIME), the one clock all hosts share: ``RedisClock``
@@ -52,15 +54,33 @@ EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last
 # upper bounds (seconds) of the fleet-wide histograms: an exchange takes ~0.1-1 s, a wait
 # for another process's exchange as long, up to the read timeout (10 s) and its retries
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding another's renewal under way to a
+# token being stored: recorded by the store's write, not by the waiters
+_WAIT_BUCKETS = [x for b in DURATION_BUCKETS for x in (round(b * 1e6), f"{b:g}")]  # ARGV pairs
 BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
 # failures in a row are counted and the back-off grows; a success deletes it
 
-# KEYS: token, generation. ARGV: expected generation, token JSON, kept until (Redis seconds),
-# the highest generation the writer has seen stored. Returns {1, new generation} when
-# written, {0, current generation} when another write came first, {-1, expected generation}
-# when the token has already expired. A stored generation below the expected one is
-# accepted only when the writer saw the expected one stored: Redis lost writes (a
-# failover, a restart without persistence), and the token is written above them.
+# What a caller that finds another's renewal under way adds: it counts the wait, and
+# notes when it began and how long it may last, for the lock-wait histogram (below).
+_NOTE_WAIT = """
+local function note_wait(counters, counter, waits, limit_ms)
+  redis.call('HINCRBY', counters, counter, 1)
+  local now = redis.call('TIME')
+  redis.call('RPUSH', waits, now[1] .. string.format('%06d', tonumber(now[2])) .. ':' .. limit_ms)
+  redis.call('LTRIM', waits, -1000, -1)
+  redis.call('PEXPIRE', waits, limit_ms)
+end
+"""
+
+# KEYS: token, generation, waits, histograms. ARGV: expected generation, token JSON, kept
+# until (Redis seconds), the highest generation the writer saw stored, the lock-wait
+# histogram's name, then pairs of (bucket bound in microseconds, bucket label).
+# Returns {1, new generation} when written, {0, current generation} when another write
+# came first, {-1, expected generation} when the token has already expired. A stored
+# generation below the expected one is accepted only when the writer saw the expected one
+# stored: Redis lost writes (a failover, a restart without persistence), and the token is
+# written above them. A write ends the noted waits: each one that has not outlasted its
+# limit goes into the histogram, from its start to now, so a waiter sends nothing more.
 _SAVE_IF_GENERATION = """
 local current = tonumber(redis.call('GET', KEYS[2]) or '0')
 local expected = tonumber(ARGV[1])
@@ -73,8 +93,37 @@ local ttl_ms = math.floor(tonumber(ARGV[3]) * 1000) - now_ms
 if ttl_ms <= 0 then return {-1, expected} end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
 redis.call('SET', KEYS[2], expected + 1)
+local waits = redis.call('LRANGE', KEYS[3], 0, -1)
+if #waits > 0 then
+  redis.call('DEL', KEYS[3])
+  local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  for _, wait in ipairs(waits) do
+    local since, limit_ms = string.match(wait, '^(%d+):(%d+)$')
+    local waited = since and now_us - tonumber(since)
+    if waited and waited >= 0 and waited <= tonumber(limit_ms) * 1000 then
+      local label = '+Inf'
+      for i = 6, #ARGV, 2 do
+        if waited <= tonumber(ARGV[i]) then label = ARGV[i + 1]; break end
+      end
+      redis.call('HINCRBY', KEYS[4], ARGV[5] .. ':le:' .. label, 1)
+      redis.call('HINCRBY', KEYS[4], ARGV[5] .. ':sum_us', waited)
+    end
+  end
+end
 return {1, expected + 1}
 """
+
+# KEYS: generation, counters, waits. ARGV: the generation the caller found stale, the
+# lock-wait counter, the wait's limit (ms). Notes the wait unless a newer generation is
+# already stored (the renewal ended before this caller could wait for it): 1 noted, 0 not.
+_NOTE_WAIT_UNLESS_RENEWED = (
+    _NOTE_WAIT
+    + """
+if tonumber(redis.call('GET', KEYS[1]) or '0') > tonumber(ARGV[1]) then return 0 end
+note_wait(KEYS[2], ARGV[2], KEYS[3], ARGV[3])
+return 1
+"""
+)
 
 # KEYS: accepted. ARGV: generation. Raises the key to ARGV[1]: one write per generation.
 _RAISE_ACCEPTED = """
@@ -84,20 +133,24 @@ redis.call('SET', KEYS[1], ARGV[1])
 return 1
 """
 
-# KEYS: token, lock, counters. ARGV: refused generation, owner, lock TTL (ms), the 401
-# counter, the lock-wait counter. Counts the 401 and reads the token; when the stored token
-# is the refused one (or none is stored), tries the renewal lock for ARGV[2].
-# Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (counted)}.
-_LOOK_AFTER_401 = """
+# KEYS: token, lock, counters, waits. ARGV: refused generation, owner, lock TTL (ms), the
+# 401 counter, the lock-wait counter, the wait's limit (ms). Counts the 401 and reads the
+# token; when the stored token is the refused one (or none is stored), tries the renewal
+# lock for ARGV[2], and notes the wait if another holds it.
+# Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (noted)}.
+_LOOK_AFTER_401 = (
+    _NOTE_WAIT
+    + """
 redis.call('HINCRBY', KEYS[3], ARGV[4], 1)
 local raw = redis.call('GET', KEYS[1])
 if raw and tonumber(cjson.decode(raw)['generation']) ~= tonumber(ARGV[1]) then
   return {raw, 0}
 end
 if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'PX', ARGV[3]) then return {raw, 1} end
-redis.call('HINCRBY', KEYS[3], ARGV[5], 1)
+note_wait(KEYS[3], ARGV[5], KEYS[4], ARGV[6])
 return {raw, -1}
 """
+)
 
 
 @dataclass(frozen=True)
@@ -162,10 +215,12 @@ class TokenStore:
         self.accepted_key = f"{namespace}:accepted"
         self.forced_key = f"{namespace}:forced"
         self.probe_key = f"{namespace}:probe"
+        self.waits_key = f"{namespace}:waits"
         self.renewed_channel = f"{namespace}:renewed"
         self._save = client.register_script(_SAVE_IF_GENERATION)
         self._raise_accepted = client.register_script(_RAISE_ACCEPTED)
         self._look_after_401 = client.register_script(_LOOK_AFTER_401)
+        self._note_wait = client.register_script(_NOTE_WAIT_UNLESS_RENEWED)
         self._parsed: tuple[bytes, Token] | None = None
         self._parsed_lock = threading.Lock()
         # the highest generation this process has seen stored: Redis may lose the last
@@ -226,25 +281,27 @@ class TokenStore:
         lock_ttl: float,
         unauthorized_counter: str,
         wait_counter: str,
+        wait_limit: float,
     ) -> tuple[Token | None, Lock | None, bool]:
         """After a 401, in one round trip: count it (in ``unauthorized_counter``), load the
         token and, if it is still the refused generation (or none is stored), try the renewal
         lock.
 
         Returns the stored token, the lock if it was taken, and whether another holds it
-        (then ``wait_counter`` was counted).
+        (then the wait was noted, see ``note_wait``).
         """
         with unavailable_as_error():
             raw, outcome = cast(
                 list[Any],
                 self._look_after_401(
-                    keys=[self.token_key, self.lock_key, self.counters_key],
+                    keys=[self.token_key, self.lock_key, self.counters_key, self.waits_key],
                     args=[
                         refused_generation,
                         owner,
                         int(lock_ttl * 1000),
                         unauthorized_counter,
                         wait_counter,
+                        _milliseconds(wait_limit),
                     ],
                 ),
             )
@@ -273,12 +330,14 @@ class TokenStore:
             result = cast(
                 list[int],
                 self._save(
-                    keys=[self.token_key, self.generation_key],
+                    keys=[self.token_key, self.generation_key, self.waits_key, self.histograms_key],
                     args=[
                         token.generation - 1,
                         self._stored_form(token),
                         repr(token.kept_until),
                         self._seen_generation,
+                        LOCK_WAIT_SECONDS,
+                        *_WAIT_BUCKETS,
                     ],
                 ),
             )
@@ -303,6 +362,23 @@ class TokenStore:
             log.warning("could not announce a new token: %s", type(exc).__name__)
             return False
         return True
+
+    def note_wait(self, stale_generation: int, wait_counter: str, wait_limit: float) -> bool:
+        """Count a wait for another's renewal of ``stale_generation`` (in ``wait_counter``)
+        and note when it began, for the lock-wait histogram: the write that ends it records
+        it, so a waiter sends no command for it. False, nothing noted, if a newer
+        generation is already stored."""
+        with unavailable_as_error(self.address):
+            noted = self._note_wait(
+                keys=[self.generation_key, self.counters_key, self.waits_key],
+                args=[stale_generation, wait_counter, _milliseconds(wait_limit)],
+            )
+        return bool(noted)
+
+    @property
+    def seen_generation(self) -> int:
+        """The highest generation this process has seen stored."""
+        return self._seen_generation
 
     def mark_accepted(self, generation: int) -> None:
         """Record that the API accepted a token of ``generation`` (no write if already known)."""
@@ -411,6 +487,10 @@ class TokenStore:
         with unavailable_as_error(self.address):
             raw = cast(dict[bytes, bytes], self.redis.hgetall(self.histograms_key))
         return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def _milliseconds(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
 
 
 def redis_address(client: object) -> str:

@@ -18,9 +18,8 @@ from typing import Any
 from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 
-from .accounts import AccountClients
+from .accounts import AccountClients, FleetClient
 from .celery_app import RENEWAL_QUEUE, VISIBILITY_TIMEOUT, app
-from .client import FleetClient
 from .completions import RECORD_TTL_FACTOR, CompletionRecords
 from .due import claim_ttl
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected

@@ -1,9 +1,10 @@
 """Durations the fleet's histograms are made of, measured where they happen.
 
 ``TimedExchange`` wraps the token exchange so each attempt's latency lands in the store's
-``exchange_seconds`` histogram whatever its outcome; the renewal records
-``lock_wait_seconds``: from finding the lock held by another process to having a token
-(the other's, or its own exchange's once the lock was free).
+``exchange_seconds`` histogram whatever its outcome. ``lock_wait_seconds`` runs from a
+caller finding another's renewal under way to a token being stored (the other's, or its
+own once the lock was free), in Redis time: the store's write records it
+(``TokenStore.note_wait``), so waiters send nothing for it.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import time
 from collections.abc import Callable
 
 from .exchange import IssuedToken
-from .store import TokenStore
+from .store import LOCK_WAIT_SECONDS, TokenStore
 
 EXCHANGE_SECONDS = "exchange_seconds"  # one token exchange attempt, any outcome
-LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding the lock held to having a token
 HISTOGRAMS = {
     EXCHANGE_SECONDS: "Seconds one token exchange attempt took, any outcome.",
-    LOCK_WAIT_SECONDS: "Seconds from a renewal finding the lock held to its having a token.",
+    LOCK_WAIT_SECONDS: "Seconds from a caller finding another's renewal under way to a token "
+    "being stored.",
 }
 
 

@@ -22,7 +22,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from merchant_tasks.client import FleetClient, MerchantClient
+from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import RedisServer, free_port
 from merchant_tasks.redis_topology import StoreClient
@@ -220,7 +220,7 @@ def account_env(
 
 @pytest.fixture
 def client(settings: Settings, redis_client: redis.Redis) -> FleetClient:
-    return MerchantClient.from_settings(settings, redis_client=redis_client)
+    return client_for(settings, redis_client=redis_client)
 
 
 # -- the leak searches' readers (test_faults.py, test_celery_integration.py) ----------------

@@ -40,13 +40,13 @@ def main() -> None:
 
     import redis
 
-    from merchant_tasks.client import MerchantClient
+    from merchant_tasks.accounts import client_from_env
     from merchant_tasks.exceptions import MerchantError
 
     key = os.environ["FAULT_KEY"]
     pause = float(os.environ.get("FAULT_PAUSE") or 0.02)
     max_calls = int(os.environ.get("FAULT_MAX_CALLS") or 1_000_000)
-    client = MerchantClient.from_env()
+    client = client_from_env()
     control = redis.Redis.from_url(os.environ["FAULT_CONTROL_URL"])
     control.incr(f"{key}:ready")
     deadline = time.monotonic() + 60

@@ -22,7 +22,7 @@ from typing import Any, cast
 import redis
 
 from conftest import redis_value, shows
-from merchant_tasks.client import FleetClient
+from merchant_tasks.accounts import FleetClient
 from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.local import Child, spawn, wait_all_ready
 from merchant_tasks.sandbox import SandboxApp

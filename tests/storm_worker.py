@@ -14,13 +14,13 @@ import time
 
 import redis
 
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.accounts import client_from_env
 from merchant_tasks.exceptions import MerchantError
 
 
 def main() -> None:
     calls = int(sys.argv[1])
-    client = MerchantClient.from_env()
+    client = client_from_env()
     control = redis.Redis.from_url(os.environ["MERCHANT_REDIS_URL"])
     control.incr(os.environ["STORM_READY_KEY"])
     deadline = time.monotonic() + 30

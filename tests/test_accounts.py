@@ -14,7 +14,13 @@ import pytest
 import redis
 
 from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
-from merchant_tasks.accounts import DEFAULT_ACCOUNT, AccountClients, load_accounts
+from merchant_tasks.accounts import (
+    DEFAULT_ACCOUNT,
+    AccountClients,
+    client_for,
+    client_from_env,
+    load_accounts,
+)
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 
@@ -133,6 +139,54 @@ def test_an_unknown_account_is_an_error_listing_the_configured_ones(secret_file:
     )
     with pytest.raises(ConfigurationError, match=r"unknown account 'eu'.*default"):
         clients.get("eu")
+
+
+def test_client_from_env_wires_the_only_account_to_its_store_and_server(
+    secret_file: Path,
+) -> None:
+    client = client_from_env(
+        {
+            "MERCHANT_API_KEY": "k1",
+            "MERCHANT_API_SECRET_FILE": str(secret_file),
+            "MERCHANT_BASE_URL": "http://127.0.0.1:9",
+            "MERCHANT_KEY_PREFIX": "wiring-test",
+        }
+    )
+    assert client.base_url == "http://127.0.0.1:9"
+    assert client.manager.store.namespace.startswith("wiring-test:")
+    assert "k1" in client.manager.store.namespace
+    client.session.close()
+
+
+def test_client_from_env_with_several_accounts_and_no_default_asks_to_name_one(
+    tmp_path: Path, secret_file: Path
+) -> None:
+    path = _write(
+        tmp_path / "accounts.toml",
+        f"""
+[accounts.eu]
+api_key = "eu"
+api_secret_file = "{secret_file}"
+[accounts.us]
+api_key = "us"
+api_secret_file = "{secret_file}"
+base_url = "http://127.0.0.1:10"
+""",
+    )
+    with pytest.raises(ConfigurationError, match=r"several accounts .*eu, us.*name one"):
+        client_from_env({"MERCHANT_ACCOUNTS_FILE": str(path)})
+
+
+def test_clients_of_one_account_share_what_they_are_given(secret_file: Path) -> None:
+    settings = load_accounts(
+        {"MERCHANT_API_KEY": "k1", "MERCHANT_API_SECRET_FILE": str(secret_file)}
+    )[DEFAULT_ACCOUNT]
+    pool = redis.Redis()
+    first, second = (client_for(settings, redis_client=pool) for _ in range(2))
+    assert first.manager.store.redis is second.manager.store.redis is pool
+    assert first.session is not second.session  # cookies never cross clients
+    assert first.manager.store.namespace == second.manager.store.namespace
+    pool.close()
 
 
 # -- two emulators, two environments ---------------------------------------------------

@@ -17,13 +17,8 @@ from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError
 
 from conftest import FakeExchange
 from fake_http import FakeTransport, Reply, response, session_with
-from merchant_tasks.client import (
-    CALL_ATTEMPTS,
-    CALL_WAIT_MAX,
-    EXCERPT_LENGTH,
-    FleetClient,
-    MerchantClient,
-)
+from merchant_tasks.accounts import FleetClient
+from merchant_tasks.client import CALL_ATTEMPTS, CALL_WAIT_MAX, EXCERPT_LENGTH, MerchantClient
 from merchant_tasks.exceptions import (
     ApiError,
     ApiUnavailable,

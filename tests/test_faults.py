@@ -47,8 +47,9 @@ from werkzeug.wrappers import Request, Response
 
 from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, WatchedSandbox, redis_value
 from fault_harness import Callers, CallLoop, Evidence, LogLines, report_outcomes
+from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.celery_app import load_config
-from merchant_tasks.client import FleetClient, MerchantClient, new_session
+from merchant_tasks.client import MerchantClient, new_session
 from merchant_tasks.exceptions import (
     ApiError,
     ConfigurationError,
@@ -191,7 +192,7 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
     lost token costs exactly one exchange for the whole process.
     """
     server = RedisServer(tmp_path / "redis").start()
-    client = MerchantClient.from_settings(dataclasses.replace(settings, redis_url=server.url))
+    client = client_for(dataclasses.replace(settings, redis_url=server.url))
     try:
         client.request("GET", PING)
         with CallLoop(client, 6, evidence, "row 1") as loop:
@@ -459,7 +460,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
         connect_timeout=0.5,
         read_timeout=0.5,
     )
-    client = MerchantClient.from_settings(account, redis_client=redis_client)
+    client = client_for(account, redis_client=redis_client)
     manager, store = client.manager, client.manager.store
     attempts: list[str] = []
     real_exchange = manager.exchange
@@ -555,7 +556,7 @@ def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passe
     """
     sandbox.app.configure({"rate_limit": 1, "rate_window": 4.0})
     callers.start(child_env(settings), [{}] * 3)
-    client = MerchantClient.from_settings(settings, redis_client=redis_client)
+    client = client_for(settings, redis_client=redis_client)
     client.request("GET", PING)  # the window's one exchange
     sandbox.app.revoke_all()
     callers.go()
@@ -607,7 +608,7 @@ def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_
     account = dataclasses.replace(settings, connect_timeout=0.2, read_timeout=2.0)
     sandbox.app.configure({"token_latency": 5.0})
     callers.start(child_env(account), [{"FAULT_MAX_CALLS": "1"}])
-    client = MerchantClient.from_settings(account, redis_client=redis_client)
+    client = client_for(account, redis_client=redis_client)
     store = client.manager.store
     callers.go()
     victim = callers.pids[0]
@@ -748,7 +749,7 @@ def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no
     restart, with exactly one more exchange, and then only succeeds.
     """
     callers.start(child_env(settings), [{}] * 3)
-    client = MerchantClient.from_settings(settings, redis_client=redis_client)
+    client = client_for(settings, redis_client=redis_client)
     client.request("GET", PING)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok"), "calls before the reset", 20)
@@ -824,7 +825,7 @@ def test_a_key_of_the_other_environment_is_a_clear_error_and_no_loop(
             key_prefix=key_prefix,
             allow_insecure_http=True,  # a loopback emulator playing production
         )
-        client = MerchantClient.from_settings(account, redis_client=redis_client)
+        client = client_for(account, redis_client=redis_client)
 
         def call() -> None:
             for _ in range(5):
@@ -1442,7 +1443,7 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
         account = dataclasses.replace(
             settings, redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0?{trust}"
         )
-        client = MerchantClient.from_settings(account)
+        client = client_for(account)
         clients.append(client)
         assert client.request("GET", PING) == {"ok": True}
         sandbox.app.revoke_all()
@@ -1453,7 +1454,7 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
         with pytest.raises(redis.exceptions.NoPermissionError):
             store.redis.get("celery")
 
-        distrustful = MerchantClient.from_settings(
+        distrustful = client_for(
             dataclasses.replace(
                 account, redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0"
             )
@@ -1546,12 +1547,10 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     sealed_settings = dataclasses.replace(
         settings, key_prefix=f"{settings.key_prefix}:sealed", token_key_file=str(token_keys[0])
     )
-    sealed = MerchantClient.from_settings(sealed_settings)
+    sealed = client_for(sealed_settings)
     attempt(lambda: sealed.request("GET", PING))
     attempt(lambda: sealed.manager.renew(force=True))
-    other = MerchantClient.from_settings(
-        dataclasses.replace(sealed_settings, token_key_file=str(token_keys[1]))
-    )
+    other = client_for(dataclasses.replace(sealed_settings, token_key_file=str(token_keys[1])))
     attempt(lambda: other.request("GET", PING))  # TokenUnreadable: another key
     texts += [repr(sealed.manager.store), repr(sealed.manager.store.codec), repr(other)]
     evidence.add(

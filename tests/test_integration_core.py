@@ -24,7 +24,7 @@ from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
 from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
-from merchant_tasks.client import FleetClient, MerchantClient
+from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.exceptions import (
     ConfigurationError,
     CredentialsRejected,
@@ -181,9 +181,9 @@ def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
 
     with SandboxServer(watching) as server:  # type: ignore[arg-type]  # any WSGI app serves
         account = dataclasses.replace(settings, base_url=server.url)
-        client = MerchantClient.from_settings(account, redis_client=redis_client)
+        client = client_for(account, redis_client=redis_client)
         # the newer renewal comes from another process (threads of one process take turns)
-        other_process = MerchantClient.from_settings(account, redis_client=redis_client)
+        other_process = client_for(account, redis_client=redis_client)
         store = client.manager.store
         client.request("GET", PING)
         hold_exchanges.set()
@@ -348,7 +348,7 @@ def test_a_sandbox_key_is_refused_by_an_emulator_playing_production(
         redis_url=redis_url,
         key_prefix=key_prefix,
     )
-    wrong = MerchantClient.from_settings(production_settings, redis_client=redis_client)
+    wrong = client_for(production_settings, redis_client=redis_client)
     for _ in range(5):
         with pytest.raises(CredentialsRejected):
             wrong.request("GET", PING)

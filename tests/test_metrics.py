@@ -14,8 +14,7 @@ import requests
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from merchant_tasks.accounts import AccountClients
-from merchant_tasks.client import FleetClient
+from merchant_tasks.accounts import AccountClients, FleetClient
 from merchant_tasks.local import free_port, running
 from merchant_tasks.metrics import BREAKER_KINDS, EXCHANGE_OUTCOMES, FleetCollector
 from merchant_tasks.status import account_status

@@ -11,8 +11,7 @@ import pytest
 import redis
 
 from conftest import TEST_API_KEY, Sandbox
-from merchant_tasks.accounts import AccountClients
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.accounts import AccountClients, client_for
 from merchant_tasks.local import wait_until
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.settings import Secret, Settings
@@ -62,7 +61,7 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
         redis_url=f"redis://{name}:{password}@{host}",
         key_prefix=key_prefix,
     )
-    client = MerchantClient.from_settings(settings)
+    client = client_for(settings)
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}
     signal = client.manager.signal
     assert signal is not None

@@ -28,7 +28,7 @@ from celery_fleet import (
 )
 from conftest import TEST_API_KEY, Sandbox, WatchedSandbox
 from fault_harness import CallLoop, Evidence
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import RedisServer, redis_answers, wait_until
 from merchant_tasks.redis_topology import redis_from_url
@@ -284,7 +284,7 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
     assert isinstance(app, RecordingSandbox)
     evidence = Evidence()  # what the callers and the fleet showed; no password may be in it
     settings = Settings.from_env(fleet.env)
-    client = MerchantClient.from_settings(settings)
+    client = client_for(settings)
     try:
         # a message whose acknowledgement the failover lost comes back within the test
         config_dir = fleet.short_visibility_dir(VISIBILITY_TIMEOUT)

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from conftest import Sandbox, shows
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import ConfigurationError, TokenUnreadable
 from merchant_tasks.sealing import (
     PLAIN_TEXT,
@@ -152,9 +152,9 @@ def test_the_store_keeps_the_value_sealed_and_the_times_readable(
 
 _OTHER_PROCESS = """
 import json
-from merchant_tasks.client import MerchantClient
+from merchant_tasks.accounts import client_for, client_from_env
 from merchant_tasks.exceptions import MerchantError
-client = MerchantClient.from_env()
+client = client_from_env()
 outcomes = []
 for attempt in (lambda: client.request("GET", "/open-api/v1/ping"), client.manager.renew,
                 lambda: client.manager.renew(force=True)):
@@ -204,7 +204,7 @@ def test_a_process_with_another_key_or_none_fails_clearly_and_never_renews_over_
     tmp_path: Path,
 ) -> None:
     sealed_settings = replace(settings, token_key_file=str(key_file))
-    ours = MerchantClient.from_settings(sealed_settings, redis_client=redis_client)
+    ours = client_for(sealed_settings, redis_client=redis_client)
     assert ours.request("GET", PING) == {"ok": True}
     stored = redis_client.get(ours.manager.store.token_key)
     assert sandbox.exchanges()["ok"] == 1
@@ -224,8 +224,8 @@ def test_a_sealed_fleet_renews_once_and_calls_with_the_opened_token(
     settings: Settings, sandbox: Sandbox, redis_client: redis.Redis, key_file: Path
 ) -> None:
     sealed = replace(settings, token_key_file=str(key_file))
-    first = MerchantClient.from_settings(sealed, redis_client=redis_client)
-    second = MerchantClient.from_settings(sealed, redis_client=redis_client)
+    first = client_for(sealed, redis_client=redis_client)
+    second = client_for(sealed, redis_client=redis_client)
     assert first.request("GET", PING) == {"ok": True}
     assert second.request("GET", PING) == {"ok": True}
     first.manager.renew(force=True)

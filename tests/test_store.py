@@ -10,7 +10,13 @@ import redis
 
 from conftest import UNIT_NAMESPACE, dead_redis
 from merchant_tasks.exceptions import StoreUnavailable
-from merchant_tasks.store import BREAKER_MEMORY, BreakerRecord, RedisClock, TokenStore
+from merchant_tasks.store import (
+    BREAKER_MEMORY,
+    LOCK_WAIT_SECONDS,
+    BreakerRecord,
+    RedisClock,
+    TokenStore,
+)
 from merchant_tasks.token import Token
 
 
@@ -148,7 +154,7 @@ def test_the_look_after_a_401_counts_it_and_takes_the_lock_when_the_refused_toke
 ) -> None:
     refused = make_token(1)
     assert store.save(refused) == (True, 1)
-    current, lock, busy = store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits")
+    current, lock, busy = store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits", 30.0)
     assert (current, busy) == (refused, False)
     assert lock is not None
     assert store.lock_holder() == "host-a:1:aa"
@@ -163,7 +169,11 @@ def test_the_look_after_a_401_leaves_the_lock_when_a_newer_token_is_stored(
     store.save(make_token(1))
     newer = make_token(2)
     store.save(newer)
-    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits") == (newer, None, False)
+    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits", 30.0) == (
+        newer,
+        None,
+        False,
+    )
     assert store.lock_holder() is None
 
 
@@ -171,9 +181,56 @@ def test_the_look_after_a_401_counts_a_wait_when_another_holds_the_lock(
     store: TokenStore,
 ) -> None:
     assert store.lock(ttl=10.0).acquire(token="host-b:2:bb")
-    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits") == (None, None, True)
+    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits", 30.0) == (None, None, True)
     assert store.lock_holder() == "host-b:2:bb"
     assert store.counters() == {"401s": 1, "waits": 1}
+
+
+def _lock_waits(store: TokenStore) -> tuple[int, int]:
+    """How many waits the lock-wait histogram holds, and their sum in microseconds."""
+    fields = store.histograms()
+    count = sum(v for k, v in fields.items() if k.startswith(f"{LOCK_WAIT_SECONDS}:le:"))
+    return count, fields.get(f"{LOCK_WAIT_SECONDS}:sum_us", 0)
+
+
+def test_a_noted_wait_is_recorded_by_the_write_that_ends_it(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    store.save(make_token(1))
+    assert store.lock(ttl=10.0).acquire(token="host-b:2:bb")
+    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits", 30.0)[2]
+    assert store.note_wait(1, "waits", 30.0)  # a second process, waiting the other way
+    assert _lock_waits(store) == (0, 0)  # nothing recorded while they wait
+    store.save(make_token(2))
+    count, sum_us = _lock_waits(store)
+    assert count == 2
+    assert 0 <= sum_us < 30_000_000
+    assert not fake_redis.exists(store.waits_key)
+    assert store.counters()["waits"] == 2
+    store.save(make_token(3))
+    assert _lock_waits(store)[0] == 2  # each wait is recorded once
+
+
+def test_a_wait_that_outlasted_its_limit_is_not_recorded(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    store.save(make_token(1))
+    fake_redis.rpush(store.waits_key, "1000000000:5")  # began long ago; its caller gave up
+    store.save(make_token(2))
+    assert _lock_waits(store) == (0, 0)
+    assert not fake_redis.exists(store.waits_key)
+
+
+def test_no_wait_is_noted_once_a_newer_generation_is_stored(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    store.save(make_token(1))
+    store.save(make_token(2))
+    assert not store.note_wait(1, "waits", 30.0)  # the renewal ended before the wait
+    assert store.counters() == {}
+    assert not fake_redis.exists(store.waits_key)
+    assert store.note_wait(2, "waits", 30.0)
+    assert 0 < fake_redis.pttl(store.waits_key) <= 30_000
 
 
 def test_acceptance_only_ever_rises(store: TokenStore) -> None:
@@ -238,7 +295,8 @@ OPERATIONS: dict[str, Callable[[TokenStore], object]] = {
     "close_breaker": lambda s: s.close_breaker(),
     "count": lambda s: s.count("x"),
     "counters": lambda s: s.counters(),
-    "look_after_401": lambda s: s.look_after_401(1, "o", 1.0, "a", "b"),
+    "look_after_401": lambda s: s.look_after_401(1, "o", 1.0, "a", "b", 1.0),
+    "note_wait": lambda s: s.note_wait(1, "a", 1.0),
     "mark_accepted": lambda s: s.mark_accepted(1),
     "accepted_generation": lambda s: s.accepted_generation(),
     "forced_in_period": lambda s: s.forced_in_period(1.0, 1.0),

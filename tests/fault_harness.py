@@ -1,7 +1,8 @@
 """The fault suite's harness: what a test saw (``Evidence``, searched for secrets and tokens
 when the test ends), caller processes (``Callers``) and calling threads (``CallLoop``).
 
-tests/test_faults.py uses it; docs/reliability.md maps each fault row to its test.
+tests/test_faults.py uses it (docs/reliability.md maps each fault row to its test), and
+tests/test_redis_sentinel.py its calling threads and evidence.
 """
 
 from __future__ import annotations

@@ -44,6 +44,20 @@ def wait_until(ready: Callable[[], bool], what: str, timeout: float = START_TIME
         time.sleep(0.02)
 
 
+def wait_all_ready(
+    children: Sequence[Child], ready: Callable[[], bool], what: str, timeout: float = START_TIMEOUT
+) -> None:
+    """``wait_until(ready)``, failing at once (with its log's tail) if any child exits."""
+
+    def answers() -> bool:
+        for child in children:
+            if child.process.poll() is not None:
+                raise RuntimeError(f"{child.name} exited; its log ends:\n{child.log_tail()}")
+        return ready()
+
+    wait_until(answers, what, timeout)
+
+
 def stop_group(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT) -> None:
     """SIGTERM a child's whole process group, SIGKILL whatever is left after ``timeout``."""
     with contextlib.suppress(ProcessLookupError):
@@ -76,13 +90,24 @@ class Child:
         self, ready: Callable[[], bool], what: str = "", timeout: float = START_TIMEOUT
     ) -> None:
         """``wait_until(ready)``, failing at once (with the log's tail) if the child exits."""
+        wait_all_ready([self], ready, what or self.name, timeout)
 
-        def answers() -> bool:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; its log ends:\n{self.log_tail()}")
-            return ready()
+    def read_line(self) -> str:
+        """The next line the child prints (spawned with ``stdout_pipe``), without its newline."""
+        assert self.process.stdout is not None, f"{self.name}: spawned without stdout_pipe"
+        return self.process.stdout.readline().decode(errors="replace").rstrip("\n")
 
-        wait_until(answers, what or self.name, timeout)
+    def output(self, timeout: float = STOP_TIMEOUT) -> str:
+        """Wait for the child to exit; what it printed (``stdout_pipe``) that was not read yet.
+
+        Raises ``subprocess.TimeoutExpired`` if it is still running after ``timeout`` s.
+        """
+        out, _ = self.process.communicate(timeout=timeout)
+        return out.decode(errors="replace") if out is not None else ""
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to the whole group, as a terminal sends Ctrl-C (SIGINT)."""
+        os.killpg(self.process.pid, signum)
 
     def group_alive(self) -> bool:
         try:
@@ -96,9 +121,15 @@ class Child:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        self._close_pipe()
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         stop_group(self.process, timeout)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
 
 def spawn(

@@ -16,9 +16,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 import redis
@@ -243,17 +243,32 @@ class Fleet:
         for client in self._redis_clients:
             client.close()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def send_calls_for(self, seconds: float) -> list[Any]:
         """Enqueue a ping or an echo every CALL_PERIOD for ``seconds``; return the results."""
-        results = []
         deadline = time.monotonic() + seconds
-        n = 0
-        while time.monotonic() < deadline:
+        return self.send_calls_until(lambda: time.monotonic() >= deadline, "the span", seconds + 1)
+
+    def send_calls_until(self, done: Callable[[], bool], what: str, timeout: float) -> list[Any]:
+        """Enqueue a ping or an echo every CALL_PERIOD until ``done`` holds; the results.
+
+        TimeoutError naming ``what`` if it does not hold within ``timeout`` s.
+        """
+        results: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout:g} s")
+            n = len(results)
             if n % 2:
                 results.append(self.call("POST", ECHO, json={"n": n}))
             else:
                 results.append(self.call("GET", PING))
-            n += 1
             time.sleep(CALL_PERIOD)
         return results
 
@@ -300,11 +315,8 @@ def running_fleet(
     """A Fleet on a redis-server of its own (broker, result backend and token store), every
     process group stopped and checked gone on exit."""
     with RedisServer(tmp_path / "redis") as server:
-        fleet = Fleet(tmp_path, sandbox, server.url, key_prefix, secret_file)
-        try:
+        with Fleet(tmp_path, sandbox, server.url, key_prefix, secret_file) as fleet:
             yield fleet
-        finally:
-            fleet.close()
         # killed groups vanish at once; allow a moment for the process table to catch up
         with contextlib.suppress(AssertionError):
             wait_until(lambda: not fleet.leftovers(), "children gone", 5.0)

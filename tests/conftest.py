@@ -1,6 +1,6 @@
 """Shared fixtures: a real Redis (the machine's, or a private one started here), a fresh key
-prefix per test, and the sandbox emulator serving on loopback; for unit tests, a store on
-fakeredis and a scripted token exchange."""
+prefix per test with a token store under it, and the sandbox emulator serving on loopback;
+for unit tests, a store on fakeredis and a scripted token exchange."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, cast
 import fakeredis
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.local import RedisServer
+from merchant_tasks.local import RedisServer, free_port
 from merchant_tasks.redis_topology import StoreClient
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
@@ -78,6 +80,17 @@ def store(fake_redis: redis.Redis) -> TokenStore:
     return TokenStore(fake_redis, UNIT_NAMESPACE)
 
 
+def dead_redis() -> redis.Redis:
+    """A client for a port nobody listens on, failing at once (no retries, no back-off)."""
+    return redis.Redis(
+        host="127.0.0.1",
+        port=free_port(),
+        socket_connect_timeout=0.2,
+        socket_timeout=0.2,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
 def _reachable(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5):
@@ -114,6 +127,12 @@ def redis_client(redis_url: str, key_prefix: str) -> Iterator[redis.Redis]:
     if keys:
         client.delete(*keys)
     client.close()
+
+
+@pytest.fixture
+def redis_store(redis_client: redis.Redis, key_prefix: str) -> TokenStore:
+    """A token store on the real Redis, under this test's own key prefix."""
+    return TokenStore(redis_client, TokenStore.namespace_for(key_prefix, "sandbox", "app-id-1234"))
 
 
 class WatchedSandbox(SandboxApp):

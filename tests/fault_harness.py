@@ -1,7 +1,8 @@
 """The fault suite's harness: what a test saw (``Evidence``, searched for secrets and tokens
 when the test ends), caller processes (``Callers``) and calling threads (``CallLoop``).
 
-tests/test_faults.py uses it; docs/reliability.md maps each fault row to its test.
+tests/test_faults.py uses it (docs/reliability.md maps each fault row to its test), and
+tests/test_redis_sentinel.py its calling threads and evidence.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import redis
 from conftest import redis_value, shows
 from merchant_tasks.accounts import FleetClient
 from merchant_tasks.exceptions import MerchantError
-from merchant_tasks.local import Child, spawn, wait_until
+from merchant_tasks.local import Child, spawn, wait_all_ready
 from merchant_tasks.sandbox import SandboxApp
 
 PING = "/open-api/v1/ping"
@@ -146,13 +147,10 @@ class Callers:
             )
 
         def all_ready() -> bool:
-            for child in self.processes:
-                if child.process.poll() is not None:
-                    raise AssertionError(f"caller exited at start:\n{child.log_tail(60)}")
             ready = int(cast(bytes, self.control.get(f"{self.key}:ready") or 0))
             return ready >= len(self.processes)
 
-        wait_until(all_ready, "caller processes ready", START_TIMEOUT)
+        wait_all_ready(self.processes, all_ready, "caller processes ready", START_TIMEOUT)
 
     @property
     def pids(self) -> list[int]:
@@ -193,10 +191,9 @@ class Callers:
         for child in self.processes:
             process = child.process
             try:
-                out = process.communicate(timeout=STOP_TIMEOUT)[0].decode()
+                out = child.output(STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
                 child.kill()
-                process.communicate()
                 raise AssertionError(f"caller {process.pid} did not stop") from None
             self.evidence.add(f"{self.name}: caller {process.pid} output", out)
             self.evidence.add(f"{self.name}: caller {process.pid} DEBUG log", child.log_text())
@@ -208,9 +205,7 @@ class Callers:
     def kill(self) -> None:
         """SIGKILL every process still running (no report)."""
         for child in self.processes:
-            if child.process.poll() is None:
-                child.kill()
-            child.process.communicate()
+            child.kill()
             self.evidence.add(f"{self.name}: killed caller {child.process.pid}", child.log_text())
         self.processes.clear()
 
@@ -221,7 +216,9 @@ def report_outcomes(report: Mapping[str, Any], phase: str) -> list[str]:
 
 
 class CallLoop:
-    """Threads calling PING through one client until stopped; every outcome kept."""
+    """Threads calling PING through one client until stopped; every outcome kept with its
+    phase, thread and start time. Thread ``n`` sends ``X-Caller: thread-n``, so that an
+    emulator can tell the callers apart; each distinct failure goes to the evidence."""
 
     def __init__(
         self,
@@ -236,7 +233,7 @@ class CallLoop:
         self.where = where
         self.pause = pause
         self.phase = "0"
-        self.outcomes: list[tuple[str, int, str]] = []  # (phase, thread, outcome)
+        self.outcomes: list[tuple[str, int, str, float]] = []  # (phase, thread, outcome, start)
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(threads)
@@ -254,28 +251,39 @@ class CallLoop:
 
     def _run(self, n: int) -> None:
         seen: set[str] = set()
-        deadline = time.monotonic() + 120  # never outlive a test that forgot to stop
+        deadline = time.monotonic() + 300  # never outlive a test that forgot to stop
         while not self._stop.is_set() and time.monotonic() < deadline:
-            phase = self.phase
+            phase, started = self.phase, time.monotonic()
             try:
-                self.client.request("GET", PING)
+                self.client.request("GET", PING, headers={"x-caller": f"thread-{n}"})
                 outcome = "ok"
-            except MerchantError as exc:
-                outcome = type(exc).__name__
-                if outcome not in seen:
-                    seen.add(outcome)
+            except Exception as exc:  # a typed error, or a crash: the test says which may occur
+                kind = type(exc).__name__
+                outcome = kind if isinstance(exc, MerchantError) else f"crash {kind}: {exc}"
+                text = f"{exc!r} {exc} {exc.__cause__!r} {exc.__context__!r}"
+                if text not in seen:
+                    seen.add(text)
                     self.evidence.exception(f"{self.where}: thread {n}", exc)
-            except Exception as exc:  # a crash is an outcome the test reports
-                outcome = f"crash {type(exc).__name__}: {exc}"
-            self.outcomes.append((phase, n, outcome))
+            self.outcomes.append((phase, n, outcome, started))
             self._stop.wait(self.pause)
 
-    def of(self, phase: str | None = None, thread: int | None = None) -> list[str]:
+    def of(
+        self, phase: str | None = None, thread: int | None = None, since: float = 0.0
+    ) -> list[str]:
+        """Outcomes in ``phase`` of ``thread`` (all if None) of calls started after ``since``."""
         return [
             outcome
-            for ph, n, outcome in list(self.outcomes)
-            if phase in (None, ph) and thread in (None, n)
+            for ph, n, outcome, started in list(self.outcomes)
+            if phase in (None, ph) and thread in (None, n) and started >= since
         ]
 
     def each_thread_ok_in(self, phase: str) -> bool:
         return all("ok" in self.of(phase, n) for n in range(len(self._threads)))
+
+    def failures(self, origin: float) -> list[str]:
+        """Every failed call: its thread, start (seconds after ``origin``) and outcome."""
+        return [
+            f"thread {n} at {started - origin:+.2f} s: {outcome}"
+            for _, n, outcome, started in list(self.outcomes)
+            if outcome != "ok"
+        ]

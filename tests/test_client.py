@@ -250,6 +250,19 @@ def test_no_request_is_sent_when_no_token_can_be_had(
 # -- 401 ---------------------------------------------------------------------------------
 
 
+def refused_while_another_host_renews(store: TokenStore, reason: str) -> Reply:
+    """A 401 answered while another host stores the next generation, ``tok-from-another-host``."""
+
+    def reply(request: requests.PreparedRequest) -> requests.Response:
+        current = store.load()
+        assert current is not None
+        newer = Token("tok-from-another-host", time.time(), time.time() + LIFETIME, 2, "b", reason)
+        assert store.save(newer) == (True, current.generation + 1)
+        return response(401)
+
+    return reply
+
+
 def test_a_401_on_a_token_accepted_before_renews_once_and_retries_with_the_new_token(
     client: FleetClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
 ) -> None:
@@ -267,16 +280,7 @@ def test_a_401_on_a_token_accepted_before_renews_once_and_retries_with_the_new_t
 def test_a_401_uses_a_token_another_process_renewed_meanwhile(
     client: FleetClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
 ) -> None:
-    def refused_while_someone_renews(request: requests.PreparedRequest) -> requests.Response:
-        current = store.load()
-        assert current is not None
-        newer = Token(
-            "tok-from-another-host", time.time(), time.time() + LIFETIME, 2, "b", "forced"
-        )
-        assert store.save(newer) == (True, current.generation + 1)
-        return response(401)
-
-    transport.reply(refused_while_someone_renews, response(200, {"ok": 1}))
+    transport.reply(refused_while_another_host_renews(store, "forced"), response(200, {"ok": 1}))
     assert client.request("GET", ORDERS) == {"ok": 1}
     assert transport.sent[1].bearer == "tok-from-another-host"
     assert len(exchange.calls) == 1  # theirs was used: no exchange of our own
@@ -299,18 +303,9 @@ def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once
     client: FleetClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
 ) -> None:
     """Another process renewed, then every token was revoked: one exchange, no failure."""
-
-    def refused_while_someone_renews(request: requests.PreparedRequest) -> requests.Response:
-        current = store.load()
-        assert current is not None
-        newer = Token(
-            "tok-from-another-host", time.time(), time.time() + LIFETIME, 2, "b", "scheduled"
-        )
-        assert store.save(newer) == (True, current.generation + 1)
-        return response(401)
-
     client.request("GET", ORDERS)  # the first token is accepted
-    transport.reply(refused_while_someone_renews, response(401), response(200, {"ok": 1}))
+    renewed_elsewhere = refused_while_another_host_renews(store, "scheduled")
+    transport.reply(renewed_elsewhere, response(401), response(200, {"ok": 1}))
     assert client.request("GET", ORDERS) == {"ok": 1}
     assert [sent.bearer for sent in transport.sent[2:]] == [
         "tok-from-another-host",

@@ -6,11 +6,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-import redis
 from prometheus_client import CollectorRegistry, generate_latest
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
+from conftest import dead_redis
 from merchant_tasks.completions import REDELIVERED_COUNTER, CompletionRecords
 from merchant_tasks.metrics import FleetCollector
 from merchant_tasks.status import AccountStatus, format_status
@@ -21,8 +19,8 @@ TTL = 2 * VISIBILITY_TIMEOUT
 
 
 @pytest.fixture
-def records(redis_client: redis.Redis, key_prefix: str) -> CompletionRecords:
-    return CompletionRecords(TokenStore(redis_client, f"{key_prefix}:sandbox:k"), TTL)
+def records(redis_store: TokenStore) -> CompletionRecords:
+    return CompletionRecords(redis_store, TTL)
 
 
 def test_a_recorded_call_is_found_with_its_result_and_the_redelivery_is_counted(
@@ -52,11 +50,11 @@ def test_a_call_never_recorded_is_not_found_and_not_counted(records: CompletionR
 
 
 def test_a_record_lives_twice_the_visibility_timeout_under_the_accounts_namespace(
-    records: CompletionRecords, key_prefix: str
+    records: CompletionRecords,
 ) -> None:
     records.record("task-1", {"ok": True})
     key = records.key("task-1")
-    assert key == f"{key_prefix}:sandbox:k:completed:task-1"
+    assert key == f"{records.store.namespace}:completed:task-1"
     ttl = records.store.redis.pttl(key)
     assert VISIBILITY_TIMEOUT * 1000 < ttl <= TTL * 1000
 
@@ -64,8 +62,7 @@ def test_a_record_lives_twice_the_visibility_timeout_under_the_accounts_namespac
 def test_with_redis_unreachable_the_call_goes_ahead_and_the_lost_record_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # nothing listens on port 1; no reconnection attempts, so the test is quick
-    dead = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    dead = dead_redis()
     records = CompletionRecords(TokenStore(dead, "mt-test:sandbox:k"), TTL)
     with caplog.at_level(logging.WARNING, logger="merchant_tasks.completions"):
         assert records.earlier_run("task-1") is None

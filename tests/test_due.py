@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -208,8 +208,20 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[Any, ...], dict[st
     return calls
 
 
+@pytest.fixture
+def serve(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, Settings]], AccountClients]:
+    """Makes this worker serve the given accounts (the clients its tasks use)."""
+
+    def install(accounts: dict[str, Settings]) -> AccountClients:
+        clients = AccountClients(accounts)
+        monkeypatch.setattr(tasks, "_clients", clients)
+        return clients
+
+    return install
+
+
 def test_beat_sends_one_renewal_task_per_due_account_on_the_renewal_queue_and_builds_no_client(
-    monkeypatch: pytest.MonkeyPatch,
+    serve: Callable[[dict[str, Settings]], AccountClients],
     sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
     redis_client: redis.Redis,
     key_prefix: str,
@@ -217,8 +229,7 @@ def test_beat_sends_one_renewal_task_per_due_account_on_the_renewal_queue_and_bu
 ) -> None:
     accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
     _store_tokens(redis_client, TOKEN_LIFETIME - 60, *list(accounts.values())[2:])
-    fleet = AccountClients(accounts)
-    monkeypatch.setattr(tasks, "_clients", fleet)
+    fleet = serve(accounts)
     tasks.renew_token()
     assert [args for args, _ in sent] == [("shop-0",), ("shop-1",)]
     assert {options["queue"] for _, options in sent} == {RENEWAL_QUEUE}
@@ -226,15 +237,14 @@ def test_beat_sends_one_renewal_task_per_due_account_on_the_renewal_queue_and_bu
 
 
 def test_beat_sends_an_accounts_renewal_again_only_once_the_pending_one_has_run(
-    monkeypatch: pytest.MonkeyPatch,
+    serve: Callable[[dict[str, Settings]], AccountClients],
     sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
     redis_client: redis.Redis,
     key_prefix: str,
     redis_url: str,
 ) -> None:
     accounts = _fleet(key_prefix, redis_url, 3)
-    fleet = AccountClients(accounts)
-    monkeypatch.setattr(tasks, "_clients", fleet)
+    fleet = serve(accounts)
     tasks.renew_token()
     assert len(sent) == 3
     tasks.renew_token()  # a second beat, or the next tick while the tasks wait in the queue
@@ -248,13 +258,12 @@ def test_beat_sends_an_accounts_renewal_again_only_once_the_pending_one_has_run(
 
 
 def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
-    monkeypatch: pytest.MonkeyPatch,
+    serve: Callable[[dict[str, Settings]], AccountClients],
     sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
     key_prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    monkeypatch.setattr(tasks, "_clients", AccountClients(_fleet(key_prefix, url, 3)))
+    serve(_fleet(key_prefix, f"redis://127.0.0.1:{free_port()}/0", 3))
     with caplog.at_level(logging.WARNING, logger="merchant_tasks.tasks"):
         tasks.renew_token()
     assert sent == []
@@ -262,7 +271,7 @@ def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
 
 
 def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
-    monkeypatch: pytest.MonkeyPatch,
+    serve: Callable[[dict[str, Settings]], AccountClients],
     sandbox: Sandbox,
     secret_file: Path,
     redis_client: redis.Redis,
@@ -278,7 +287,7 @@ def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
         key_prefix=key_prefix,
     )
     bad = replace(good, api_key="unknown-key")
-    monkeypatch.setattr(tasks, "_clients", AccountClients({"bad": bad, "good": good}))
+    serve({"bad": bad, "good": good})
     with caplog.at_level(logging.WARNING, logger="merchant_tasks.tasks"):
         tasks.renew_account("bad")
         tasks.renew_account("good")

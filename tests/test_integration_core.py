@@ -6,10 +6,8 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +32,7 @@ from merchant_tasks.exceptions import (
     TokenExchangeError,
 )
 from merchant_tasks.exchange import IssuedToken, TokenExchange
-from merchant_tasks.local import wait_until
+from merchant_tasks.local import spawn, wait_all_ready, wait_until
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import Secret, Settings
 
@@ -82,6 +80,7 @@ def test_processes_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
     redis_client: redis.Redis,
     key_prefix: str,
     secret_file: Path,
+    tmp_path: Path,
 ) -> None:
     client.request("GET", PING)
     sandbox.app.revoke_all()
@@ -99,21 +98,27 @@ def test_processes_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
     env.pop("MERCHANT_API_SECRET", None)
     worker = Path(__file__).with_name("storm_worker.py")
     processes = [
-        subprocess.Popen(
-            [sys.executable, str(worker), "5"], env=env, stdout=subprocess.PIPE, text=True
+        spawn(
+            f"storm worker {n}",
+            [sys.executable, str(worker), "5"],
+            tmp_path / f"storm-{n}.log",
+            env=env,
+            stdout_pipe=True,
         )
-        for _ in range(STORM_PROCESSES)
+        for n in range(STORM_PROCESSES)
     ]
     try:
-        deadline = time.monotonic() + 60
-        while int(redis_client.get(ready_key) or 0) < STORM_PROCESSES:
-            assert time.monotonic() < deadline, "storm workers did not start"
-            time.sleep(0.02)
+        wait_all_ready(
+            processes,
+            lambda: int(redis_client.get(ready_key) or 0) == STORM_PROCESSES,
+            "storm workers ready",
+            60,
+        )
         redis_client.set(go_key, 1)
-        outputs = [json.loads(p.communicate(timeout=60)[0]) for p in processes]
+        outputs = [json.loads(p.output(timeout=60)) for p in processes]
     finally:
         for p in processes:
-            p.kill()
+            p.stop()
     assert [o["errors"] for o in outputs] == [[]] * STORM_PROCESSES
     assert sum(o["ok"] for o in outputs) == 5 * STORM_PROCESSES
     assert sandbox.exchanges()["ok"] == 2

@@ -115,11 +115,8 @@ def fleet(
     key_prefix: str,
     secret_file: Path,
 ) -> Iterator[AmqpFleet]:
-    fleet = AmqpFleet(amqp_url, tmp_path, sandbox, private_redis, key_prefix, secret_file)
-    try:
+    with AmqpFleet(amqp_url, tmp_path, sandbox, private_redis, key_prefix, secret_file) as fleet:
         yield fleet
-    finally:
-        fleet.close()
     wait_until(lambda: not fleet.leftovers(), "the fleet's processes gone", 10.0)
 
 

@@ -14,7 +14,6 @@ import functools
 import shutil
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +24,11 @@ import redis
 
 from celery_fleet import (
     ECHO,
-    PING,
     Fleet,
 )
 from conftest import TEST_API_KEY, Sandbox, WatchedSandbox
-from merchant_tasks.accounts import FleetClient, client_for
+from fault_harness import CallLoop, Evidence
+from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import RedisServer, redis_answers, wait_until
 from merchant_tasks.redis_topology import redis_from_url
@@ -227,54 +226,6 @@ def backward_steps(app: RecordingSandbox) -> list[str]:
 # -- load ------------------------------------------------------------------------------------
 
 
-class Callers:
-    """In-process callers sharing one client, each noting what every call gave, in order."""
-
-    def __init__(self, client: FleetClient, count: int) -> None:
-        self.client = client
-        self.outcomes: dict[str, list[tuple[float, str]]] = defaultdict(list)
-        self.messages: set[str] = set()  # every failure's text and cause, for the leak check
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._run, args=(f"thread-{n}",), daemon=True)
-            for n in range(count)
-        ]
-
-    def _run(self, name: str) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                self.client.request("GET", PING, headers={"x-caller": name})
-                outcome = "ok"
-            except Exception as exc:  # every kind is recorded; the test says which may occur
-                outcome = type(exc).__name__
-                self.messages.add(f"{exc!r} {exc} {exc.__cause__!r} {exc.__context__!r}")
-            self.outcomes[name].append((started, outcome))
-            time.sleep(CALLER_PAUSE)
-
-    def __enter__(self) -> Callers:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=60.0)
-
-    def failures(self, origin: float) -> list[str]:
-        """Every failed call: its caller, start (seconds after ``origin``) and outcome."""
-        return [
-            f"{name} at {started - origin:+.2f} s: {outcome}"
-            for name, calls in self.outcomes.items()
-            for started, outcome in calls
-            if outcome != "ok"
-        ]
-
-    def kinds(self, since: float = 0.0) -> set[str]:
-        return {o for calls in self.outcomes.values() for started, o in calls if started >= since}
-
-
 class Feeder:
     """Enqueues an echo every TASK_PERIOD, noting each result and when its sending began
     and ended."""
@@ -310,27 +261,28 @@ class Feeder:
 # -- the failover ----------------------------------------------------------------------------
 
 
-def sentinel_fleet(
-    tmp_path: Path, sandbox: Sandbox, group: SentinelGroup, key_prefix: str, secret_file: Path
-) -> Fleet:
-    """A fleet whose token store, broker and results are all the group's, through one
-    MERCHANT_REDIS_URL; long windows, so that no scheduled renewal interferes."""
-    fleet = Fleet(tmp_path, sandbox, group.url, key_prefix, secret_file)
-    fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
-    fleet.long_windows()
-    return fleet
-
-
-def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_goes_back(
+@pytest.fixture
+def fleet(
     tmp_path: Path,
     sandbox: Sandbox,
     sentinel_group: SentinelGroup,
     key_prefix: str,
     secret_file: Path,
+) -> Iterator[Fleet]:
+    """A fleet whose token store, broker and results are all the group's, through one
+    MERCHANT_REDIS_URL; long windows, so that no scheduled renewal interferes."""
+    with Fleet(tmp_path, sandbox, sentinel_group.url, key_prefix, secret_file) as fleet:
+        fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
+        fleet.long_windows()
+        yield fleet
+
+
+def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_goes_back(
+    sandbox: Sandbox, sentinel_group: SentinelGroup, fleet: Fleet, key_prefix: str
 ) -> None:
     app = sandbox.app
     assert isinstance(app, RecordingSandbox)
-    fleet = sentinel_fleet(tmp_path, sandbox, sentinel_group, key_prefix, secret_file)
+    evidence = Evidence()  # what the callers and the fleet showed; no password may be in it
     settings = Settings.from_env(fleet.env)
     client = client_for(settings)
     try:
@@ -339,7 +291,8 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
         # one pool process: its calls reach the emulator in order
         fleet.start_worker("w", concurrency=1, cwd=config_dir)
         fleet.wait_ready()
-        with Callers(client, CALLER_THREADS) as callers, Feeder(fleet) as feeder:
+        callers = CallLoop(client, CALLER_THREADS, evidence, "failover", pause=CALLER_PAUSE)
+        with callers, Feeder(fleet) as feeder:
             time.sleep(LOAD_BEFORE)
             synced = time.monotonic()  # whatever was sent before this is on the replica
             wait_until(sentinel_group.in_sync, "the replica in sync", 30.0)
@@ -388,28 +341,30 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
         lost_tasks = [n for n, r in maybe_lost if not r.ready()]
         answers.update({n: r.get() for n, r in maybe_lost if r.ready()})
     finally:
-        fleet.close()
+        fleet.close()  # before the checks: its logs complete
     executed = sum(_echo_calls(sandbox))
     print(
         f"failover took {promoted - killed:.1f} s; in-process calls: "
-        f"{sum(len(c) for c in callers.outcomes.values())}, outcomes {sorted(callers.kinds())}; "
+        f"{len(callers.of())}, outcomes {sorted(set(callers.of()))}; "
         f"tasks: {len(feeder.sent)}, enqueued in the lost moments: {len(maybe_lost)}, "
         f"lost: {lost_tasks}, echo calls executed: {executed}; "
         f"exchanges: {sandbox.exchanges()}"
     )
 
     # calls that needed Redis meanwhile failed with StoreUnavailable, and with nothing else
-    assert callers.kinds() <= {"ok", StoreUnavailable.__name__}, callers.failures(killed)
+    assert set(callers.of()) <= {"ok", StoreUnavailable.__name__}, callers.failures(killed)
     # once the failover is over, every call succeeds again
-    assert callers.kinds(since=settled) == {"ok"}, callers.failures(promoted)
+    assert set(callers.of(since=settled)) == {"ok"}, callers.failures(promoted)
     # every task enqueued outside the lost moments ran and reported its real result
     assert all(answer == {"echo": {"n": n}} for n, answer in answers.items()), answers
     assert not feeder.publish_errors
 
     # neither password shows in any failure or in the worker's DEBUG log
-    texts = [*callers.messages, *fleet.logs().values()]
-    for password in (MASTER_PASSWORD, SENTINEL_PASSWORD):
-        assert not [text for text in texts if password in text]
+    for name, text in fleet.logs().items():
+        evidence.add(name, text)
+    evidence.needle("the master password", MASTER_PASSWORD)
+    evidence.needle("the sentinel password", SENTINEL_PASSWORD)
+    evidence.assert_no_leak()
 
     # a token generation never goes backwards in any process
     assert not backward_steps(app), backward_steps(app)
@@ -426,31 +381,23 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
 
 
 def test_a_call_whose_retry_falls_in_the_failover_is_retried_not_dropped(
-    tmp_path: Path,
-    sandbox: Sandbox,
-    sentinel_group: SentinelGroup,
-    key_prefix: str,
-    secret_file: Path,
+    sandbox: Sandbox, sentinel_group: SentinelGroup, fleet: Fleet
 ) -> None:
     """The master dies while a task renews the token: saving it fails with StoreUnavailable,
     and the task's retry must be published while the broker (the same Redis) is away."""
-    fleet = sentinel_fleet(tmp_path, sandbox, sentinel_group, key_prefix, secret_file)
     # short HTTP timeouts make a short renewal lock: the one held when the master dies
     # outlives it on the new master until its TTL, and the retried call waits for that
     fleet.env.update({"MERCHANT_CONNECT_TIMEOUT": "0.5", "MERCHANT_READ_TIMEOUT": "1"})
-    try:
-        fleet.start_worker("w", concurrency=1)
-        fleet.wait_ready()
-        sandbox.app.revoke_all()  # the next call gets a 401 and renews...
-        sandbox.app.configure({"token_latency": SLOW_EXCHANGE})  # ... slowly
-        result = fleet.call("POST", ECHO, json={"order": "retried"})
-        wait_until(lambda: sandbox.app.arrived(TOKEN_PATH) == 2, "the renewal's exchange", 30.0)
-        sentinel_group.master.kill()  # before the exchange answers: its token cannot be saved
-        sandbox.app.configure({"token_latency": 0.0})
+    fleet.start_worker("w", concurrency=1)
+    fleet.wait_ready()
+    sandbox.app.revoke_all()  # the next call gets a 401 and renews...
+    sandbox.app.configure({"token_latency": SLOW_EXCHANGE})  # ... slowly
+    result = fleet.call("POST", ECHO, json={"order": "retried"})
+    wait_until(lambda: sandbox.app.arrived(TOKEN_PATH) == 2, "the renewal's exchange", 30.0)
+    sentinel_group.master.kill()  # before the exchange answers: its token cannot be saved
+    sandbox.app.configure({"token_latency": 0.0})
 
-        answer = fleet.get(result, RESULT_DEADLINE)
-        log = fleet.logs()["worker-w.log"]
-    finally:
-        fleet.close()
+    answer = fleet.get(result, RESULT_DEADLINE)
+    log = fleet.logs()["worker-w.log"]
     assert answer == {"echo": {"order": "retried"}}
     assert "StoreUnavailable" in log  # the case under test did happen: the task retried

@@ -14,11 +14,9 @@ from collections.abc import Callable
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
 from redis.lock import Lock
-from redis.retry import Retry
 
-from conftest import FakeExchange
+from conftest import FakeExchange, dead_redis
 from merchant_tasks.breaker import (
     PROBE_INTERVAL,
     RATE_LIMITED_BACKOFF,
@@ -150,31 +148,23 @@ def hold_lock(store: TokenStore) -> None:
     assert store.lock(ttl=60.0).acquire(token=OTHER_HOLDER)
 
 
-def dead_redis() -> redis.Redis:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return redis.Redis(
-        host="127.0.0.1", port=port, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
-    )
-
-
 # -- token(): the callers' path ----------------------------------------------------------
 
 
-def test_token_returns_the_stored_token_while_fresh_without_exchanging(
-    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+@pytest.mark.parametrize(
+    "elapsed",
+    [0.0, 3600.0 - RENEW_MANDATORY - 1.0],  # fresh; just above the mandatory window
+    ids=["fresh", "advisory-window"],
+)
+def test_token_returns_the_stored_token_until_the_mandatory_window_without_exchanging(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    elapsed: float,
 ) -> None:
     token = stored(store, clock, left=3600.0)
-    assert manager.token() == token
-    assert exchange.calls == []
-
-
-def test_token_returns_the_stored_token_in_the_advisory_window_without_exchanging(
-    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
-) -> None:
-    token = stored(store, clock, left=3600.0)
-    clock.now += 3600.0 - RENEW_MANDATORY - 1.0  # just above the mandatory window
+    clock.now += elapsed
     assert manager.token() == token
     assert exchange.calls == []
 

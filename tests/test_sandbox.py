@@ -7,7 +7,6 @@ import logging
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -19,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from werkzeug.test import Client, TestResponse
 
+from merchant_tasks.local import spawn
 from merchant_tasks.sandbox import (
     DEFAULT_PORT,
     TOKEN_PATH,
@@ -833,20 +833,18 @@ print("stopped", flush=True)
 
 
 @pytest.mark.integration
-def test_foreground_server_stops_cleanly_on_ctrl_c() -> None:
+def test_foreground_server_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    with subprocess.Popen(
-        [sys.executable, "-c", FOREGROUND_SCRIPT], stdout=subprocess.PIPE, text=True, env=env
-    ) as child:
-        try:
-            assert child.stdout is not None
-            url = child.stdout.readline().strip()
-            assert requests.get(url + "/_sandbox/counters", timeout=5).status_code == 200
-            child.send_signal(signal.SIGINT)
-            assert child.wait(timeout=10) == 0
-            assert child.stdout.read() == "stopped\n"
-        finally:
-            child.kill()  # a no-op once it exited; else the with block would wait for ever
+    argv = [sys.executable, "-c", FOREGROUND_SCRIPT]
+    child = spawn("the sandbox", argv, tmp_path / "sandbox.log", env=env, stdout_pipe=True)
+    try:
+        url = child.read_line()
+        assert requests.get(url + "/_sandbox/counters", timeout=5).status_code == 200
+        child.send_signal(signal.SIGINT)
+        assert child.output(timeout=10) == "stopped\n", child.log_tail()
+        assert child.process.returncode == 0
+    finally:
+        child.stop()
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.10", "::", "example.com"])  # noqa: S104

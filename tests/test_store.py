@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from conftest import UNIT_NAMESPACE
+from conftest import UNIT_NAMESPACE, dead_redis
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.store import (
     BREAKER_MEMORY,
@@ -33,24 +30,6 @@ def make_token(generation: int, left: float = 3600.0, value: str | None = None) 
         generation=generation,
         renewed_by="host-a:123:abcd1234",
         reason="scheduled",
-    )
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def dead_redis() -> redis.Redis:
-    """A client for a port nobody listens on, failing at once (no retries, no back-off)."""
-    return redis.Redis(
-        host="127.0.0.1",
-        port=closed_port(),
-        socket_connect_timeout=0.2,
-        socket_timeout=0.2,
-        retry=Retry(NoBackoff(), 0),
     )
 
 

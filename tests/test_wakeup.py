@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from conftest import dead_redis
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
 from merchant_tasks.renewal import TokenManager
@@ -21,43 +22,38 @@ from merchant_tasks.wakeup import RenewalSignal
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def store(redis_client: redis.Redis, key_prefix: str) -> TokenStore:
-    return TokenStore(redis_client, TokenStore.namespace_for(key_prefix, "sandbox", "app-wake"))
-
-
 def listening(signal: RenewalSignal) -> RenewalSignal:
     signal.start()
     wait_until(lambda: signal.listening, "the subscription to be confirmed", 10.0)
     return signal
 
 
-def test_an_announcement_wakes_a_waiting_thread_at_once(store: TokenStore) -> None:
-    signal = listening(RenewalSignal(store))
+def test_an_announcement_wakes_a_waiting_thread_at_once(redis_store: TokenStore) -> None:
+    signal = listening(RenewalSignal(redis_store))
     heard = signal.heard
-    timer = threading.Timer(0.05, store.announce, args=(7,))
+    timer = threading.Timer(0.05, redis_store.announce, args=(7,))
     timer.start()
     assert signal.wait(heard, timeout=30.0)
     timer.join()
 
 
-def test_a_wait_without_an_announcement_ends_at_its_timeout(store: TokenStore) -> None:
-    signal = listening(RenewalSignal(store))
+def test_a_wait_without_an_announcement_ends_at_its_timeout(redis_store: TokenStore) -> None:
+    signal = listening(RenewalSignal(redis_store))
     assert not signal.wait(signal.heard, timeout=0.05)
 
 
-def test_an_announcement_heard_before_the_wait_is_not_missed(store: TokenStore) -> None:
+def test_an_announcement_heard_before_the_wait_is_not_missed(redis_store: TokenStore) -> None:
     """The waiter notes what it heard before looking at the store: a renewal announced
     between that look and its wait ends the wait at once."""
-    signal = listening(RenewalSignal(store))
+    signal = listening(RenewalSignal(redis_store))
     heard = signal.heard
-    assert store.announce(1)
+    assert redis_store.announce(1)
     wait_until(lambda: signal.heard > heard, "the announcement", 10.0)
     assert signal.wait(heard, timeout=0.0)
 
 
-def test_the_subscriber_thread_ends_with_its_signal(store: TokenStore) -> None:
-    signal = listening(RenewalSignal(store))
+def test_the_subscriber_thread_ends_with_its_signal(redis_store: TokenStore) -> None:
+    signal = listening(RenewalSignal(redis_store))
     thread = signal.subscriber_thread
     assert thread is not None
     del signal
@@ -74,7 +70,10 @@ def test_accounts_of_one_process_share_one_subscriber_and_hear_only_their_own_re
         TokenStore(redis_client, TokenStore.namespace_for(key_prefix, "sandbox", f"app-{n}"))
         for n in range(20)
     ]
-    signals = [listening(RenewalSignal(store)) for store in stores]
+    signals = [RenewalSignal(store) for store in stores]
+    for signal in signals:  # all at once: the subscriber takes up new channels each tick
+        signal.start()
+    wait_until(lambda: all(s.listening for s in signals), "every subscription confirmed", 10.0)
     threads = {signal.subscriber_thread for signal in signals}
     assert len(threads) == 1
     assert None not in threads
@@ -87,7 +86,7 @@ def test_accounts_of_one_process_share_one_subscriber_and_hear_only_their_own_re
 
 
 def test_without_redis_the_signal_is_not_listening_and_callers_poll(key_prefix: str) -> None:
-    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    dead = dead_redis()
     signal = RenewalSignal(TokenStore(dead, key_prefix))
     signal.start()
     wait_until(lambda: signal.subscriber_thread is None, "the subscriber to give up", 10.0)
@@ -110,13 +109,12 @@ def manager_for(
 
 
 def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling(
-    redis_client: redis.Redis, key_prefix: str
+    redis_store: TokenStore, redis_client: redis.Redis
 ) -> None:
     """Two managers stand for two processes of one account. A renews after a 401 with a
     slow exchange; B meets the same 401 meanwhile, finds the lock held and waits: it is
     woken by A's announcement, never sleeping a poll."""
-    namespace = TokenStore.namespace_for(key_prefix, "sandbox", "app-wake")
-    store_a, store_b = TokenStore(redis_client, namespace), TokenStore(redis_client, namespace)
+    store_a, store_b = redis_store, TokenStore(redis_client, redis_store.namespace)
     exchanging = threading.Event()
 
     def slow_exchange() -> IssuedToken:

@@ -696,7 +696,9 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
     assert len(generations) >= 3
     assert generations == list(range(1, len(generations) + 1))
     for token, seen_at in seen.values():
-        assert 0 <= seen_at - token.issued_at < lifetime, (token, seen_at)
+        # issued_at is the renewer's estimate of Redis time (read mid round trip, advanced
+        # locally): it may run a round trip ahead of this look (1.2 ms seen in CI), never 5 min
+        assert -0.05 <= seen_at - token.issued_at < lifetime, (token, seen_at)
     for generation in generations[1:]:
         previous, renewal = seen[generation - 1][0], seen[generation][0]
         left = previous.expires_at - renewal.issued_at

@@ -113,13 +113,15 @@ end
 return {1, expected + 1}
 """
 
-# KEYS: generation, counters, waits. ARGV: the generation the caller found stale, the
-# lock-wait counter, the wait's limit (ms). Notes the wait unless a newer generation is
-# already stored (the renewal ended before this caller could wait for it): 1 noted, 0 not.
+# KEYS: token, counters, waits. ARGV: the generation the caller found stale, the lock-wait
+# counter, the wait's limit (ms). Notes the wait unless a token of a newer generation is
+# stored (the renewal ended before this caller could wait for it): 1 noted, 0 not. With no
+# token stored (a new process, an expired token) the wait is noted whatever it last saw.
 _NOTE_WAIT_UNLESS_RENEWED = (
     _NOTE_WAIT
     + """
-if tonumber(redis.call('GET', KEYS[1]) or '0') > tonumber(ARGV[1]) then return 0 end
+local raw = redis.call('GET', KEYS[1])
+if raw and tonumber(cjson.decode(raw)['generation']) > tonumber(ARGV[1]) then return 0 end
 note_wait(KEYS[2], ARGV[2], KEYS[3], ARGV[3])
 return 1
 """
@@ -369,7 +371,7 @@ class TokenStore:
         with unavailable_as_error(self.address):
             noted = self._run(
                 _NOTE_WAIT_UNLESS_RENEWED,
-                keys=[self.generation_key, self.counters_key, self.waits_key],
+                keys=[self.token_key, self.counters_key, self.waits_key],
                 args=[stale_generation, wait_counter, _milliseconds(wait_limit)],
             )
         return bool(noted)

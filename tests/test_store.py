@@ -231,6 +231,8 @@ def test_no_wait_is_noted_once_a_newer_generation_is_stored(
     assert not fake_redis.exists(store.waits_key)
     assert store.note_wait(2, "waits", 30.0)
     assert 0 < fake_redis.pttl(store.waits_key) <= 30_000
+    fake_redis.delete(store.token_key)  # expired: a process that saw nothing still waits
+    assert store.note_wait(0, "waits", 30.0)
 
 
 def test_acceptance_only_ever_rises(store: TokenStore) -> None:

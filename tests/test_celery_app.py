@@ -19,7 +19,6 @@ from merchant_tasks.celery_app import (
     load_config,
     package_defaults,
 )
-from merchant_tasks.routing import CALLS_QUEUE, RENEWAL_QUEUE
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 SENTINELS = "sentinel://:master-pw@127.0.0.1:26379/0;sentinel://:master-pw@127.0.0.1:26380/0"
@@ -131,24 +130,11 @@ def test_broker_and_backend_follow_the_redis_url_file(tmp_path: Path) -> None:
     )
 
 
-def test_beat_schedule_follows_the_validated_renew_interval() -> None:
-    config = package_defaults({"MERCHANT_RENEW_INTERVAL": "7.5"})
-    entry = config["beat_schedule"]["renew-merchant-token"]
-    assert entry["schedule"] == entry["options"]["expires"] == 7.5
-
-
 def test_celery_urls_from_the_environment_override_the_defaults() -> None:
     config = load_config(
         {"CELERY_BROKER_URL": "amqp://rabbit//", "CELERY_RESULT_BACKEND": "redis://r/1"}
     )
     assert (config["broker_url"], config["result_backend"]) == ("amqp://rabbit//", "redis://r/1")
-
-
-def test_each_queue_is_bound_to_its_own_exchange_and_routing_key() -> None:
-    queues = {q.name: q for q in package_defaults({})["task_queues"]}
-    assert set(queues) == {CALLS_QUEUE, RENEWAL_QUEUE}
-    for name, queue in queues.items():
-        assert (queue.exchange.name, queue.routing_key) == (name, name)
 
 
 @pytest.mark.parametrize(

@@ -172,11 +172,9 @@ def exit_with(exc: ConfigurationError) -> None:
     raise SystemExit(EXIT_CONFIGURATION)
 
 
-def _check_worker_start(sender: Any = None, **_: Any) -> None:
-    """Before consuming: every account's settings load, no stale binding remains, and the
-    app's settings that break a guarantee are named."""
-    app = getattr(sender, "app", None)
-    if app not in _installed:
+def _check_accounts(sender: Any = None, **_: Any) -> None:
+    """Before the worker is set up: every account's settings load, or it stops in one line."""
+    if getattr(sender, "app", None) not in _installed:
         return  # a Celery app that does not run merchant-tasks
     from .accounts import load_accounts  # the worker's own import: the app needs no account
 
@@ -184,6 +182,15 @@ def _check_worker_start(sender: Any = None, **_: Any) -> None:
         load_accounts()
     except ConfigurationError as exc:
         exit_with(exc)
+
+
+def _prepare_worker(sender: str, instance: Any, **_: Any) -> None:
+    """Once the worker logs, before it connects: pools fit its concurrency, the settings
+    that break a guarantee are named, and no stale binding remains."""
+    app = instance.app
+    if app not in _installed:
+        return
+    size_pools_at_worker_start(instance)
     for problem in broken_guarantees(app):
         log.warning("merchant-tasks: %s", problem)
     try:
@@ -192,11 +199,5 @@ def _check_worker_start(sender: Any = None, **_: Any) -> None:
         log.warning("could not check the broker for stale queue bindings: %r", exc)
 
 
-def _size_connection_pools(sender: str, instance: Any, **_: Any) -> None:
-    """Fit the pools to this worker's concurrency, before it opens a broker connection."""
-    if instance.app in _installed:
-        size_pools_at_worker_start(instance)
-
-
-worker_init.connect(_check_worker_start)
-celeryd_after_setup.connect(_size_connection_pools)
+worker_init.connect(_check_accounts)
+celeryd_after_setup.connect(_prepare_worker)

@@ -19,7 +19,7 @@ from merchant_tasks.hosting import (
     BEAT_ENTRY,
     DELIVERY_GUARANTEES,
     RENEWAL_TASKS,
-    _check_worker_start,
+    _prepare_worker,
     broken_guarantees,
 )
 from merchant_tasks.routing import CALLS_QUEUE, RENEWAL_QUEUE
@@ -187,16 +187,17 @@ def test_each_setting_that_breaks_a_guarantee_is_named(own_app: Celery) -> None:
 def test_the_worker_start_check_logs_each_broken_guarantee(
     own_app: Celery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("merchant_tasks.accounts.load_accounts", lambda: {})
     monkeypatch.setattr("merchant_tasks.hosting.remove_stale_bindings", lambda app: None)
     own_app.conf.update(broker_url="memory://", result_backend="redis://127.0.0.1:6379/0")
     merchant_tasks.install(own_app)
 
     class Worker:
         app = own_app
+        concurrency = 1
+        pool_cls = "solo"
 
     with caplog.at_level(logging.WARNING, logger="merchant_tasks.hosting"):
-        _check_worker_start(Worker())
+        _prepare_worker("celery@shop", Worker())
     assert [r.getMessage().split(" is off")[0] for r in caplog.records] == [
         "merchant-tasks: result_backend_always_retry"
     ]

@@ -196,8 +196,14 @@ class Settings:
         return f"{self.environment}:{self.api_key}"
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        """Build settings from MERCHANT_* variables (and their *_FILE variants)."""
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, check_secret: bool = True
+    ) -> Settings:
+        """Build settings from MERCHANT_* variables (and their *_FILE variants).
+
+        ``check_secret=False``: the secret file is not read now, for processes that never
+        exchange (the metrics exporter, ``status``), whose container has no secret mounted.
+        """
         env = _Environment(os.environ if environ is None else environ)
         environment = env.get("MERCHANT_ENVIRONMENT") or "sandbox"
         base_url = env.get("MERCHANT_BASE_URL")
@@ -213,7 +219,7 @@ class Settings:
         fleet = FleetSettings.from_env(env.environ)
         return cls(
             api_key=api_key,
-            secret=env.secret(),
+            secret=env.secret(check=check_secret),
             environment=environment,
             base_url=base_url.rstrip("/"),
             redis_url=fleet.redis_url,
@@ -305,7 +311,7 @@ class _Environment:
                 ) from None
         return value.strip() if value is not None else None
 
-    def secret(self) -> Secret:
+    def secret(self, check: bool = True) -> Secret:
         value = (self._environ.get("MERCHANT_API_SECRET") or "").strip()
         path = self._environ.get("MERCHANT_API_SECRET_FILE")
         if value and path:
@@ -314,7 +320,8 @@ class _Environment:
             )
         if path:
             secret = Secret(path=Path(path))
-            secret.reveal()  # fail at start-up, not at the first exchange
+            if check:
+                secret.reveal()  # fail at start-up, not at the first exchange
             return secret
         if not value:
             raise ConfigurationError(

@@ -215,3 +215,19 @@ def test_the_sandbox_on_a_busy_port_fails_without_printing_its_banner(tmp_path: 
     assert done.returncode != 0
     assert "merchant API sandbox" not in done.stdout
     assert "in use" in done.stderr
+
+
+def test_status_reads_redis_without_the_secret_which_exchanging_commands_still_need(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """As in the compose file: the exporter's container has no secret mounted."""
+    _run(env, "call", "GET", "/open-api/v1/ping")  # a token in Redis
+    unmounted = {k: v for k, v in env.items() if k != "MERCHANT_API_SECRET"}
+    unmounted["MERCHANT_API_SECRET_FILE"] = str(tmp_path / "not-mounted")
+    code, out, err = _run(unmounted, "status", "--json")
+    assert code == 0, err
+    [account] = json.loads(out)["accounts"]
+    assert account["state"] == "fresh"
+    code, _, err = _run(unmounted, "renew", "--force")
+    assert code == EXIT_CONFIGURATION
+    assert "MERCHANT_API_SECRET_FILE: cannot read" in err

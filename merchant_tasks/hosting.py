@@ -30,6 +30,7 @@ from typing import Any
 from celery.signals import celeryd_after_setup, worker_init
 
 from .exceptions import ConfigurationError
+from .extras import require_worker_pool
 from .routing import RENEWAL_QUEUE, VISIBILITY_TIMEOUT, own_queue, remove_stale_bindings
 from .settings import FleetSettings
 from .tasks import COUNTDOWN_MAX, TASKS
@@ -52,7 +53,8 @@ def install(app: Any) -> None:
     """Make the Celery ``app`` run merchant-tasks (see the module docstring).
 
     Raises ConfigurationError for a bad MERCHANT_RENEW_INTERVAL (or another fleet-wide
-    MERCHANT_* variable); under a ``celery`` command it is one line on stderr instead.
+    MERCHANT_* variable); under a ``celery`` command it is one line on stderr instead, as
+    is a worker whose pool needs a missing extra (see ``extras``).
     """
     if app in _installed:
         return
@@ -68,6 +70,11 @@ def install(app: Any) -> None:
 
     def add_configuration(sender: Any = None, **_: Any) -> None:
         conf = app.conf
+        if started_by_celery_command():
+            try:  # before the worker command imports its pool
+                require_worker_pool(sys.argv, conf.worker_pool)
+            except ConfigurationError as exc:
+                exit_with(exc)
         queues = with_renewal_queue(conf.task_queues, app)
         if queues is not conf.task_queues:
             conf.task_queues = queues

@@ -10,7 +10,6 @@ emulator; a separate process enqueues the way the shop's code does (``proj.add.d
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -140,27 +139,3 @@ def test_the_shops_worker_and_beat_serve_its_task_call_api_and_the_renewal(
     assert counters["exchanges"]["ok"] == exchanges  # the call used beat's token
     # the shop's settings are its own: the one that weakens a guarantee is named at start
     assert "merchant-tasks: result_backend_always_retry is off" in proj_worker.log_text()
-
-
-DJANGO_SHOP = Path(__file__).resolve().parents[1] / "examples" / "django_shop"
-EXAMPLE_TIMEOUT = 600.0  # its suite starts a worker and beat per test on a busy machine
-
-
-def test_the_django_shops_own_tests_pass_against_its_worker_and_beat(
-    merchant_redis_url: str,
-) -> None:
-    """examples/django_shop: proj/celery.py with install(app) and autodiscover_tasks(); a
-    view charges through ``call_api.delay`` (its tests: the payment is created once)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
-    env["MERCHANT_TEST_REDIS_URL"] = merchant_redis_url
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q"],
-        cwd=DJANGO_SHOP,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=EXAMPLE_TIMEOUT,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "2 passed" in done.stdout

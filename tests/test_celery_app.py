@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -194,3 +195,33 @@ def test_a_worker_without_any_account_stops_at_start_with_the_configuration_mess
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ConfigurationError: no account configured: set MERCHANT_API_KEY")
     assert "ready" not in done.stdout + done.stderr
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_started_from_the_repository_root_the_app_reads_the_top_level_celeryconfig() -> None:
+    code = "import sys, merchant_tasks.celery_app; print(sys.modules['celeryconfig'].__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_clean_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) == ROOT / "celeryconfig.py"
+
+
+def test_the_top_level_celeryconfig_sets_nothing_and_comments_only_real_settings() -> None:
+    from celery.app.defaults import NAMESPACES, flatten
+
+    text = (ROOT / "celeryconfig.py").read_text()
+    namespace: dict[str, object] = {}
+    exec(compile(text, "celeryconfig.py", "exec"), namespace)  # noqa: S102 - our own file
+    assert [k for k in namespace if not k.startswith("__")] == []  # package defaults apply
+    commented = re.findall(r"^# ([a-z_]+) = ", text, re.MULTILINE)
+    assert commented  # it shows what may be overridden
+    assert set(commented) <= {name for name, _ in flatten(NAMESPACES)}

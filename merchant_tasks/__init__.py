@@ -4,10 +4,10 @@ Reading order follows the token's life: ``token`` (the value), ``exchange`` (get
 ``store`` (keeping it in Redis), ``policy`` (when it is renewed, what a 401 means),
 ``single_flight``, ``wakeup``, ``renewer``, ``breaker``, ``local_copy`` and ``renewal``
 (who renews it, and how the fleet waits), ``client`` (using it), ``accounts`` (wiring
-each account's settings to a client), then the Celery wiring
-(``routing``, ``worker_pools``, ``completions``, ``tasks``, ``hosting`` for any app,
-``celery_app`` the package's own). The design, its windows,
-guards and rules: docs/design.md.
+each account's settings to a client), then the Celery wiring (``routing``,
+``worker_pools``, ``completions``, ``tasks``; ``hosting``, which installs them into any
+Celery app, and ``celery_app``, the package's own). The design, its windows, guards and
+rules: docs/design.md.
 """
 
 from __future__ import annotations

@@ -165,10 +165,13 @@ def merchant_client(merchant_settings: Settings) -> Iterator[FleetClient]:
 def merchant_celery_eager(
     merchant_settings: Settings, merchant_env: dict[str, str]
 ) -> Iterator[Any]:
-    """The Celery app, running tasks in the test's process at once, as the test's account."""
+    """The Celery app ``call_api`` sends through (yours if install() ran on it and it is
+    current, else the package's), running tasks in the test's process at once, as the
+    test's account."""
     from . import tasks
     from .accounts import DEFAULT_ACCOUNT, AccountClients
-    from .celery_app import app
+
+    app = tasks.installed_task("merchant_tasks.call_api").app
 
     saved = {name: app.conf[name] for name in ("task_always_eager", "task_eager_propagates")}
     app.conf.update(task_always_eager=True, task_eager_propagates=True)

@@ -45,7 +45,7 @@ def test_the_django_shops_tests_pass_against_its_own_worker_and_beat(
 ) -> None:
     """examples/django_shop: proj/celery.py with install(app) and autodiscover_tasks(); a
     view charges through ``call_api.delay``; its tests see the payment created once."""
-    assert "2 passed" in run_example_suite("django_shop", merchant_redis_url)
+    assert "3 passed" in run_example_suite("django_shop", merchant_redis_url)
 
 
 def test_the_plugin_is_registered_through_its_entry_point() -> None:

@@ -46,3 +46,15 @@ def test_the_shops_own_task_runs_on_the_same_workers(shop_fleet: list[Child]) ->
 
     line = receipt.delay({"id": "pay_9", "amount": 1250}).get(timeout=WAIT)
     assert line == "payment pay_9: 12.50 EUR"
+
+
+def test_a_unit_test_runs_call_api_eagerly_through_the_shops_app(
+    celery_app: Any, merchant_celery_eager: Any, merchant_sandbox: MerchantSandbox
+) -> None:
+    """No worker: the plugin's eager fixture runs tasks of the shop's app in the test."""
+    from merchant_tasks.tasks import call_api
+
+    assert merchant_celery_eager is celery_app
+    created = call_api.delay("POST", "/open-api/v1/payments", json={"amount": 3}).get()
+    assert created["amount"] == 3
+    assert len(merchant_sandbox.app.payments()) == 1

@@ -72,16 +72,16 @@ _PER_ACCOUNT = {
 
 
 def load_accounts(
-    environ: Mapping[str, str] | None = None, *, check_secret: bool = True
+    environ: Mapping[str, str] | None = None, *, read_secrets: bool = True
 ) -> dict[str, Settings]:
     """Every configured account by name; ConfigurationError names what is wrong.
 
-    ``check_secret=False`` leaves the secret files unread (see ``Settings.from_env``).
+    ``read_secrets=False`` leaves the secret files unread (see ``Settings.from_env``).
     """
     env = os.environ if environ is None else environ
     accounts: dict[str, Settings] = {}
     if env.get("MERCHANT_API_KEY") or env.get("MERCHANT_API_KEY_FILE"):
-        accounts[DEFAULT_ACCOUNT] = Settings.from_env(env, check_secret=check_secret)
+        accounts[DEFAULT_ACCOUNT] = Settings.from_env(env, read_secret=read_secrets)
     sources = [
         ("MERCHANT_ACCOUNTS_FILE", _read_accounts_file),
         ("MERCHANT_ACCOUNTS_SOURCE", _call_accounts_source),
@@ -90,7 +90,7 @@ def load_accounts(
         value = env.get(variable)
         if not value:
             continue
-        for name, settings in read(value, env, check_secret).items():
+        for name, settings in read(value, env, read_secrets).items():
             if name in accounts:
                 raise ConfigurationError(
                     f"{variable}: account {name!r} is also defined elsewhere "
@@ -107,7 +107,7 @@ def load_accounts(
 
 
 def _read_accounts_file(
-    value: str, env: Mapping[str, str], check_secret: bool
+    value: str, env: Mapping[str, str], read_secrets: bool
 ) -> dict[str, Settings]:
     path = Path(value)
     where = f"MERCHANT_ACCOUNTS_FILE ({path})"
@@ -122,11 +122,11 @@ def _read_accounts_file(
     entries = document.get("accounts") if isinstance(document, dict) else None
     if not isinstance(entries, dict) or not entries:
         raise ConfigurationError(f"{where}: needs an 'accounts' table with at least one account")
-    return _accounts_from_entries(where, entries, env, check_secret)
+    return _accounts_from_entries(where, entries, env, read_secrets)
 
 
 def _call_accounts_source(
-    value: str, env: Mapping[str, str], check_secret: bool
+    value: str, env: Mapping[str, str], read_secrets: bool
 ) -> dict[str, Settings]:
     """Accounts from ``package.module:function``: a platform's own store of accounts.
 
@@ -158,11 +158,11 @@ def _call_accounts_source(
         raise ConfigurationError(f"{where}: the function raised {type(exc).__name__}") from exc
     if not isinstance(entries, Mapping) or not entries:
         raise ConfigurationError(f"{where}: must return a mapping with at least one account")
-    return _accounts_from_entries(where, entries, env, check_secret)
+    return _accounts_from_entries(where, entries, env, read_secrets)
 
 
 def _accounts_from_entries(
-    where: str, entries: Mapping[Any, Any], env: Mapping[str, str], check_secret: bool
+    where: str, entries: Mapping[Any, Any], env: Mapping[str, str], read_secrets: bool
 ) -> dict[str, Settings]:
     """Validate named entries: each a ``Settings`` or a table of the accounts file's keys,
     what it does not set coming from the MERCHANT_* variables."""
@@ -187,7 +187,7 @@ def _accounts_from_entries(
             for k, v in entry.items()
         }
         try:
-            accounts[name] = Settings.from_env({**base, **variables}, check_secret=check_secret)
+            accounts[name] = Settings.from_env({**base, **variables}, read_secret=read_secrets)
         except ConfigurationError as exc:
             raise ConfigurationError(f"{where}: account {name!r}: {exc}") from None
     return accounts
@@ -266,9 +266,9 @@ class AccountClients:
 
     @classmethod
     def from_env(
-        cls, environ: Mapping[str, str] | None = None, *, check_secret: bool = True
+        cls, environ: Mapping[str, str] | None = None, *, read_secrets: bool = True
     ) -> AccountClients:
-        return cls(load_accounts(environ, check_secret=check_secret))
+        return cls(load_accounts(environ, read_secrets=read_secrets))
 
     def get(self, account: str | None = None) -> FleetClient:
         """The client of ``account`` (the only or ``default`` account when None)."""

@@ -148,7 +148,7 @@ def status(as_json: bool) -> None:
     Exits 0 when every account has a usable token and no breaker is open, 1 otherwise.
     """
     with _exit_codes(as_json=as_json):
-        statuses = _statuses(AccountClients.from_env(check_secret=False))  # Redis only
+        statuses = _statuses(AccountClients.from_env(read_secrets=False))  # Redis only
     if as_json:
         document = {"accounts": [s.as_dict() for s in statuses.values()]}
         click.echo(json.dumps(document, indent=2, sort_keys=True))
@@ -168,7 +168,7 @@ def metrics(host: str, port: int) -> None:
 
     from .metrics import FleetCollector
 
-    fleet = _clients(check_secret=False)  # reads Redis only: needs no secret mounted
+    fleet = _clients(read_secrets=False)  # reads Redis only: needs no secret mounted
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(lambda: _statuses(fleet)))
@@ -223,9 +223,9 @@ def _statuses(fleet: AccountClients) -> dict[str, AccountStatus]:
     }
 
 
-def _clients(check_secret: bool = True) -> AccountClients:
+def _clients(read_secrets: bool = True) -> AccountClients:
     with _exit_codes():
-        return AccountClients.from_env(check_secret=check_secret)
+        return AccountClients.from_env(read_secrets=read_secrets)
 
 
 @contextmanager

@@ -197,11 +197,11 @@ class Settings:
 
     @classmethod
     def from_env(
-        cls, environ: Mapping[str, str] | None = None, *, check_secret: bool = True
+        cls, environ: Mapping[str, str] | None = None, *, read_secret: bool = True
     ) -> Settings:
         """Build settings from MERCHANT_* variables (and their *_FILE variants).
 
-        ``check_secret=False``: the secret file is not read now, for processes that never
+        ``read_secret=False``: the secret file is not read now, for processes that never
         exchange (the metrics exporter, ``status``), whose container has no secret mounted.
         """
         env = _Environment(os.environ if environ is None else environ)
@@ -219,7 +219,7 @@ class Settings:
         fleet = FleetSettings.from_env(env.environ)
         return cls(
             api_key=api_key,
-            secret=env.secret(check=check_secret),
+            secret=env.secret(read=read_secret),
             environment=environment,
             base_url=base_url.rstrip("/"),
             redis_url=fleet.redis_url,
@@ -311,7 +311,7 @@ class _Environment:
                 ) from None
         return value.strip() if value is not None else None
 
-    def secret(self, check: bool = True) -> Secret:
+    def secret(self, read: bool = True) -> Secret:
         value = (self._environ.get("MERCHANT_API_SECRET") or "").strip()
         path = self._environ.get("MERCHANT_API_SECRET_FILE")
         if value and path:
@@ -320,7 +320,7 @@ class _Environment:
             )
         if path:
             secret = Secret(path=Path(path))
-            if check:
+            if read:
                 secret.reveal()  # fail at start-up, not at the first exchange
             return secret
         if not value:

@@ -586,9 +586,9 @@ def test_a_process_that_never_exchanges_may_leave_the_secret_file_unread(
     env["MERCHANT_API_SECRET_FILE"] = str(tmp_path / "not-mounted")
     with pytest.raises(ConfigurationError, match="MERCHANT_API_SECRET_FILE: cannot read"):
         Settings.from_env(env)
-    settings = Settings.from_env(env, check_secret=False)
+    settings = Settings.from_env(env, read_secret=False)
     with pytest.raises(ConfigurationError, match="MERCHANT_API_SECRET_FILE: cannot read"):
         settings.secret.reveal()  # read when an exchange needs it, as always
     del env["MERCHANT_API_SECRET_FILE"]
     with pytest.raises(ConfigurationError, match="MERCHANT_API_SECRET or MERCHANT_API_SECRET_FILE"):
-        Settings.from_env(env, check_secret=False)
+        Settings.from_env(env, read_secret=False)

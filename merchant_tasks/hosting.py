@@ -9,10 +9,11 @@ standalone app (``celery -A merchant_tasks``) are built the same way. ``install`
 - the renewal queue (its own exchange and routing key, see ``routing``) beside the app's
   queues, and the route of the two renewal tasks to it;
 - beat's entry that checks every MERCHANT_RENEW_INTERVAL seconds which tokens to renew;
-- at worker start: the accounts' settings checked (a mistake stops the worker with one
-  line), the connection pools sized for the concurrency (``worker_pools``), bindings of
-  older releases removed, and a warning naming each setting of the app that breaks a
-  delivery guarantee.
+- at worker and beat start: the accounts' settings checked (a mistake stops the process
+  with one line; beat does not read the secret files);
+- at worker start: the connection pools sized for the concurrency (``worker_pools``),
+  bindings of older releases removed, and a warning naming each setting of the app that
+  breaks a delivery guarantee.
 
 Nothing else of the app's configuration changes. What ``install`` adds to the
 configuration is added again whenever Celery (re)loads it (``on_after_configure``), so it
@@ -27,7 +28,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from celery.signals import celeryd_after_setup, worker_init
+from celery.signals import beat_init, celeryd_after_setup, worker_init
 
 from .exceptions import ConfigurationError
 from .extras import require_worker_pool
@@ -174,19 +175,29 @@ def started_by_celery_command() -> bool:
 
 
 def exit_with(exc: ConfigurationError) -> None:
-    """A configuration mistake under ``celery ...``: one line on stderr, no traceback."""
-    print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    """A configuration mistake under ``celery ...``: one line on stderr, no traceback (the
+    process's own stderr: beat has redirected sys.stderr to its log by then)."""
+    print(f"error: {type(exc).__name__}: {exc}", file=sys.__stderr__)
     raise SystemExit(EXIT_CONFIGURATION)
 
 
 def _check_accounts(sender: Any = None, **_: Any) -> None:
-    """Before the worker is set up: every account's settings load, or it stops in one line."""
-    if getattr(sender, "app", None) not in _installed:
+    """Before a worker is set up: every account's settings load, or it stops in one line."""
+    _load_accounts_or_exit(getattr(sender, "app", None), read_secrets=True)
+
+
+def _check_beat_accounts(sender: Any = None, **_: Any) -> None:
+    """Before beat's first tick: the same check, but beat holds no secret."""
+    _load_accounts_or_exit(getattr(sender, "app", None), read_secrets=False)
+
+
+def _load_accounts_or_exit(app: Any, read_secrets: bool) -> None:
+    if app not in _installed:
         return  # a Celery app that does not run merchant-tasks
-    from .accounts import load_accounts  # the worker's own import: the app needs no account
+    from .accounts import load_accounts  # the process's own import: the app needs no account
 
     try:
-        load_accounts()
+        load_accounts(read_secrets=read_secrets)
     except ConfigurationError as exc:
         exit_with(exc)
 
@@ -207,4 +218,5 @@ def _prepare_worker(sender: str, instance: Any, **_: Any) -> None:
 
 
 worker_init.connect(_check_accounts)
+beat_init.connect(_check_beat_accounts)
 celeryd_after_setup.connect(_prepare_worker)

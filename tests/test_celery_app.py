@@ -20,6 +20,7 @@ from merchant_tasks.celery_app import (
     load_config,
     package_defaults,
 )
+from merchant_tasks.local import spawn
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 SENTINELS = "sentinel://:master-pw@127.0.0.1:26379/0;sentinel://:master-pw@127.0.0.1:26380/0"
@@ -225,3 +226,30 @@ def test_the_top_level_celeryconfig_sets_nothing_and_comments_only_real_settings
     commented = re.findall(r"^# ([a-z_]+) = ", text, re.MULTILINE)
     assert commented  # it shows what may be overridden
     assert set(commented) <= {name for name, _ in flatten(NAMESPACES)}
+
+
+def test_beat_without_any_account_stops_at_start_with_the_configuration_message(
+    tmp_path: Path,
+) -> None:
+    done = _celery(tmp_path, _clean_env(), "beat", "-s", str(tmp_path / "schedule"))
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr + done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ConfigurationError: no account configured: set MERCHANT_API_KEY")
+
+
+def test_beat_starts_without_the_secret_file_which_only_workers_read(tmp_path: Path) -> None:
+    """As in the compose file: beat's container has no secret mounted."""
+    env = _clean_env(
+        MERCHANT_API_KEY="shop",
+        MERCHANT_API_SECRET_FILE=str(tmp_path / "not-mounted"),
+        MERCHANT_REDIS_URL="redis://127.0.0.1:1/0",  # nothing is sent before the first tick
+    )
+    argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", "beat", "--loglevel=INFO"]
+    argv += ["-s", str(tmp_path / "schedule")]
+    beat = spawn("beat", argv, tmp_path / "beat.log", env=env, cwd=tmp_path)
+    try:
+        beat.wait_ready(lambda: "beat: Starting..." in beat.log_text(), timeout=START_TIMEOUT)
+    finally:
+        beat.stop()
+    assert "error:" not in beat.log_text()

@@ -5,11 +5,17 @@ reviews it (capabilities, privileges, users able to read their secrets, pinned t
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 import runpy
 import shlex
+import sys
 import tomllib
+import urllib.error
+import urllib.request
+from http import HTTPStatus
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -21,7 +27,9 @@ from celery.app.utils import find_app
 from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner
 
+from merchant_tasks.celery_app import isolated_config, write_config_module
 from merchant_tasks.cli import main
+from merchant_tasks.local import free_port, running
 from merchant_tasks.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,3 +271,50 @@ def test_every_service_has_a_healthcheck_that_runs_in_the_image(name: str) -> No
         assert "celery@HOST" in argv  # this container's node, by its default name
     else:
         assert test == ["CMD", "redis-cli", "ping"]
+
+
+def _status(url: str, auth: str | None = None) -> int:
+    request = urllib.request.Request(url)  # noqa: S310 - a loopback URL of the test
+    if auth is not None:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return error.code
+    except urllib.error.URLError:
+        return 0  # not listening yet
+
+
+@pytest.mark.integration
+def test_flower_with_the_images_flowerconfig_asks_every_page_and_the_api_for_basic_auth(
+    tmp_path: Path, merchant_redis_url: str, merchant_key_prefix: str
+) -> None:
+    """Flower as the flower service runs it (its --conf, a secret file), on loopback."""
+    auth = tmp_path / "flower-auth"
+    auth.write_text("ops:flower-test-pw\n", encoding="utf-8")
+    write_config_module(
+        tmp_path / "celeryconfig.py", isolated_config(merchant_redis_url, merchant_key_prefix)
+    )
+    port = free_port()
+    command = COMPOSE["services"]["flower"]["command"]
+    argv = [sys.executable, "-m", *command]
+    argv = [a for a in argv if not a.startswith(("--address=", "--port=", "--conf="))]
+    argv += [f"--conf={ROOT / 'deploy' / 'flowerconfig.py'}", "--address=127.0.0.1"]
+    argv += [f"--port={port}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
+    env["FLOWER_BASIC_AUTH_FILE"] = str(auth)
+    base = f"http://127.0.0.1:{port}"
+    with running(
+        "flower",
+        argv,
+        tmp_path / "flower.log",
+        lambda: _status(f"{base}/healthcheck") == HTTPStatus.OK,  # open: for the healthcheck
+        env=env,
+        cwd=tmp_path,
+    ) as flower:
+        for path in ("/", "/tasks", "/api/workers?refresh=false", "/api/tasks"):
+            assert _status(base + path) == HTTPStatus.UNAUTHORIZED, path
+            assert _status(base + path, "ops:wrong") == HTTPStatus.UNAUTHORIZED, path
+            assert _status(base + path, "ops:flower-test-pw") == HTTPStatus.OK, path
+    assert "flower-test-pw" not in flower.log_text()

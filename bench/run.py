@@ -73,7 +73,7 @@ from harness import (
 from scenario import Goal, Result, Scenario, Table, fmt
 
 from merchant_tasks.accounts import FleetClient, client_for
-from merchant_tasks.settings import DEFAULT_KEY_PREFIX, Secret, Settings, child_env
+from merchant_tasks.settings import DEFAULT_KEY_PREFIX, FleetSettings, Secret, Settings, child_env
 
 API_KEY = "bench-app-id"
 PING = "/open-api/v1/ping"
@@ -137,9 +137,8 @@ class Bench:
             api_key=API_KEY,
             secret=Secret(path=self.secret_file),
             base_url=base_url or self.sandbox_url,
-            redis_url=self.redis_url,
-            key_prefix=prefix,
             **fields,
+            fleet=FleetSettings(redis_url=self.redis_url, key_prefix=prefix),
         )
 
     def env(self, settings: Settings | None = None, **extra: str) -> dict[str, str]:

@@ -72,7 +72,7 @@ api_secret_file = "{secret_file}"
     assert accounts["eu-shop"].renew_before == 600
     assert accounts["test-shop"].renew_before == 300
     assert accounts["test-shop"].environment == "sandbox"
-    assert {a.redis_url for a in accounts.values()} == {"redis://127.0.0.1:6390/3"}
+    assert {a.fleet.redis_url for a in accounts.values()} == {"redis://127.0.0.1:6390/3"}
     assert accounts["test-shop"].secret.reveal() == TEST_SECRET
 
 

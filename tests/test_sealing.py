@@ -87,7 +87,7 @@ def test_a_value_stored_in_clear_is_read_by_a_sealer_and_a_sealed_one_refused_wi
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("too-short", "32 random bytes as URL-safe base64"),
+        ("too-short", "32 random bytes as base64"),
         (base64.urlsafe_b64encode(b"x" * 16).decode(), "32 random bytes"),
         ("", "32 random bytes"),
     ],
@@ -122,10 +122,10 @@ def test_settings_take_the_key_files_and_check_them_at_start_up(
         "MERCHANT_TOKEN_KEY_FILE": str(key_file),
     }
     settings = Settings.from_env(env)
-    assert settings.token_key_file == str(key_file)
-    assert settings.token_key_previous_file is None
+    assert settings.fleet.token_key_file == str(key_file)
+    assert settings.fleet.token_key_previous_file is None
     assert key_file.read_text().strip() not in repr(settings)
-    assert Settings.from_env({**env, "MERCHANT_TOKEN_KEY_FILE": ""}).token_key_file is None
+    assert Settings.from_env({**env, "MERCHANT_TOKEN_KEY_FILE": ""}).fleet.token_key_file is None
     bad = tmp_path / "bad-key"
     bad.write_text("nope")
     with pytest.raises(ConfigurationError, match="MERCHANT_TOKEN_KEY_FILE"):
@@ -173,8 +173,8 @@ def _run_other_process(settings: Settings, secret_file: Path, key_file: Path | N
         MERCHANT_API_KEY=settings.api_key,
         MERCHANT_API_SECRET_FILE=str(secret_file),
         MERCHANT_BASE_URL=settings.base_url,
-        MERCHANT_REDIS_URL=settings.redis_url,
-        MERCHANT_KEY_PREFIX=settings.key_prefix,
+        MERCHANT_REDIS_URL=settings.fleet.redis_url,
+        MERCHANT_KEY_PREFIX=settings.fleet.key_prefix,
     )
     if key_file is not None:
         env["MERCHANT_TOKEN_KEY_FILE"] = str(key_file)
@@ -203,7 +203,7 @@ def test_a_process_with_another_key_or_none_fails_clearly_and_never_renews_over_
     key_file: Path,
     tmp_path: Path,
 ) -> None:
-    sealed_settings = replace(settings, token_key_file=str(key_file))
+    sealed_settings = replace(settings, fleet=replace(settings.fleet, token_key_file=str(key_file)))
     ours = client_for(sealed_settings, redis_client=redis_client)
     assert ours.request("GET", PING) == {"ok": True}
     stored = redis_client.get(ours.manager.store.token_key)
@@ -223,7 +223,7 @@ def test_a_process_with_another_key_or_none_fails_clearly_and_never_renews_over_
 def test_a_sealed_fleet_renews_once_and_calls_with_the_opened_token(
     settings: Settings, sandbox: Sandbox, redis_client: redis.Redis, key_file: Path
 ) -> None:
-    sealed = replace(settings, token_key_file=str(key_file))
+    sealed = replace(settings, fleet=replace(settings.fleet, token_key_file=str(key_file)))
     first = client_for(sealed, redis_client=redis_client)
     second = client_for(sealed, redis_client=redis_client)
     assert first.request("GET", PING) == {"ok": True}

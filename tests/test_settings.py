@@ -52,16 +52,21 @@ def test_defaults_apply_when_only_key_and_secret_are_given(env: dict[str, str]) 
     assert settings.secret.reveal() == SECRET
     assert settings.environment == "sandbox"
     assert settings.base_url == SANDBOX_DEFAULT_BASE_URL
-    assert settings.redis_url == DEFAULT_REDIS_URL
-    assert settings.key_prefix == DEFAULT_KEY_PREFIX
+    assert settings.fleet.redis_url == DEFAULT_REDIS_URL
+    assert settings.fleet.key_prefix == DEFAULT_KEY_PREFIX
     assert settings.token_lifetime == TOKEN_LIFETIME == 7200
     assert settings.renew_before == RENEW_BEFORE == 480
     assert settings.renew_mandatory == RENEW_MANDATORY == 120
-    assert settings.renew_interval == RENEW_INTERVAL == 60
+    assert settings.fleet.renew_interval == RENEW_INTERVAL == 60
     assert settings.connect_timeout == CONNECT_TIMEOUT
     assert settings.read_timeout == READ_TIMEOUT
     assert settings.allow_insecure_http is False
     assert settings.account == f"sandbox:{API_KEY}"
+
+
+def _field(settings: Settings, attribute: str) -> object:
+    """An account's field, or its fleet's."""
+    return getattr(settings if hasattr(settings, attribute) else settings.fleet, attribute)
 
 
 VARIABLES = [
@@ -86,7 +91,7 @@ def test_every_variable_is_read(
 ) -> None:
     env[name] = raw
     settings = Settings.from_env(env)
-    assert getattr(settings, attribute) == (raw if expected is None else expected)
+    assert _field(settings, attribute) == (raw if expected is None else expected)
 
 
 @pytest.mark.parametrize(("name", "raw", "attribute", "expected"), VARIABLES)
@@ -98,7 +103,7 @@ def test_every_variable_may_come_from_its_file_variant(
     env.pop(name, None)
     env[f"{name}_FILE"] = str(path)
     settings = Settings.from_env(env)
-    assert getattr(settings, attribute) == (raw if expected is None else expected)
+    assert _field(settings, attribute) == (raw if expected is None else expected)
 
 
 def test_the_secret_may_come_from_a_file(env: dict[str, str], secret_path: Path) -> None:
@@ -174,7 +179,7 @@ def test_an_empty_number_means_the_default(
     env: dict[str, str], name: str, attribute: str, default: float
 ) -> None:
     env[name] = ""
-    assert getattr(Settings.from_env(env), attribute) == default
+    assert _field(Settings.from_env(env), attribute) == default
 
 
 @pytest.mark.parametrize("name", ["MERCHANT_TOKEN_LIFETIME", "MERCHANT_READ_TIMEOUT"])
@@ -257,7 +262,9 @@ def test_sandbox_accepts_a_plain_http_base_url(env: dict[str, str]) -> None:
     assert Settings.from_env(env).base_url == "http://localhost:8480"
 
 
-@pytest.mark.parametrize("url", ["ftp://api.example.test", "api.example.test", "https://", ""])
+@pytest.mark.parametrize(
+    "url", ["ftp://api.example.test", "api.example.test", "https://", "https://api:x8/"]
+)
 def test_a_base_url_without_http_scheme_and_host_is_an_error(env: dict[str, str], url: str) -> None:
     env["MERCHANT_BASE_URL"] = url
     with pytest.raises(ConfigurationError, match="MERCHANT_BASE_URL"):
@@ -284,7 +291,7 @@ def test_redis_urls_with_redis_rediss_or_unix_scheme_are_accepted(
     env: dict[str, str], url: str
 ) -> None:
     env["MERCHANT_REDIS_URL"] = url
-    assert Settings.from_env(env).redis_url == url
+    assert Settings.from_env(env).fleet.redis_url == url
 
 
 @pytest.mark.parametrize(
@@ -409,9 +416,9 @@ def test_a_sentinel_url_in_celerys_form_is_accepted_with_master_and_sentinel_pas
         }
     )
     settings = Settings.from_env(env)
-    assert settings.redis_url == url
-    assert settings.redis_sentinel_master == "payments"
-    assert settings.redis_sentinel_password == "hunter2-sentinel-pw"
+    assert settings.fleet.redis_url == url
+    assert settings.fleet.redis_sentinel_master == "payments"
+    assert settings.fleet.redis_sentinel_password == "hunter2-sentinel-pw"
     assert "hunter2" not in repr(settings)
     assert "master-pw" not in repr(settings)
     parsed = parse_sentinel_url(url)
@@ -422,7 +429,7 @@ def test_a_sentinel_url_in_celerys_form_is_accepted_with_master_and_sentinel_pas
 
 def test_the_sentinel_master_defaults_to_mymaster(env: dict[str, str]) -> None:
     env["MERCHANT_REDIS_URL"] = "sentinel://s1.example.test:26379"
-    assert Settings.from_env(env).redis_sentinel_master == "mymaster"
+    assert Settings.from_env(env).fleet.redis_sentinel_master == "mymaster"
 
 
 @pytest.mark.parametrize(
@@ -449,7 +456,7 @@ def test_an_invalid_sentinel_url_names_the_variable_and_never_echoes_the_passwor
 
 def test_cluster_mode_needs_a_redis_url_of_a_node(env: dict[str, str]) -> None:
     env.update({"MERCHANT_REDIS_CLUSTER": "1", "MERCHANT_REDIS_URL": "redis://node-1:7000/0"})
-    assert Settings.from_env(env).redis_cluster is True
+    assert Settings.from_env(env).fleet.redis_cluster is True
     for url in ("sentinel://:hunter2-pw@s1:26379", "unix:///run/redis.sock"):
         env["MERCHANT_REDIS_URL"] = url
         with pytest.raises(ConfigurationError, match="MERCHANT_REDIS_URL") as caught:
@@ -460,7 +467,7 @@ def test_cluster_mode_needs_a_redis_url_of_a_node(env: dict[str, str]) -> None:
 # -- to_env: the one way child processes are configured ------------------------------------
 
 
-def _fields_except_secret(settings: Settings) -> dict[str, object]:
+def _fields_except_secret(settings: Settings | FleetSettings) -> dict[str, object]:
     return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)} | {
         "secret": None
     }
@@ -477,24 +484,29 @@ def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> Non
         secret=Secret(path=secret_path),
         environment="production",
         base_url="http://api.example.test:8080",
-        redis_url="rediss://user:pw@cache.example.test:6380/2",
-        key_prefix="acme",
         token_lifetime=3600.25,
         renew_before=300.5,
         renew_mandatory=30.125,
-        renew_interval=15.0,
         connect_timeout=1.5,
         read_timeout=20.0,
         allow_insecure_http=True,
-        token_key_file=str(keys[0]),
-        token_key_previous_file=str(keys[1]),
-        redis_sentinel_master="payments",
-        redis_sentinel_password="sentinel-pw",
-        redis_cluster=True,
+        fleet=FleetSettings(
+            redis_url="rediss://user:pw@cache.example.test:6380/2",
+            key_prefix="acme",
+            renew_interval=15.0,
+            token_key_file=str(keys[0]),
+            token_key_previous_file=str(keys[1]),
+            redis_sentinel_master="payments",
+            redis_sentinel_password="sentinel-pw",
+            redis_cluster=True,
+            accounts_file="/etc/merchant/accounts.toml",
+            accounts_source="platform.merchants:accounts",
+        ),
     )
-    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
-    changed = {k for k, v in _fields_except_secret(settings).items() if v != defaults[k]}
-    assert changed - {"secret"} == set(defaults) - {"secret"}
+    for part in (settings, settings.fleet):
+        defaults = {f.name: f.default for f in dataclasses.fields(part)}
+        changed = {k for k, v in _fields_except_secret(part).items() if v != defaults[k]}
+        assert changed - {"secret"} == set(defaults) - {"secret"}
     again = Settings.from_env(settings.to_env())
     assert _fields_except_secret(again) == _fields_except_secret(settings)
     assert again.secret.path == secret_path
@@ -572,7 +584,7 @@ def test_account_settings_take_their_fleet_part_from_fleet_settings(
     path.write_text("redis://cache.example.test:6380/3", encoding="utf-8")
     env |= {"MERCHANT_REDIS_URL_FILE": str(path), "MERCHANT_RENEW_INTERVAL": "7"}
     settings, fleet = Settings.from_env(env), FleetSettings.from_env(env)
-    assert (settings.redis_url, settings.key_prefix, settings.renew_interval) == (
+    assert (settings.fleet.redis_url, settings.fleet.key_prefix, settings.fleet.renew_interval) == (
         fleet.redis_url,
         fleet.key_prefix,
         fleet.renew_interval,

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import ast
 import base64
 import copy
 import dataclasses
+import logging
 import os
 import pickle
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from merchant_tasks import settings as settings_module
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.redis_topology import parse_sentinel_url
 from merchant_tasks.settings import (
+    ACCOUNT_KEYS,
     CONNECT_TIMEOUT,
     DEFAULT_KEY_PREFIX,
     DEFAULT_REDIS_URL,
+    DOCS_PAGE,
     READ_TIMEOUT,
     RENEW_BEFORE,
     RENEW_INTERVAL,
@@ -24,10 +31,15 @@ from merchant_tasks.settings import (
     SANDBOX_DEFAULT_BASE_URL,
     TOKEN_LIFETIME,
     FleetSettings,
+    Scope,
     Secret,
     Settings,
     child_env,
+    configuration_page,
+    origin,
+    refuse_unknown_names,
 )
+from merchant_tasks.settings import VARIABLES as TABLE
 
 SECRET = "s3cr3t-7c2e9d41b0a6f5e8"
 API_KEY = "app-id-1234"
@@ -494,6 +506,7 @@ def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> Non
             redis_url="rediss://user:pw@cache.example.test:6380/2",
             key_prefix="acme",
             renew_interval=15.0,
+            rejected_retry_window=0.5,
             token_key_file=str(keys[0]),
             token_key_previous_file=str(keys[1]),
             redis_sentinel_master="payments",
@@ -505,8 +518,8 @@ def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> Non
     )
     for part in (settings, settings.fleet):
         defaults = {f.name: f.default for f in dataclasses.fields(part)}
-        changed = {k for k, v in _fields_except_secret(part).items() if v != defaults[k]}
-        assert changed - {"secret"} == set(defaults) - {"secret"}
+        values = {f: getattr(part, f) for f in defaults if f != "secret"}
+        assert {f for f, v in values.items() if v != defaults[f]} == set(values)
     again = Settings.from_env(settings.to_env())
     assert _fields_except_secret(again) == _fields_except_secret(settings)
     assert again.secret.path == secret_path
@@ -589,3 +602,210 @@ def test_account_settings_take_their_fleet_part_from_fleet_settings(
         fleet.key_prefix,
         fleet.renew_interval,
     )
+
+
+# -- the table: reading, to_env, accounts-file keys and the docs page come from it ---------
+
+
+def test_every_settings_field_has_one_row_of_the_table_and_every_row_a_field() -> None:
+    def fields_of(*scopes: Scope) -> list[str]:
+        return sorted(v.field for v in TABLE if v.scope in scopes)
+
+    account = sorted(f.name for f in dataclasses.fields(Settings) if f.name != "fleet")
+    fleet = sorted(f.name for f in dataclasses.fields(FleetSettings))
+    assert fields_of(Scope.ACCOUNT, Scope.OVERRIDABLE) == account
+    assert fields_of(Scope.FLEET) == fleet
+
+
+def test_the_accounts_file_keys_are_the_per_account_rows_and_a_secret_only_as_a_file() -> None:
+    assert sorted(ACCOUNT_KEYS) == [
+        "allow_insecure_http",
+        "api_key",
+        "api_secret_file",
+        "base_url",
+        "connect_timeout",
+        "environment",
+        "read_timeout",
+        "renew_before",
+        "renew_mandatory",
+        "token_lifetime",
+    ]
+
+
+def test_the_configuration_page_shows_the_table_as_generated_from_it() -> None:
+    page = DOCS_PAGE.read_text(encoding="utf-8")
+    assert configuration_page(page) == page, "run write_configuration_page() and commit"
+    for variable in TABLE:
+        assert f"| `{variable.name}`" in page
+
+
+def test_no_module_but_settings_reads_a_merchant_variable() -> None:
+    reads = re.compile(r"""(environ|getenv)\b[^\n]*["']MERCHANT_|envvar=""")
+    package = Path(settings_module.__file__).parent
+    for path in package.glob("*.py"):
+        if path.name != "settings.py":
+            assert not reads.search(path.read_text(encoding="utf-8")), path.name
+
+
+def test_the_package_imports_form_no_cycle() -> None:
+    """Module-level imports between the package's modules (TYPE_CHECKING ones included)."""
+    package = Path(settings_module.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        nodes, graph[path.stem] = list(ast.parse(path.read_text(encoding="utf-8")).body), set()
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, ast.If):
+                nodes += node.body + node.orelse
+            elif isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                graph[path.stem] |= {name.split(".")[0] for name in names}
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join((*path, module))}"
+        if module not in done:
+            for imported in graph.get(module, ()):
+                visit(imported, (*path, module))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
+# -- what the door refuses -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "closest"),
+    [
+        ("MERCHANT_RENEW_INTERVALL", "MERCHANT_RENEW_INTERVAL"),
+        ("MERCHANT_API_SECRET_FIEL", "MERCHANT_API_SECRET_FILE"),
+        ("MERCHANT_REDIS_URI", "MERCHANT_REDIS_URL"),
+    ],
+)
+def test_an_unknown_variable_is_an_error_naming_the_closest_known_one(
+    env: dict[str, str], name: str, closest: str
+) -> None:
+    env[name] = "30"
+    for read in (Settings.from_env, FleetSettings.from_env, refuse_unknown_names):
+        with pytest.raises(ConfigurationError, match=f"{name} \\(did you mean {closest}\\?\\)"):
+            read(env)
+
+
+def test_a_file_variant_of_a_variable_that_has_none_is_unknown(env: dict[str, str]) -> None:
+    env["MERCHANT_TOKEN_KEY_FILE_FILE"] = "/run/secrets/key"
+    with pytest.raises(ConfigurationError, match="unknown variable MERCHANT_TOKEN_KEY_FILE_FILE"):
+        Settings.from_env(env)
+
+
+def test_an_empty_variable_is_unset_beside_its_file_variant(tmp_path: Path) -> None:
+    path = tmp_path / "redis-url"
+    path.write_text("redis://cache.example.test:6380/3", encoding="utf-8")
+    fleet = FleetSettings.from_env({"MERCHANT_REDIS_URL": "", "MERCHANT_REDIS_URL_FILE": str(path)})
+    assert fleet.redis_url == "redis://cache.example.test:6380/3"
+    with pytest.raises(ConfigurationError, match="MERCHANT_REDIS_URL_FILE: cannot read /nope"):
+        FleetSettings.from_env({"MERCHANT_REDIS_URL": "", "MERCHANT_REDIS_URL_FILE": "/nope"})
+    assert FleetSettings.from_env({"MERCHANT_REDIS_URL": " ", "MERCHANT_REDIS_URL_FILE": ""}) == (
+        FleetSettings()
+    )
+
+
+def test_an_empty_secret_variable_beside_its_file_is_unset(
+    env: dict[str, str], secret_path: Path
+) -> None:
+    env |= {"MERCHANT_API_SECRET": "", "MERCHANT_API_SECRET_FILE": str(secret_path)}
+    assert Settings.from_env(env).secret.path == secret_path
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://apiuser:BasicPw99@api.example.test",
+        "https://apiuser:BasicPw99@api.example.test:8443/",
+        "https://BasicPw99@api.example.test",
+    ],
+)
+def test_a_base_url_holding_a_user_or_password_is_refused_without_echoing_it(
+    env: dict[str, str], url: str
+) -> None:
+    env["MERCHANT_BASE_URL"] = url
+    with pytest.raises(ConfigurationError, match="must not hold a user or password") as caught:
+        Settings.from_env(env)
+    assert "BasicPw99" not in str(caught.value)
+    with pytest.raises(ConfigurationError) as caught:
+        Settings(api_key=API_KEY, secret=Secret(SECRET), base_url=url)
+    assert "BasicPw99" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://api.example.com",
+        "https://API.Example.com/",
+        "https://api.example.com:443",
+        "https://api.example.com.",
+        "https://api.example.com:443/open-api",
+    ],
+)
+def test_the_origin_is_scheme_lower_case_host_without_trailing_dot_and_effective_port(
+    url: str,
+) -> None:
+    assert origin(url) == "https://api.example.com:443"
+
+
+def test_origins_differ_by_scheme_and_port() -> None:
+    assert origin("http://api.example.com") == "http://api.example.com:80"
+    assert origin("https://api.example.com:8443") == "https://api.example.com:8443"
+
+
+def test_a_file_that_is_not_utf8_is_an_error_naming_the_variable(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    path = tmp_path / "binary"
+    path.write_bytes(os.urandom(8) + b"\xff\xfe")
+    for name in ("MERCHANT_API_SECRET", "MERCHANT_KEY_PREFIX", "MERCHANT_REDIS_URL"):
+        variables = {k: v for k, v in env.items() if k != name} | {f"{name}_FILE": str(path)}
+        with pytest.raises(ConfigurationError, match=rf"{name}_FILE: .* is not UTF-8 text"):
+            Settings.from_env(variables)
+
+
+def test_an_empty_file_is_an_error_naming_the_variable(env: dict[str, str], tmp_path: Path) -> None:
+    path = tmp_path / "empty"
+    path.write_text(" \n", encoding="utf-8")
+    env["MERCHANT_KEY_PREFIX_FILE"] = str(path)
+    with pytest.raises(ConfigurationError, match=r"MERCHANT_KEY_PREFIX_FILE: .* is empty"):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda path: path.unlink(),
+        lambda path: path.write_bytes(b"\xff\xfe\x00binary"),
+        lambda path: path.write_text("", encoding="utf-8"),
+    ],
+    ids=["removed", "not-utf8", "empty"],
+)
+def test_a_secret_file_unreadable_at_a_rotation_keeps_the_last_good_secret_and_says_why(
+    secret_path: Path, caplog: pytest.LogCaptureFixture, damage: Callable[[Path], object]
+) -> None:
+    secret = Secret(path=secret_path)
+    assert secret.reveal() == SECRET
+    damage(secret_path)
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.settings"):
+        assert secret.reveal() == SECRET
+    [record] = caplog.records
+    assert record.getMessage().startswith("MERCHANT_API_SECRET_FILE: ")
+    assert str(secret_path) in record.getMessage()
+    assert record.getMessage().endswith("; keeping the secret read before")
+    secret_path.write_text("rotated-secret-1a2b", encoding="utf-8")
+    assert secret.reveal() == "rotated-secret-1a2b"
+
+
+def test_beat_checks_the_accounts_without_reading_the_secret(env: dict[str, str]) -> None:
+    env = {k: v for k, v in env.items() if k != "MERCHANT_API_SECRET"}
+    env["MERCHANT_API_SECRET_FILE"] = "/run/secrets/not-mounted-here"
+    assert Settings.from_env(env, read_secret=False).api_key == API_KEY
+    with pytest.raises(ConfigurationError, match="MERCHANT_API_SECRET_FILE: cannot read"):
+        Settings.from_env(env)

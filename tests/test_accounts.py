@@ -190,7 +190,9 @@ def test_the_environment_guard_compares_canonical_origins(
         }
     }
     path = _write(tmp_path / "accounts.json", json.dumps(document))
-    with pytest.raises(ConfigurationError, match=re.escape("https://api.example.test:443: a key of one")):
+    with pytest.raises(
+        ConfigurationError, match=re.escape("https://api.example.test:443: a key of one")
+    ):
         load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
+import re
+import shlex
+import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -34,6 +38,7 @@ NAMESPACE = "mt-test:sandbox:app"
 def _key_file(tmp_path: Path, name: str) -> Path:
     path = tmp_path / name
     path.write_text(base64.urlsafe_b64encode(os.urandom(32)).decode() + "\n")
+    path.chmod(0o600)
     return path
 
 
@@ -103,6 +108,73 @@ def test_a_bad_key_file_is_a_configuration_error_naming_the_variable(
         codec_for(str(tmp_path / "missing"))
     with pytest.raises(ConfigurationError, match="MERCHANT_TOKEN_KEY_PREVIOUS_FILE"):
         codec_for(None, str(path))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        os.urandom(32),  # the raw key, not base64: not even UTF-8
+        base64.urlsafe_b64encode(os.urandom(32)) + b"\njunk\n",  # a line after the key
+        base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"="),  # padding cut off
+        b"*" + base64.urlsafe_b64encode(os.urandom(32))[1:],  # a character outside base64
+    ],
+    ids=["raw-bytes", "trailing-line", "no-padding", "bad-character"],
+)
+def test_a_key_file_not_strictly_base64_of_32_bytes_is_an_error_naming_the_variable(
+    tmp_path: Path, content: bytes
+) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    with pytest.raises(ConfigurationError, match=r"MERCHANT_TOKEN_KEY_FILE: .*nothing else"):
+        codec_for(str(path))
+
+
+def test_a_key_in_the_standard_base64_alphabet_is_accepted_too(tmp_path: Path) -> None:
+    key = os.urandom(32)
+    path = tmp_path / "key"
+    path.write_text(base64.b64encode(key).decode() + "\n")
+    path.chmod(0o600)
+    sealed = Sealer(key).seal("tok", NAMESPACE)
+    assert codec_for(str(path)).open(sealed, NAMESPACE) == "tok"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_a_key_file_others_may_read_is_warned_about_naming_the_file_and_the_fix(
+    key_file: Path, caplog: pytest.LogCaptureFixture, mode: int
+) -> None:
+    key_file.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.sealing"):
+        Settings.from_env(
+            {
+                "MERCHANT_API_KEY": "k",
+                "MERCHANT_API_SECRET": "s",
+                "MERCHANT_TOKEN_KEY_FILE": str(key_file),
+            }
+        )
+    [record] = caplog.records
+    assert record.getMessage() == (
+        f"MERCHANT_TOKEN_KEY_FILE: {key_file} may be read by group or others "
+        f"(mode {mode:03o}): run chmod 600 {key_file}"
+    )
+
+
+def test_a_key_file_only_its_owner_reads_raises_no_warning(
+    key_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.sealing"):
+        codec_for(str(key_file))
+    assert caplog.records == []
+
+
+def test_the_readmes_key_command_makes_a_valid_key_only_its_owner_reads(tmp_path: Path) -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    [command] = re.findall(r"`(\(umask 077; python -c .*? > token\.key\))`", readme)
+    command = command.replace("python -c", f"{shlex.quote(sys.executable)} -c")
+    subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True, env={"PATH": "/usr/bin:/bin"})
+    key_file = tmp_path / "token.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert isinstance(codec_for(str(key_file)), Sealer)
 
 
 def test_without_the_cryptography_package_the_error_names_the_extra(

@@ -35,8 +35,6 @@ EXIT_STORE_UNAVAILABLE = 3
 @click.group()
 def main() -> None:
     """Keep one fresh payment-API token per account for a Celery fleet."""
-    with _exit_codes():
-        refuse_unknown_names()
 
 
 @main.command()
@@ -136,6 +134,7 @@ def demo(duration: float, rate: float, lifetime: float, workers: int) -> None:
     """Run the whole system locally: emulator, Redis, a worker and beat, with a live view."""
     with _exit_codes():
         require("demo", "merchant-tasks demo")
+        refuse_unknown_names()  # the demo reads MERCHANT_REDIS_URL
     from .demo import run_demo
 
     summary = run_demo(duration=duration, rate=rate, lifetime=lifetime, workers=workers)
@@ -264,6 +263,7 @@ def _exit_codes(as_json: bool = False) -> Iterator[None]:
 
 def _sandbox_credentials(api_key: str | None, secret_file: Path | None) -> tuple[str, str]:
     """The emulator's key and secret: the options', else the account variables'."""
+    refuse_unknown_names()
     api_key = api_key or read_variable("MERCHANT_API_KEY")
     secret = (
         read_text_file("--secret-file", secret_file)

@@ -188,10 +188,10 @@ def _exit_with(exc: Exception) -> None:
     otherwise log what a start-up signal raised and run on.
     """
     if isinstance(exc, ConfigurationError):
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.__stderr__)
     else:
         log.debug("loading the configuration failed", exc_info=exc)
-        print(f"error: loading the configuration raised {type(exc).__name__}", file=sys.stderr)
+        print(f"error: loading the configuration raised {type(exc).__name__}", file=sys.__stderr__)
     raise SystemExit(EXIT_CONFIGURATION)
 
 

@@ -226,7 +226,7 @@ def redis_for(fleet: FleetSettings) -> StoreClient:
 
 def client_from_env(environ: Mapping[str, str] | None = None) -> FleetClient:
     """The client of the only (or ``default``) account the MERCHANT_* variables and
-    MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see README.md)."""
+    MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see docs/configuration.md)."""
     return AccountClients.from_env(environ).get()
 
 

@@ -391,14 +391,7 @@ class Settings:
             )
         if not self.api_key:
             raise ConfigurationError("MERCHANT_API_KEY is required")
-        parts = _check_url("MERCHANT_BASE_URL", self.base_url, ("http", "https"))
-        if parts.username is not None or parts.password is not None:
-            raise ConfigurationError(
-                # refused rather than hidden: every message, log line and stored record that
-                # names the server would otherwise have to leave the password out
-                "MERCHANT_BASE_URL must not hold a user or password (user:password@host); "
-                "the API is authenticated by its token"
-            )
+        parts = check_base_url(self.base_url)
         if (
             self.environment == "production"
             and parts.scheme != "https"
@@ -495,6 +488,20 @@ class Settings:
         else:
             env[API_SECRET.name] = self.secret.reveal()
         return env
+
+
+def check_base_url(url: str) -> SplitResult:
+    """An http(s) URL with a host and no user or password; the ConfigurationError names
+    MERCHANT_BASE_URL and never shows the URL. For whatever takes a base URL directly."""
+    parts = _check_url("MERCHANT_BASE_URL", url, ("http", "https"))
+    if parts.username is not None or parts.password is not None:
+        raise ConfigurationError(
+            # refused rather than hidden: every message, log line and stored record that
+            # names the server would otherwise have to leave the password out
+            "MERCHANT_BASE_URL must not hold a user or password (user:password@host); "
+            "the API is authenticated by its token"
+        )
+    return parts
 
 
 def origin(url: str) -> str:

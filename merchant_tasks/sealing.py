@@ -24,9 +24,9 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import logging
 import os
 import stat
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,8 +38,6 @@ NONCE_BYTES = 12  # GCM's standard nonce; random, far below the 2**32 seals a ke
 KEY_VARIABLE = "MERCHANT_TOKEN_KEY_FILE"
 PREVIOUS_KEY_VARIABLE = "MERCHANT_TOKEN_KEY_PREVIOUS_FILE"
 KEY_FILE_PRIVATE = 0o077  # permission bits of group and others: a key file has none
-
-log = logging.getLogger(__name__)
 
 
 class TokenCodec(Protocol):
@@ -149,15 +147,19 @@ def read_key(variable: str, path: str) -> bytes:
     return key
 
 
+class KeyFileReadableByOthers(UserWarning):
+    """A token key file whose mode lets group or others read it."""
+
+
 @functools.cache
 def _warn_open_key_file(variable: str, path: str, mode: int) -> None:
-    """Once per file and mode in a process: at start, not at every client built."""
-    log.warning(
-        "%s: %s may be read by group or others (mode %03o): run chmod 600 %s",
-        variable,
-        path,
-        mode,
-        path,
+    """Once per file and mode in a process, at start: a warning reaches stderr whatever
+    the logging set-up (the package logs to a NullHandler unless the application says)."""
+    warnings.warn(
+        f"{variable}: {path} may be read by group or others (mode {mode:03o}): "
+        f"run chmod 600 {path}",
+        KeyFileReadableByOthers,
+        stacklevel=2,
     )
 
 

@@ -1501,8 +1501,9 @@ def test_security_settings_never_show_the_redis_password(secret_file: Path) -> N
 
 
 def _token_key_file(path: Path) -> Path:
-    """A token key file as an operator makes one: 32 random bytes, URL-safe base64."""
+    """A token key file as an operator makes one: 32 random bytes, URL-safe base64, 0600."""
     path.write_text(base64.urlsafe_b64encode(os.urandom(32)).decode() + "\n")
+    path.chmod(0o600)
     return path
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import os
 import re
 import shlex
 import stat
 import subprocess
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from merchant_tasks.exceptions import ConfigurationError, TokenUnreadable
 from merchant_tasks.sealing import (
     PLAIN_TEXT,
     SEALED_PREFIX,
+    KeyFileReadableByOthers,
     Sealer,
     codec_for,
 )
@@ -141,10 +142,14 @@ def test_a_key_in_the_standard_base64_alphabet_is_accepted_too(tmp_path: Path) -
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
 def test_a_key_file_others_may_read_is_warned_about_naming_the_file_and_the_fix(
-    key_file: Path, caplog: pytest.LogCaptureFixture, mode: int
+    key_file: Path, mode: int
 ) -> None:
     key_file.chmod(mode)
-    with caplog.at_level(logging.WARNING, logger="merchant_tasks.sealing"):
+    expected = (
+        f"MERCHANT_TOKEN_KEY_FILE: {key_file} may be read by group or others "
+        f"(mode {mode:03o}): run chmod 600 {key_file}"
+    )
+    with pytest.warns(KeyFileReadableByOthers, match=re.escape(expected)):
         Settings.from_env(
             {
                 "MERCHANT_API_KEY": "k",
@@ -152,19 +157,31 @@ def test_a_key_file_others_may_read_is_warned_about_naming_the_file_and_the_fix(
                 "MERCHANT_TOKEN_KEY_FILE": str(key_file),
             }
         )
-    [record] = caplog.records
-    assert record.getMessage() == (
-        f"MERCHANT_TOKEN_KEY_FILE: {key_file} may be read by group or others "
-        f"(mode {mode:03o}): run chmod 600 {key_file}"
-    )
 
 
-def test_a_key_file_only_its_owner_reads_raises_no_warning(
-    key_file: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING, logger="merchant_tasks.sealing"):
+def test_a_key_file_only_its_owner_reads_raises_no_warning(key_file: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         codec_for(str(key_file))
-    assert caplog.records == []
+
+
+def test_the_key_file_warning_reaches_the_stderr_of_a_command(key_file: Path) -> None:
+    key_file.chmod(0o644)
+    done = subprocess.run(
+        [sys.executable, "-m", "merchant_tasks.cli", "status"],
+        env={
+            "PATH": os.environ.get("PATH", ""),
+            "MERCHANT_API_KEY": "k",
+            "MERCHANT_API_SECRET": "s",
+            "MERCHANT_REDIS_URL": "redis://127.0.0.1:1/0",
+            "MERCHANT_TOKEN_KEY_FILE": str(key_file),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert f"may be read by group or others (mode 644): run chmod 600 {key_file}" in done.stderr
 
 
 def test_the_readmes_key_command_makes_a_valid_key_only_its_owner_reads(tmp_path: Path) -> None:

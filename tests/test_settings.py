@@ -491,6 +491,7 @@ def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> Non
     for name in ("token-key", "previous-token-key"):
         keys.append(secret_path.with_name(name))
         keys[-1].write_text(base64.urlsafe_b64encode(os.urandom(32)).decode())
+        keys[-1].chmod(0o600)
     settings = Settings(
         api_key="other-key",
         secret=Secret(path=secret_path),

@@ -299,3 +299,15 @@ def test_any_exception_loading_the_accounts_at_start_stops_with_its_type_only(
         assert stopped.value.code == 2
         out, err = capfd.readouterr()
         assert (out, err) == ("", "error: loading the configuration raised UnicodeDecodeError\n")
+
+
+def test_beat_starts_without_the_secret_file_a_worker_needs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in [n for n in os.environ if n.startswith("MERCHANT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MERCHANT_API_KEY", "k")
+    monkeypatch.setenv("MERCHANT_API_SECRET_FILE", str(tmp_path / "mounted-for-workers-only"))
+    celery_app._check_beat_start(sender=SimpleNamespace(app=celery_app.app))  # no SystemExit
+    with pytest.raises(SystemExit):
+        celery_app._check_worker_start(sender=SimpleNamespace(app=celery_app.app))

@@ -282,7 +282,8 @@ def _check_path(path: str) -> None:
         or "" in segments[:-1]
     ):
         raise ValueError(f"path must be under {API_PREFIX} (got {path[:80]!r})")
-    if (API_PREFIX + "/".join(segments)).rstrip("/").lower() == TOKEN_PATH:
+    names = [segment.split(";", 1)[0] for segment in segments]  # as servers that drop ;params
+    if (API_PREFIX + "/".join(names)).rstrip("/").lower() == TOKEN_PATH:
         raise ValueError("the token endpoint is called by the exchange, not by request()")
 
 

@@ -185,7 +185,9 @@ def test_a_path_outside_the_api_is_a_value_error(
     assert len(exchange.calls) == 0
 
 
-@pytest.mark.parametrize("path", [TOKEN_PATH, TOKEN_PATH + "/", TOKEN_PATH + "?grant=x"])
+@pytest.mark.parametrize(
+    "path", [TOKEN_PATH, TOKEN_PATH + "/", TOKEN_PATH + "?grant=x", TOKEN_PATH + ";v=1"]
+)
 def test_the_token_endpoint_cannot_be_called_through_request(
     client: FleetClient, transport: FakeTransport, path: str
 ) -> None:

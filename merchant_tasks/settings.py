@@ -520,8 +520,9 @@ def read_variable(name: str, environ: Mapping[str, str] | None = None) -> str | 
 
 
 def refuse_unknown_names(environ: Mapping[str, str] | None = None) -> None:
-    """A MERCHANT_* name the table does not know is a ConfigurationError naming the closest
-    known one ("did you mean ..."): a misspelt variable would otherwise be ignored."""
+    """A MERCHANT_* name that misspells a known one is a ConfigurationError naming it ("did
+    you mean ..."): it would otherwise be ignored. Other MERCHANT_* names may be the
+    application's own (MERCHANT_ID, MERCHANT_DB_URL): they are logged as ignored, once."""
     _Environment(environ).refuse_unknown_names()
 
 
@@ -620,17 +621,30 @@ class _Environment:
         unknown = sorted(
             name for name in self.environ if name.startswith(PREFIX) and not _variable_of(name)
         )
-        if unknown:
+        misspelt = [(name, closest) for name in unknown if (closest := _misspelt(name))]
+        if misspelt:
             raise ConfigurationError(
-                "unknown variable " + "; ".join(_with_closest_name(name) for name in unknown)
+                "unknown variable "
+                + "; ".join(f"{name} (did you mean {closest}?)" for name, closest in misspelt)
             )
+        for name in unknown:
+            if name not in _IGNORED_NAMES_LOGGED:
+                _IGNORED_NAMES_LOGGED.add(name)
+                log.warning(
+                    "%s is not a merchant-tasks variable: ignored (see docs/configuration.md)", name
+                )
 
 
-def _with_closest_name(name: str) -> str:
+MISSPELLING_SIMILARITY = 0.9  # difflib ratio: one or two letters off a known name of ~20
+_IGNORED_NAMES_LOGGED: set[str] = set()
+
+
+def _misspelt(name: str) -> str | None:
+    """The known variable ``name`` is one or two letters away from, if any."""
     known = [v.name for v in VARIABLES]
     known += [v.name + FILE_SUFFIX for v in VARIABLES if v.file_variant]
-    closest = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f"{name} (did you mean {closest[0]}?)" if closest else f"{name} (see {DOCS_PAGE.name})"
+    closest = difflib.get_close_matches(name, known, n=1, cutoff=MISSPELLING_SIMILARITY)
+    return closest[0] if closest else None
 
 
 def _check_seconds(name: str, value: float) -> None:

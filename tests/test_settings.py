@@ -694,6 +694,21 @@ def test_an_unknown_variable_is_an_error_naming_the_closest_known_one(
             read(env)
 
 
+@pytest.mark.parametrize("name", ["MERCHANT_ID", "MERCHANT_DB_URL", "MERCHANT_WEBHOOK_SECRET"])
+def test_an_applications_own_merchant_variable_is_logged_as_ignored_not_refused(
+    env: dict[str, str], name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    env[name] = "shop-value"
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.settings"):
+        Settings.from_env(env)
+        Settings.from_env(env)
+    ignored = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert ignored == [
+        f"{name} is not a merchant-tasks variable: ignored (see docs/configuration.md)"
+    ]
+    assert "shop-value" not in caplog.text
+
+
 def test_a_file_variant_of_a_variable_that_has_none_is_unknown(env: dict[str, str]) -> None:
     env["MERCHANT_TOKEN_KEY_FILE_FILE"] = "/run/secrets/key"
     with pytest.raises(ConfigurationError, match="unknown variable MERCHANT_TOKEN_KEY_FILE_FILE"):

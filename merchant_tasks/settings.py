@@ -356,7 +356,7 @@ class FleetSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FleetSettings:
-        """Build them from MERCHANT_* variables (and their *_FILE variants); an unknown
+        """Build them from MERCHANT_* variables (and their *_FILE variants); a misspelt
         MERCHANT_* name is an error."""
         env = _Environment(environ)
         env.refuse_unknown_names()

@@ -31,11 +31,11 @@ from kombu.transport import virtual
 
 from .exceptions import ConfigurationError
 from .hosting import exit_with, install, started_by_celery_command
-from .redis_topology import DEFAULT_SENTINEL_MASTER, is_kombu_redis_url, is_sentinel_url
+from .redis_topology import is_kombu_redis_url, is_sentinel_url
 from .routing import CALLS_QUEUE as CALLS_QUEUE  # re-exported: the queues' names
 from .routing import RENEWAL_QUEUE as RENEWAL_QUEUE
 from .routing import VISIBILITY_TIMEOUT as VISIBILITY_TIMEOUT
-from .settings import FleetSettings, read_variable
+from .settings import FleetSettings
 
 RESULT_EXPIRES = 3600  # results are for the caller waiting on them, not an archive
 RESULT_BACKEND_RETRIES = 20  # Celery backs off between them: about a minute of Redis restart
@@ -122,12 +122,10 @@ def transport_options(
     defaults: dict[str, Any] = {"visibility_timeout": VISIBILITY_TIMEOUT}
     if is_sentinel_url(url):
         # the token store's sentinel settings serve Celery too: one value for both
-        defaults["master_name"] = (
-            read_variable(environ, "MERCHANT_REDIS_SENTINEL_MASTER") or DEFAULT_SENTINEL_MASTER
-        )
-        password = read_variable(environ, "MERCHANT_REDIS_SENTINEL_PASSWORD")
-        if password:
-            defaults["sentinel_kwargs"] = {"password": password}
+        fleet = FleetSettings.from_env(environ)
+        defaults["master_name"] = fleet.redis_sentinel_master
+        if fleet.redis_sentinel_password:
+            defaults["sentinel_kwargs"] = {"password": fleet.redis_sentinel_password}
     return {**defaults, **chosen}
 
 

@@ -174,10 +174,19 @@ def started_by_celery_command() -> bool:
     return "celery.bin.celery" in sys.modules
 
 
-def exit_with(exc: ConfigurationError) -> None:
+def exit_with(exc: Exception) -> None:
     """A configuration mistake under ``celery ...``: one line on stderr, no traceback (the
-    process's own stderr: beat has redirected sys.stderr to its log by then)."""
-    print(f"error: {type(exc).__name__}: {exc}", file=sys.__stderr__)
+    process's own stderr: beat has redirected sys.stderr to its log by then).
+
+    Another exception met while loading the configuration is shown by its type only (its
+    text could quote a file's content), and stops the process all the same: Celery would
+    otherwise log what a start-up signal raised and run on.
+    """
+    if isinstance(exc, ConfigurationError):
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.__stderr__)
+    else:
+        log.debug("loading the configuration failed", exc_info=exc)
+        print(f"error: loading the configuration raised {type(exc).__name__}", file=sys.__stderr__)
     raise SystemExit(EXIT_CONFIGURATION)
 
 
@@ -198,7 +207,7 @@ def _load_accounts_or_exit(app: Any, read_secrets: bool) -> None:
 
     try:
         load_accounts(read_secrets=read_secrets)
-    except ConfigurationError as exc:
+    except Exception as exc:
         exit_with(exc)
 
 

@@ -73,7 +73,7 @@ def proj_dir(tmp_path: Path) -> Path:
 def proj_env(merchant_settings: Settings, merchant_key_prefix: str) -> dict[str, str]:
     env = child_env(merchant_settings)
     env.update(
-        PROJ_REDIS_URL=merchant_settings.redis_url,
+        PROJ_REDIS_URL=merchant_settings.fleet.redis_url,
         PROJ_KEY_PREFIX=f"{merchant_key_prefix}:proj:",
         MERCHANT_RENEW_INTERVAL="1",  # beat's check every second
     )

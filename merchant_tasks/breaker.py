@@ -7,7 +7,6 @@ opened by the holder of the renewal lock.
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 from collections.abc import Callable
@@ -21,7 +20,8 @@ from .exceptions import (
     TokenExchangeError,
     TokenRejected,
 )
-from .store import BreakerRecord, TokenStore
+from .policy import BreakerKind
+from .store import BreakerRecord, TokenStore, opening_counter
 from .token import Token
 
 log = logging.getLogger(__name__)
@@ -35,15 +35,6 @@ UNAVAILABLE_BACKOFF_MAX = 60.0  # ... up to a minute, so recovery is noticed wit
 PROBE_INTERVAL = 2.0  # half-open: with no valid token, one caller per interval fleet-wide
 # makes one exchange attempt during an `unavailable` pause, so recovery after an outage is
 # not held back by the rest of a pause of up to a minute (the first back-off's length)
-
-
-class BreakerKind(enum.StrEnum):
-    """Why exchanges are paused."""
-
-    REJECTED = "rejected"  # the credentials were refused
-    RATE_LIMITED = "rate_limited"  # 429
-    UNAVAILABLE = "unavailable"  # 5xx, timeouts, unreachable
-    REVOKED = "revoked"  # the forced-renewal budget is spent
 
 
 @dataclass(eq=False)
@@ -118,7 +109,7 @@ class Breaker:
 
     def _open(self, record: BreakerRecord, now: float) -> None:
         self.store.open_breaker(record, now)
-        self.store.count(f"breaker_openings:{record.kind}")
+        self.store.count(opening_counter(record.kind))
         log.warning(
             "token exchanges paused for %.1f s for %s: %s",
             record.until - now,

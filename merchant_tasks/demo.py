@@ -193,7 +193,7 @@ def _drive(
         clock = store.time()
         summary.exchanges = counters["exchanges"]["ok"]
         summary.unauthorized = counters["calls"]["unauthorized"]
-        summary.forced_renewals = fleet.get("exchanges:forced:ok", 0)
+        summary.forced_renewals = fleet.get("renewals:forced:ok", 0)
         token_text = (
             f"gen {token.generation:>3} left {token.time_left(clock):5.1f}s"
             if token is not None

@@ -38,10 +38,21 @@ class CounterName(enum.StrEnum):
     FORCED_RENEWALS = "forced_renewals"
     NEVER_ACCEPTED = "never_accepted_rejected"
     LOCK_WAITS = "lock_waits"
+    REDELIVERED = "redelivered_completed_calls"  # answered from a completion record
+
+
+class BreakerKind(enum.StrEnum):
+    """Why exchanges are paused (``breaker.Breaker``)."""
+
+    REJECTED = "rejected"  # the credentials were refused
+    RATE_LIMITED = "rate_limited"  # 429
+    UNAVAILABLE = "unavailable"  # 5xx, timeouts, unreachable
+    REVOKED = "revoked"  # the forced-renewal budget is spent
+    REFUSED = "refused"  # a token refused before first use: renewed after a back-off
 
 
 class Outcome(enum.StrEnum):
-    """How an exchange attempt ended (``TokenStore.record_exchange``)."""
+    """How a renewal, or one HTTP attempt of its exchange, ended (``TokenStore``)."""
 
     OK = "ok"
     UNCHANGED = "unchanged"  # the answer was no better than the stored token

@@ -26,8 +26,6 @@ import time
 import weakref
 from collections.abc import Callable
 
-from redis.exceptions import RedisError
-
 from .breaker import Breaker
 from .exceptions import (
     RenewalTimeout,
@@ -44,15 +42,17 @@ from .policy import (
     RenewalPolicy,
     never_accepted_message,
 )
+from .renewal_lock import RenewalLock
 from .renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, Renewer
-from .single_flight import Prelude, SingleFlight, owner, release
+from .single_flight import Prelude, SingleFlight
 from .store import RedisClock, TokenStore
 from .token import RenewalReason, Token, TokenState
 from .wakeup import RenewalSignal
 
 log = logging.getLogger(__name__)
 
-LOCK_MARGIN = 5.0  # seconds of lock TTL beyond the longest renewal we allow ourselves
+LOCK_MARGIN = 5.0  # seconds of lease beyond one exchange's deadline: a dead holder's lock
+# is free within exchange_timeout + LOCK_MARGIN; a live one's is extended by its watchdog
 
 Clock = Callable[[], float]
 Acceptable = Callable[[Token | None], bool]  # whether a token (or none) serves the caller
@@ -84,17 +84,19 @@ class TokenManager:
         self.copy = LocalCopy(local_copy_ttl, monotonic)
         self.breaker = Breaker(store, self._clock, secret_fingerprint, rng or random.Random())
         self.signal = RenewalSignal(store) if wake_ups else None
-        # the lock outlives the longest renewal: every attempt timing out plus the waits
-        # between them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
-        self.lock_ttl = (
+        # the longest renewal: every attempt at its deadline plus the waits between them
+        # (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
+        self.renewal_limit = (
             EXCHANGE_ATTEMPTS * exchange_timeout
             + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
             + LOCK_MARGIN
         )
         # how long a caller waits for other processes' renewal: it may arrive just after a
-        # holder took the lock and died (the lock expires within lock_ttl), and then see
-        # the next holder take it and need its whole renewal (within lock_ttl again)
-        self.wait_limit = 2 * self.lock_ttl
+        # holder took the lock and died (the lease runs out), and then see the next holder
+        # take it and need its whole renewal
+        self.wait_limit = 2 * self.renewal_limit
+        # one exchange's deadline is exchange_timeout (exchange.py): the lease outlives it
+        self.lock = RenewalLock(store, exchange_timeout + LOCK_MARGIN)
         # the parts get the callables themselves, not closures over this manager: no
         # reference cycle, so a manager is freed as soon as it is dropped
         self.renewer = Renewer(
@@ -108,8 +110,9 @@ class TokenManager:
         )
         self.flight = SingleFlight(
             store,
+            self.lock,
             self.signal,
-            lock_ttl=self.lock_ttl,
+            renewal_limit=self.renewal_limit,
             wait_limit=self.wait_limit,
             clock=self._clock,
             sleep=sleep,
@@ -123,6 +126,7 @@ class TokenManager:
         self._forcing_changed = threading.Condition()
         self.flight.remake_locks()
         self.copy.remake_lock()
+        self.lock.reset()
 
     def __repr__(self) -> str:
         return f"TokenManager(store={self.store!r})"
@@ -165,7 +169,7 @@ class TokenManager:
             current = self.store.load()
         except StoreUnavailable:
             last = self.copy.last()
-            if last is not None and last.expires_at > self.clock():
+            if last is not None and last.valid_at(self.clock()):
                 log.warning("token store unavailable; using this process's copy of the token")
                 return last
             raise
@@ -174,7 +178,7 @@ class TokenManager:
         if self.policy.usable(current, now):
             assert current is not None
             return self.copy.keep(current)
-        usable = current if current is not None and current.expires_at > now else None
+        usable = current if current is not None and current.valid_at(now) else None
         try:
             token = self._renew(
                 RenewalReason.MANDATORY,
@@ -183,7 +187,7 @@ class TokenManager:
                 probe=True,
             )
         except (TokenExchangeError, RenewalTimeout) as exc:
-            if usable is None or usable.expires_at <= self.clock():
+            if usable is None or not usable.valid_at(self.clock()):
                 raise
             log.warning("renewal failed (%s); the current token is still valid: using it", exc)
             return usable
@@ -196,10 +200,10 @@ class TokenManager:
         self._accepted = token.generation
         try:
             self.store.mark_accepted(token.generation)
-        except (StoreUnavailable, RedisError) as exc:
+        except StoreUnavailable as exc:
             # not retried with every call (each would wait for Redis): this process still
             # knows, and the other processes using this generation record it too
-            log.warning("could not record that the API accepted a token: %s", type(exc).__name__)
+            log.warning("could not record that the API accepted a token: %s", exc)
 
     # -- beat, operators, 401s -----------------------------------------------------------
 
@@ -241,9 +245,7 @@ class TokenManager:
             return self.copy.keep(
                 self._renew(
                     RenewalReason.FORCED,
-                    lambda t: (
-                        t is not None and t.value != stale.value and t.expires_at > self.clock()
-                    ),
+                    lambda t: t is not None and t.replaces(stale, self.clock()),
                     None,
                     started=started,
                     prelude=prelude,
@@ -259,25 +261,20 @@ class TokenManager:
         thread registered as the process's renewer of ``stale``'s generation, with its
         look at the store and the lock (one round trip) as the renewal's first attempt."""
         self.flight.take_turn(blocking=True)
-        lock = None
+        locked = False
         try:
             newer = self._newer_copy(stale)
             if newer is not None or self._forcing >= stale.generation:
                 return newer, False, None  # no token: a sibling renews; wait for it
             heard = self.signal.heard if self.signal is not None else 0
-            current, lock, lock_busy = self.store.look_after_401(
-                stale.generation,
-                owner(),
-                self.lock_ttl,
-                CounterName.UNAUTHORIZED,
-                CounterName.LOCK_WAITS,
-                self.wait_limit,
+            locked, (current, outcome) = self.lock.acquire_with(
+                lambda value: _taken(
+                    self.store.look_after_401(
+                        stale.generation, value, self.lock.prefix, self.lock.lease, self.wait_limit
+                    )
+                )
             )
-            if (
-                current is not None
-                and current.value != stale.value
-                and current.expires_at > self.clock()
-            ):
+            if current is not None and current.replaces(stale, self.clock()):
                 return self.copy.keep(current), False, None  # renewed elsewhere: CAS
             accepted = self._accepted
             if accepted < stale.generation:
@@ -287,12 +284,12 @@ class TokenManager:
                 raise TokenRejected(never_accepted_message())
             with self._forcing_changed:
                 self._forcing = stale.generation
-            prelude = Prelude(lock, heard) if lock is not None or lock_busy else None
-            lock = None  # handed over to the renewal
+            prelude = Prelude(locked, heard) if locked or outcome == -1 else None
+            locked = False  # handed over to the renewal
             return None, True, prelude
         finally:
-            if lock is not None:
-                release(lock)
+            if locked:
+                self.lock.release()
             self.flight.turn.release()
 
     def _sibling_renewal(self, stale: Token) -> Token | None:
@@ -309,14 +306,7 @@ class TokenManager:
     def _newer_copy(self, stale: Token) -> Token | None:
         """This process's copy if it is newer than ``stale`` and valid (no Redis read)."""
         copy = self.copy.last()
-        if (
-            copy is not None
-            and copy.generation > stale.generation
-            and copy.value != stale.value
-            and copy.expires_at > self.clock()
-        ):
-            return copy
-        return None
+        return copy if copy is not None and copy.replaces(stale, self.clock()) else None
 
     # -- single flight -------------------------------------------------------------------
 
@@ -358,6 +348,11 @@ class TokenManager:
             fallback,
             prelude=prelude,
         )
+
+
+def _taken(looked: tuple[Token | None, int]) -> tuple[bool, tuple[Token | None, int]]:
+    """The 401 script's answer as ``RenewalLock.acquire_with`` reads it."""
+    return looked[1] == 1, looked
 
 
 # A fork copies the locks as they are: one held by a parent's thread would stay held in the

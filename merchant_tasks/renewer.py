@@ -40,7 +40,7 @@ from .policy import (
     RenewalPolicy,
     budget_spent_message,
 )
-from .single_flight import owner
+from .renewal_lock import process_owner
 from .store import TokenStore
 from .token import RenewalReason, Token
 
@@ -71,18 +71,49 @@ class Renewer:
         one final."""
         expected = self.store.generation()
         current = self.store.load()
-        if current is not None and current.expires_at <= self.clock() < current.kept_until:
+        now = self.clock()
+        if current is not None and not current.valid_at(now) and now < current.kept_until:
             # a final token just expired on our clock may live on the server's for as long
             # as its exchange took: asking before then would be handed it back again
-            self.sleep(max(0.0, current.kept_until - self.clock()))
+            self.sleep(max(0.0, current.kept_until - now))
         issued_at = self.clock()  # before the exchange: the token is at least this old
-        if current is not None and current.expires_at <= issued_at:
+        if current is not None and not current.valid_at(issued_at):
             current = None
         if reason == RenewalReason.FORCED:
             self._spend_forced_budget(issued_at)
+        try:
+            issued = self._exchange(reason, current, attempts=1 if probe else EXCHANGE_ATTEMPTS)
+        except TokenExchangeError as exc:
+            self.store.record_renewal(reason, outcome_of(exc))
+            self.breaker.trip(exc)
+            raise
+        forced = reason == RenewalReason.FORCED
+        expires_at = issued_at + issued.expires_in
+        if current is not None and self.policy.no_better(issued.value, expires_at, current, forced):
+            self.store.record_renewal(reason, Outcome.UNCHANGED)
+            return self._keep_final(current, expected, forced)
+        self.store.record_renewal(reason, Outcome.OK)
+        token = Token(
+            value=issued.value,
+            issued_at=issued_at,
+            expires_at=expires_at,
+            generation=expected + 1,
+            renewed_by=process_owner(),
+            reason=reason,
+            lag=max(0.0, self.clock() - issued_at),
+        )
+        return self._store_new(token, expected, issued.expires_in)
 
-        def exchange() -> IssuedToken:
-            issued = self.exchange()
+    def _exchange(self, reason: RenewalReason, current: Token | None, attempts: int) -> IssuedToken:
+        """The exchange, retried while the endpoint fails; each HTTP attempt counted."""
+
+        def attempt() -> IssuedToken:
+            try:
+                issued = self.exchange()
+            except TokenExchangeError as exc:
+                self.store.record_attempt(reason, outcome_of(exc), self.clock())
+                raise
+            self.store.record_attempt(reason, Outcome.OK, self.clock())
             if issued.expires_in <= 0 and current is None:
                 # its last token, in its last second: a new one comes once that is over
                 raise TokenEndpointUnavailable(
@@ -101,45 +132,28 @@ class Renewer:
             ),
             wait=wait_random_exponential(multiplier=0.5, max=EXCHANGE_RETRY_WAIT_MAX)
             + wait_exception(lambda exc: getattr(exc, "retry_after", None) or 0.0),
-            stop=stop_after_attempt(1 if probe else EXCHANGE_ATTEMPTS),
+            stop=stop_after_attempt(attempts),
             sleep=self.sleep,
             reraise=True,
         )
-        try:
-            issued: IssuedToken = retrying(exchange)
-        except TokenExchangeError as exc:
-            self.store.record_exchange(reason, _outcome(exc), self.clock())
-            self.breaker.trip(exc)
-            raise
-        forced = reason == RenewalReason.FORCED
-        expires_at = issued_at + issued.expires_in
-        if current is not None and self.policy.no_better(issued.value, expires_at, current, forced):
-            self.store.record_exchange(reason, Outcome.UNCHANGED, self.clock())
-            return self._keep_final(current, expected, forced)
-        token = Token(
-            value=issued.value,
-            issued_at=issued_at,
-            expires_at=expires_at,
-            generation=expected + 1,
-            renewed_by=owner(),
-            reason=reason.value,
-            lag=max(0.0, self.clock() - issued_at),
-        )
+        issued: IssuedToken = retrying(attempt)
+        return issued
+
+    def _store_new(self, token: Token, expected: int, lifetime: float) -> Token:
         written, stored_generation = self.store.save(token)
-        self.store.record_exchange(reason, Outcome.OK, self.clock())
         if written:
             self._stored(token)
             log.info(
                 "renewed token for %s: generation %d, %s, valid %.0f s",
                 self.store.namespace,
                 token.generation,
-                reason,
-                issued.expires_in,
+                token.reason,
+                lifetime,
             )
             return token
         if stored_generation == expected:
             raise MalformedTokenResponse(
-                f"token endpoint issued a token valid {issued.expires_in:g} s, "
+                f"token endpoint issued a token valid {lifetime:g} s, "
                 "which expired before it could be stored"
             )
         return self._newer_than_ours(stored_generation)
@@ -194,7 +208,8 @@ class Renewer:
         self.store.count(CounterName.FORCED_RENEWALS)
 
 
-def _outcome(exc: TokenExchangeError) -> Outcome:
+def outcome_of(exc: TokenExchangeError) -> Outcome:
+    """How an exchange that raised ``exc`` ended, in the counters' words."""
     if isinstance(exc, CredentialsRejected):
         return Outcome.REJECTED
     if isinstance(exc, ExchangeRateLimited):

@@ -37,7 +37,7 @@ class RenewalSignal:
 
     def __init__(self, store: TokenStore) -> None:
         self._redis = store.redis
-        self.channel = store.renewed_channel
+        self.channel = store.keys.renewed
         self.heard = 0  # announcements heard so far; waiters wait for it to grow
         self._reset_after_fork()
         _SIGNALS.add(self)

@@ -59,6 +59,7 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import Child, RedisServer, free_port, spawn, wait_until
+from merchant_tasks.policy import BreakerKind
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
@@ -619,8 +620,8 @@ def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_
 
     wait_until(held_by_victim, "the caller process holding the renewal lock", START_TIMEOUT)
     callers.kill()
-    ttl = redis_client.pttl(store.lock_key) / 1000
-    assert 0 < ttl <= client.manager.lock_ttl
+    ttl = redis_client.pttl(store.keys.lock) / 1000
+    assert 0 < ttl <= client.manager.lock.lease
     sandbox.app.configure({"token_latency": 0.0})
 
     results: list[str] = []
@@ -645,9 +646,9 @@ def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_
     assert token is not None
     assert token.renewed_by.split(":")[1] == str(os.getpid())
     counters = store.counters()
-    assert counters.get("exchanges:mandatory:ok") == 1, counters  # the killed one never counted
+    assert counters.get("renewals:mandatory:ok") == 1, counters  # the killed one never counted
     assert counters.get("lock_waits", 0) >= 1, counters
-    print(f"\nrow 6: lock TTL {client.manager.lock_ttl:.1f} s, {ttl:.1f} s left at the kill")
+    print(f"\nrow 6: lock lease {client.manager.lock.lease:.1f} s, {ttl:.1f} s left at the kill")
 
 
 # -- 7. clocks 5 minutes apart -------------------------------------------------------------
@@ -705,7 +706,7 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
         assert 0 < left < before, (generation, left)
     assert last - generations[-1] <= 1
     counters = store.counters()
-    assert counters.get("exchanges:mandatory:ok") == last, counters
+    assert counters.get("renewals:mandatory:ok") == last, counters
     assert sandbox.exchanges()["ok"] == last
 
     # control: the same decision on a host's wall clock 5 min ahead exchanges at once
@@ -1248,7 +1249,7 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
         60.0,
     )
     now = store.time()  # as after many failures in a row: a pause of a minute
-    store.open_breaker(BreakerRecord("unavailable", now + 60.0, 7, "", "HTTP 503"), now)
+    store.open_breaker(BreakerRecord(BreakerKind.UNAVAILABLE, now + 60.0, 7, "", "HTTP 503"), now)
     failed_before = sandbox.exchanges()["failed"]
     sandbox.app.configure({"token_error_rate": 0.0})
     callers.phase("up")
@@ -1321,7 +1322,7 @@ def test_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_li
     print(f"\nrow 25: {exchanges} exchanges in {run:.1f} s, counters {counters}")
     for report in reports:
         assert set(report_outcomes(report, "0")) == {"ok"}, report
-    assert counters.get("exchanges:mandatory:unchanged", 0) >= 1
+    assert counters.get("renewals:mandatory:unchanged", 0) >= 1
     assert exchanges <= 2 * math.ceil(run / lifetime)
 
 
@@ -1451,7 +1452,7 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
         sandbox.app.revoke_all()
         assert client.request("GET", PING) == {"ok": True}  # 401, forced renewal, retry
         store = client.manager.store
-        assert store.counters().get("exchanges:forced:ok") == 1
+        assert store.counters().get("renewals:forced:ok") == 1
         assert store.lock_holder() is None
         with pytest.raises(redis.exceptions.NoPermissionError):
             store.redis.get("celery")
@@ -1557,7 +1558,7 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     texts += [repr(sealed.manager.store), repr(sealed.manager.store.codec), repr(other)]
     evidence.add(
         "leak search: the sealed token key",
-        redis_value(sealed.manager.store.redis, sealed.manager.store.token_key.encode()),
+        redis_value(sealed.manager.store.redis, sealed.manager.store.keys.token.encode()),
     )
     assert any("MERCHANT_TOKEN_KEY_FILE" in text for text in texts)
     evidence.add("leak search: this process's errors and reprs", "\n".join(texts))

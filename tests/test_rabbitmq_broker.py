@@ -172,7 +172,7 @@ def test_renewal_runs_on_its_own_rabbitmq_queue(fleet: AmqpFleet, sandbox: Sandb
     assert queues.get("celery", 0) == 0  # nobody consumes calls; renewals never went there
     assert "merchant_tasks.renew_token" in worker.log_text()
     counters = fleet.store().counters()
-    assert counters.get("exchanges:scheduled:ok", 0) >= 2, counters
+    assert counters.get("renewals:scheduled:ok", 0) >= 2, counters
 
 
 def test_a_worker_sigkilled_mid_task_has_its_call_redelivered_by_rabbitmq(

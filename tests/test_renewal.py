@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import pytest
 import redis
-from redis.lock import Lock
 
 from conftest import FakeExchange, dead_redis
 from merchant_tasks.breaker import (
@@ -36,12 +35,12 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
-from merchant_tasks.policy import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD
+from merchant_tasks.policy import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD, BreakerKind
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX
 from merchant_tasks.single_flight import POLL_INITIAL, POLL_MAX
 from merchant_tasks.store import BreakerRecord, TokenStore
-from merchant_tasks.token import Token, fingerprint
+from merchant_tasks.token import RenewalReason, Token, fingerprint
 
 RENEW_BEFORE = 480.0
 RENEW_MANDATORY = 120.0
@@ -126,7 +125,7 @@ def stored(
     left: float = 3600.0,
     *,
     value: str | None = None,
-    reason: str = "scheduled",
+    reason: RenewalReason = RenewalReason.SCHEDULED,
     age: float | None = None,
 ) -> Token:
     """Save, as another process would, a token with ``left`` seconds to live."""
@@ -145,7 +144,7 @@ def stored(
 
 def hold_lock(store: TokenStore) -> None:
     """Another process takes the renewal lock (and never lets go during the test)."""
-    assert store.lock(ttl=60.0).acquire(token=OTHER_HOLDER)
+    assert store.take_lock(f"{OTHER_HOLDER}:1", f"{OTHER_HOLDER}:", 60.0)
 
 
 # -- token(): the callers' path ----------------------------------------------------------
@@ -199,7 +198,10 @@ def test_token_exchanges_when_none_is_stored_and_then_reuses_it(
     assert first.generation == 1
     assert manager.token() == first
     assert len(exchange.calls) == 1
-    assert store.counters() == {"exchanges:mandatory:ok": 1}
+    assert store.counters() == {
+        "renewals:mandatory:ok": 1,
+        "exchange_attempts:mandatory:ok": 1,
+    }
 
 
 def test_a_renewal_records_who_renewed_and_releases_the_lock(
@@ -233,7 +235,10 @@ def test_scheduled_renewal_exchanges_inside_the_advisory_window(
     assert token.reason == "scheduled"
     assert token.generation == 2
     assert len(exchange.calls) == 1
-    assert store.counters() == {"exchanges:scheduled:ok": 1}
+    assert store.counters() == {
+        "renewals:scheduled:ok": 1,
+        "exchange_attempts:scheduled:ok": 1,
+    }
 
 
 def test_forced_renewal_always_exchanges_once(
@@ -264,7 +269,7 @@ def test_renewal_after_401_returns_the_newer_stored_token_without_exchanging(
 def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=3600.0, reason="mandatory", age=1.0)
+    refused = stored(store, clock, left=3600.0, reason=RenewalReason.MANDATORY, age=1.0)
     manager.accepted(refused)  # the API accepted it before: a 401 now means revoked
     token = manager.renew(stale_token=refused)
     assert token.value != refused.value
@@ -273,7 +278,8 @@ def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
     assert store.counters() == {
         "unauthorized": 1,
         "forced_renewals": 1,
-        "exchanges:forced:ok": 1,
+        "renewals:forced:ok": 1,
+        "exchange_attempts:forced:ok": 1,
     }
 
 
@@ -283,7 +289,7 @@ def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
 def test_a_refused_token_the_api_never_accepted_is_token_rejected_without_exchanging(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=7190.0, reason="mandatory", age=10.0)
+    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
     with pytest.raises(TokenRejected, match="other environment") as caught:
         manager.renew(stale_token=refused)
     assert "never accepted" in str(caught.value)
@@ -295,7 +301,7 @@ def test_a_refused_token_the_api_never_accepted_is_token_rejected_without_exchan
 def test_a_token_accepted_by_another_process_and_refused_is_renewed_at_once_however_fresh(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=7199.0, reason="forced", age=1.0)
+    refused = stored(store, clock, left=7199.0, reason=RenewalReason.FORCED, age=1.0)
     store.mark_accepted(refused.generation)  # evidence left by another process
     assert manager.renew(stale_token=refused).value == "tok-issued-1"
     assert len(exchange.calls) == 1
@@ -307,7 +313,7 @@ def test_a_token_refused_before_its_first_use_is_renewed_once_if_its_predecessor
     """A revocation landing between an exchange and the first call: renewed once more,
     but the token after it gets no such second chance (no loop)."""
     manager.accepted(stored(store, clock, left=7000.0))
-    revoked_before_use = stored(store, clock, left=7100.0, reason="forced")
+    revoked_before_use = stored(store, clock, left=7100.0, reason=RenewalReason.FORCED)
     renewed = manager.renew(stale_token=revoked_before_use)
     assert len(exchange.calls) == 1
     with pytest.raises(TokenRejected, match="never accepted"):
@@ -370,7 +376,7 @@ def test_an_exchange_handing_back_the_stored_token_marks_it_final_until_it_expir
     token = manager.token()
     assert token.value == current.value
     assert token.final
-    assert store.counters()["exchanges:mandatory:unchanged"] == 1
+    assert store.counters()["renewals:mandatory:unchanged"] == 1
     for _ in range(50):  # every caller and beat until expiry: no further exchange
         clock.now += 1.9
         assert manager.token().value == current.value
@@ -392,7 +398,9 @@ def test_a_final_token_is_renewed_only_once_the_server_surely_let_it_go(
     be as much later as that exchange took (``lag``). The renewal waits for that rather
     than be handed the same token back with 0 s left."""
     now = clock.now
-    final = Token("tok-final", now - 100.0, now + 1.0, 1, "x", "mandatory", final=True, lag=0.3)
+    final = Token(
+        "tok-final", now - 100.0, now + 1.0, 1, "x", RenewalReason.MANDATORY, final=True, lag=0.3
+    )
     assert store.save(final) == (True, 1)
     clock.now += 1.1  # expired on our clock, maybe not yet on the server's
     sleep.advance_clock = True
@@ -443,7 +451,9 @@ def test_a_forced_renewal_handed_back_the_refused_token_is_token_rejected(
 def test_without_a_valid_token_one_caller_probes_the_endpoint_during_an_unavailable_pause(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    store.open_breaker(BreakerRecord("unavailable", clock.now + 60.0, 6, "", "HTTP 503"), clock.now)
+    store.open_breaker(
+        BreakerRecord(BreakerKind.UNAVAILABLE, clock.now + 60.0, 6, "", "HTTP 503"), clock.now
+    )
     assert manager.token().value == "tok-issued-1"  # the probe got through and closed it
     assert store.load_breaker() is None
 
@@ -451,7 +461,9 @@ def test_without_a_valid_token_one_caller_probes_the_endpoint_during_an_unavaila
 def test_a_failed_half_open_probe_is_one_attempt_and_reopens_the_breaker(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    store.open_breaker(BreakerRecord("unavailable", clock.now + 60.0, 6, "", "HTTP 503"), clock.now)
+    store.open_breaker(
+        BreakerRecord(BreakerKind.UNAVAILABLE, clock.now + 60.0, 6, "", "HTTP 503"), clock.now
+    )
     exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * EXCHANGE_ATTEMPTS
     with pytest.raises(TokenEndpointUnavailable, match="HTTP 503"):
         manager.token()
@@ -467,7 +479,9 @@ def test_a_failed_half_open_probe_is_one_attempt_and_reopens_the_breaker(
 def test_the_half_open_probe_is_taken_once_per_interval_fleet_wide(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    store.open_breaker(BreakerRecord("unavailable", clock.now + 60.0, 6, "", "HTTP 503"), clock.now)
+    store.open_breaker(
+        BreakerRecord(BreakerKind.UNAVAILABLE, clock.now + 60.0, 6, "", "HTTP 503"), clock.now
+    )
     assert store.take_probe(PROBE_INTERVAL)  # another process probes right now
     with pytest.raises(TokenEndpointUnavailable, match="paused"):
         manager.token()
@@ -548,14 +562,14 @@ def test_a_waiter_outlasts_a_dead_holder_and_the_whole_renewal_of_the_next_one(
     expires another process takes it first and needs its whole lock TTL. The caller still
     gets that process's token instead of a RenewalTimeout (CI once saw one in fault row 6)."""
     hold_lock(store)
-    one_lock_ttl = math.ceil(manager.lock_ttl / POLL_INITIAL)
+    one_lock_ttl = math.ceil(manager.renewal_limit / POLL_INITIAL)
     next_holder = "third-host:7:cafebabe"
 
     def holders(polls: int) -> None:
         if polls == one_lock_ttl - 5:  # the dead holder's lock expires...
-            store.redis.delete(store.lock_key)
+            store.redis.delete(store.keys.lock)
             # ...and another process wins it before our caller looks again
-            assert store.lock(ttl=60.0).acquire(token=next_holder)
+            assert store.take_lock(f"{next_holder}:1", f"{next_holder}:", 60.0)
         if polls == 2 * one_lock_ttl - 10:
             stored(store, clock, left=LIFETIME)
 
@@ -564,7 +578,7 @@ def test_a_waiter_outlasts_a_dead_holder_and_the_whole_renewal_of_the_next_one(
     assert len(sleep.waits) == 2 * one_lock_ttl - 10
 
 
-def test_the_lock_outlives_the_longest_renewal(
+def test_the_renewal_limit_covers_the_longest_renewal(
     manager: TokenManager, exchange: FakeExchange, sleep: Sleeper
 ) -> None:
     """Every try times out (0.1 s here) and asks for the longest Retry-After still obeyed
@@ -579,7 +593,7 @@ def test_the_lock_outlives_the_longest_renewal(
         EXCHANGE_RETRY_WAIT_MAX <= wait <= 2 * EXCHANGE_RETRY_WAIT_MAX for wait in sleep.waits
     )
     worst = EXCHANGE_ATTEMPTS * 0.1 + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
-    assert manager.lock_ttl > worst
+    assert manager.renewal_limit > worst
 
 
 # -- breaker -----------------------------------------------------------------------------
@@ -605,7 +619,8 @@ def test_rejected_credentials_open_the_breaker_for_that_secret(
     assert record.secret_fingerprint == fingerprint(secret[0])
     assert secret[0] not in record.detail
     assert store.counters() == {
-        "exchanges:mandatory:rejected": 1,
+        "renewals:mandatory:rejected": 1,
+        "exchange_attempts:mandatory:rejected": 1,
         "breaker_openings:rejected": 1,
     }
     assert store.lock_holder() is None
@@ -636,16 +651,18 @@ def test_a_waiter_that_gets_the_lock_after_a_failed_renewal_obeys_the_breaker_it
     429, paused exchanges and let go. Taking the lock next, the caller must not make a
     second refused exchange (fault rows 3, 8 and 9 count refused exchanges exactly)."""
     hold_lock(store)
-    take_lock = store.lock
+    take_lock = store.take_lock
 
-    def holder_fails_between_our_breaker_look_and_our_lock(ttl: float) -> Lock:
+    def holder_fails_between_our_breaker_look_and_our_lock(
+        value: str, prefix: str, lease: float
+    ) -> bool:
         if sleep.waits:  # the caller has waited once; now, just after it looked...
-            record = BreakerRecord("rate_limited", clock.now + 30.0, 1, "", "HTTP 429")
+            record = BreakerRecord(BreakerKind.RATE_LIMITED, clock.now + 30.0, 1, "", "HTTP 429")
             store.open_breaker(record, clock.now)
-            store.redis.delete(store.lock_key)
-        return take_lock(ttl)
+            store.redis.delete(store.keys.lock)
+        return take_lock(value, prefix, lease)
 
-    monkeypatch.setattr(store, "lock", holder_fails_between_our_breaker_look_and_our_lock)
+    monkeypatch.setattr(store, "take_lock", holder_fails_between_our_breaker_look_and_our_lock)
     with pytest.raises(ExchangeRateLimited, match="paused"):
         manager.token()
     assert exchange.calls == []
@@ -696,7 +713,7 @@ def test_a_rate_limited_exchange_pauses_exchanges_until_retry_after(
     assert record is not None
     assert (record.kind, record.until) == ("rate_limited", clock.now + 30.0 + RETRY_AFTER_MARGIN)
     # the record outlives its pause, to count failures in a row
-    assert fake_redis.pttl(store.breaker_key) > 30_000
+    assert fake_redis.pttl(store.keys.breaker) > 30_000
 
     clock.now += 20.0
     with pytest.raises(ExchangeRateLimited) as caught:
@@ -707,7 +724,7 @@ def test_a_rate_limited_exchange_pauses_exchanges_until_retry_after(
     clock.now += 11.0  # past ``until``: the record no longer pauses anything
     assert manager.token().value == "tok-issued-2"
     assert len(exchange.calls) == 2
-    assert store.counters()["exchanges:mandatory:rate_limited"] == 1
+    assert store.counters()["renewals:mandatory:rate_limited"] == 1
     assert store.counters()["breaker_openings:rate_limited"] == 1
 
 
@@ -743,7 +760,8 @@ def test_an_unavailable_endpoint_is_retried_then_pauses_exchanges(
     assert UNAVAILABLE_BACKOFF / 2 <= pause <= UNAVAILABLE_BACKOFF
     assert pause != UNAVAILABLE_BACKOFF  # jittered
     assert store.counters() == {
-        "exchanges:mandatory:failed": 1,
+        "renewals:mandatory:failed": 1,
+        "exchange_attempts:mandatory:failed": EXCHANGE_ATTEMPTS,  # every HTTP attempt
         "breaker_openings:unavailable": 1,
     }
 
@@ -810,7 +828,9 @@ def test_a_5xx_retry_after_is_honoured_before_the_next_exchange(
 
 
 @pytest.mark.parametrize(
-    "kind", ["rejected", "rate_limited", "unavailable"], ids=lambda kind: f"{kind}-breaker"
+    "kind",
+    [BreakerKind.REJECTED, BreakerKind.RATE_LIMITED, BreakerKind.UNAVAILABLE],
+    ids=lambda kind: f"{kind}-breaker",
 )
 def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
     manager: TokenManager,
@@ -818,7 +838,7 @@ def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
     clock: ManualClock,
     exchange: FakeExchange,
     secret: list[str],
-    kind: str,
+    kind: BreakerKind,
 ) -> None:
     token = stored(store, clock, left=3600.0)
     clock.now += 3600.0 - 60.0  # mandatory window
@@ -831,9 +851,9 @@ def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
 @pytest.mark.parametrize(
     ("kind", "error"),
     [
-        ("rejected", CredentialsRejected),
-        ("rate_limited", ExchangeRateLimited),
-        ("unavailable", TokenEndpointUnavailable),
+        (BreakerKind.REJECTED, CredentialsRejected),
+        (BreakerKind.RATE_LIMITED, ExchangeRateLimited),
+        (BreakerKind.UNAVAILABLE, TokenEndpointUnavailable),
     ],
 )
 def test_without_a_valid_token_an_open_breaker_raises_its_error(
@@ -842,7 +862,7 @@ def test_without_a_valid_token_an_open_breaker_raises_its_error(
     clock: ManualClock,
     exchange: FakeExchange,
     secret: list[str],
-    kind: str,
+    kind: BreakerKind,
     error: type[Exception],
 ) -> None:
     record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "why it paused")
@@ -962,7 +982,7 @@ def test_the_copy_serves_calls_without_reading_redis_until_it_is_due_for_a_read(
 ) -> None:
     token = stored(store, clock, left=3600.0)
     assert copying_manager.token() == token
-    fake_redis.delete(store.token_key)  # a read now would find nothing
+    fake_redis.delete(store.keys.token)  # a read now would find nothing
     clock.now += 0.5
     assert copying_manager.token() == token
     newer = stored(store, clock, left=3600.0, value="tok-newer")

@@ -25,7 +25,7 @@ from merchant_tasks.sealing import (
 )
 from merchant_tasks.settings import Settings
 from merchant_tasks.store import TokenStore
-from merchant_tasks.token import Token
+from merchant_tasks.token import RenewalReason, Token
 
 PING = "/open-api/v1/ping"
 NAMESPACE = "mt-test:sandbox:app"
@@ -137,9 +137,9 @@ def test_the_store_keeps_the_value_sealed_and_the_times_readable(
 ) -> None:
     namespace = f"{key_prefix}:sandbox:app"
     store = TokenStore(redis_client, namespace, Sealer.from_files(str(key_file)))
-    token = Token("live-token-value", 1000.0, 2e10, 1, "me", "manual")
+    token = Token("live-token-value", 1000.0, 2e10, 1, "me", RenewalReason.MANUAL)
     assert store.save(token) == (True, 1)
-    raw = redis_client.get(store.token_key)
+    raw = redis_client.get(store.keys.token)
     assert isinstance(raw, bytes)
     assert not shows("live-token-value", raw)
     assert json.loads(raw)["expires_at"] == 2e10  # beat's due check needs no key
@@ -206,14 +206,14 @@ def test_a_process_with_another_key_or_none_fails_clearly_and_never_renews_over_
     sealed_settings = replace(settings, token_key_file=str(key_file))
     ours = client_for(sealed_settings, redis_client=redis_client)
     assert ours.request("GET", PING) == {"ok": True}
-    stored = redis_client.get(ours.manager.store.token_key)
+    stored = redis_client.get(ours.manager.store.keys.token)
     assert sandbox.exchanges()["ok"] == 1
 
     _run_other_process(settings, secret_file, _key_file(tmp_path, "another-key"))
     _run_other_process(settings, secret_file, None)
 
     assert sandbox.exchanges()["ok"] == 1  # neither made an exchange
-    assert redis_client.get(ours.manager.store.token_key) == stored
+    assert redis_client.get(ours.manager.store.keys.token) == stored
     ours.manager.copy.forget()  # read Redis again: the fleet's token is still ours
     assert ours.request("GET", PING) == {"ok": True}
     assert sandbox.exchanges()["ok"] == 1

@@ -43,6 +43,7 @@ MAX_TOKEN_LENGTH = 8 * 1024  # a longer access_token is not a bearer token we ca
 TOKEN_BODY_LIMIT = 64 * 1024  # a token response is read up to this much, no further
 ERROR_BODY_LIMIT = 4 * 1024  # an error body: enough for its error code and an excerpt
 _READ_CHUNK = 16 * 1024
+_DEADLINE_SLACK = 0.05  # a read that failed this close to the deadline timed out on it
 
 
 class Answered(Protocol):
@@ -162,14 +163,14 @@ class TokenExchange:
         if not isinstance(raw, HTTPResponse):  # a transport that read the body already
             return response.content[: limit + 1]
         body = bytearray()
+        late = TokenEndpointUnavailable(
+            f"token endpoint {self.url} did not finish its answer within {self.deadline:g} s"
+        )
         try:
             while len(body) <= limit:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TokenEndpointUnavailable(
-                        f"token endpoint {self.url} did not finish its answer within "
-                        f"{self.deadline:g} s"
-                    )
+                    raise late
                 sock = getattr(raw.connection, "sock", None)
                 if sock is not None:  # each read waits at most until the deadline
                     sock.settimeout(min(left, self.timeout[1]))
@@ -178,6 +179,8 @@ class TokenExchange:
                     break
                 body += chunk
         except (HTTPError, OSError) as exc:
+            if time.monotonic() >= deadline - _DEADLINE_SLACK:  # the read waited until it
+                raise late from None
             raise TokenEndpointUnavailable(
                 f"token endpoint {self.url} broke off its answer ({type(exc).__name__})"
             ) from None

@@ -61,7 +61,7 @@ class Breaker:
             and record.secret_fingerprint != self.secret_fingerprint()
         ):
             return None  # a new secret is in place: try it now
-        if fallback is not None and fallback.expires_at > now:
+        if fallback is not None and fallback.valid_at(now):
             return fallback
         raise self._error(record, max(0.0, record.until - now))
 
@@ -102,9 +102,18 @@ class Breaker:
         now = self.clock()
         self._open(BreakerRecord(BreakerKind.REVOKED, now + pause, 1, "", detail), now)
 
+    def trip_refused(self, generation: int, failures: int, pause: float, detail: str) -> None:
+        """Pause renewals because token ``generation`` was refused before first use, the
+        ``failures``-th time in a row (``refusals`` decides the pause)."""
+        now = self.clock()
+        record = BreakerRecord(BreakerKind.REFUSED, now + pause, failures, "", detail, generation)
+        self._open(record, now)
+
     def reset(self) -> None:
-        """Close the breaker after a successful exchange."""
-        if self.store.load_breaker() is not None:
+        """Close the breaker after a successful exchange. A ``refused`` record stays (its
+        pause is over): it counts refusals in a row until the API accepts a token."""
+        record = self.store.load_breaker()
+        if record is not None and record.kind != BreakerKind.REFUSED:
             self.store.close_breaker()
 
     def _open(self, record: BreakerRecord, now: float) -> None:
@@ -124,6 +133,6 @@ class Breaker:
             return CredentialsRejected(message)
         if record.kind == BreakerKind.RATE_LIMITED:
             return ExchangeRateLimited(message, retry_after=left)
-        if record.kind == BreakerKind.REVOKED:
-            return TokenRejected(message)
+        if record.kind in (BreakerKind.REVOKED, BreakerKind.REFUSED):
+            return TokenRejected(message, retry_after=left)
         return TokenEndpointUnavailable(message, retry_after=left)

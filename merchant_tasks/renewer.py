@@ -3,7 +3,7 @@
 Exchange (the callable passed in: nothing here speaks HTTP), retrying a failing endpoint
 a few times; judge the answer against the stored token (docs/design.md, "An answer no
 better than the stored token"); store it, or mark the stored token final; wake the
-fleet's waiters; keep forced renewals within their budget (docs/design.md, "Refusals").
+fleet's waiters. Forced renewals spend their budget first (``refusals``).
 """
 
 from __future__ import annotations
@@ -33,12 +33,8 @@ from .exceptions import (
 from .exchange import IssuedToken
 from .local_copy import LocalCopy
 from .policy import (
-    FORCED_RENEWAL_BUDGET,
-    FORCED_RENEWAL_PERIOD,
-    CounterName,
     Outcome,
     RenewalPolicy,
-    budget_spent_message,
 )
 from .renewal_lock import process_owner
 from .store import TokenStore
@@ -79,8 +75,6 @@ class Renewer:
         issued_at = self.clock()  # before the exchange: the token is at least this old
         if current is not None and not current.valid_at(issued_at):
             current = None
-        if reason == RenewalReason.FORCED:
-            self._spend_forced_budget(issued_at)
         try:
             issued = self._exchange(reason, current, attempts=1 if probe else EXCHANGE_ATTEMPTS)
         except TokenExchangeError as exc:
@@ -196,16 +190,6 @@ class Renewer:
         if newer is None:
             raise RenewalTimeout("a newer token was stored during a slow exchange and expired")
         return newer
-
-    def _spend_forced_budget(self, now: float) -> None:
-        """Count a forced renewal; past the budget, open the breaker instead."""
-        spent = self.store.forced_in_period(now, FORCED_RENEWAL_PERIOD)
-        if spent >= FORCED_RENEWAL_BUDGET:
-            message = budget_spent_message(spent, FORCED_RENEWAL_PERIOD)
-            self.breaker.trip_revoked(FORCED_RENEWAL_PERIOD, message)
-            raise TokenRejected(message)
-        self.store.log_forced(now)
-        self.store.count(CounterName.FORCED_RENEWALS)
 
 
 def outcome_of(exc: TokenExchangeError) -> Outcome:

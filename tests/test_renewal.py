@@ -35,7 +35,8 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
-from merchant_tasks.policy import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD, BreakerKind
+from merchant_tasks.policy import BreakerKind
+from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD, REFUSED_BACKOFF
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX
 from merchant_tasks.single_flight import POLL_INITIAL, POLL_MAX
@@ -295,7 +296,67 @@ def test_a_refused_token_the_api_never_accepted_is_token_rejected_without_exchan
     assert "never accepted" in str(caught.value)
     assert not caught.value.retryable
     assert exchange.calls == []
-    assert store.counters() == {"unauthorized": 1, "never_accepted_rejected": 1}
+    assert caught.value.retry_after == REFUSED_BACKOFF
+    assert store.counters() == {
+        "unauthorized": 1,
+        "never_accepted_rejected": 1,
+        "breaker_openings:refused": 1,
+    }
+
+
+def test_a_token_known_refused_is_not_sent_again_until_its_backoff_ends_then_is_renewed(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
+    with pytest.raises(TokenRejected):
+        manager.renew(stale_token=refused)
+    for _ in range(3):  # fail fast: no Redis command, nothing sent
+        with pytest.raises(TokenRejected, match="known to be refused"):
+            manager.token()
+    assert store.counters()["unauthorized"] == 1
+    clock.now += REFUSED_BACKOFF
+    renewed = manager.token()
+    assert renewed.replaces(refused, clock.now)
+    assert renewed.reason == RenewalReason.FORCED
+    assert len(exchange.calls) == 1
+
+
+def test_two_revocations_before_first_use_heal_after_one_backoff(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    first = manager.token()
+    manager.accepted(first)
+    second = manager.renew(stale_token=first)  # revoked after use: renewed at once
+    third = manager.renew(stale_token=second)  # revoked before use: renewed once more
+    with pytest.raises(TokenRejected) as caught:  # and the next one too: it waits
+        manager.renew(stale_token=third)
+    assert caught.value.retry_after is not None
+    assert caught.value.retry_after <= 60.0
+    clock.now += caught.value.retry_after
+    healed = manager.token()
+    manager.accepted(healed)
+    assert healed.generation == 4
+    assert len(exchange.calls) == 4
+
+
+def test_a_key_whose_every_token_is_refused_costs_at_most_8_exchanges_in_2_hours(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """Calls every 10 s for two hours, every token refused at its first use."""
+    end = clock.now + 7200.0
+    pauses: list[float] = []
+    while clock.now < end:
+        try:
+            token = manager.token()
+            manager.renew(stale_token=token)  # its first call: 401
+        except TokenRejected as exc:
+            if exc.retry_after and (not pauses or exc.retry_after > pauses[-1] + 10.0):
+                pauses.append(exc.retry_after)
+        clock.now += 10.0
+    print(f"\nwrong key: {len(exchange.calls)} exchanges in 2 h, pauses {pauses}")
+    assert 2 <= len(exchange.calls) <= 8
+    assert pauses[0] <= 60.0
+    assert max(pauses) <= 1800.0
 
 
 def test_a_token_accepted_by_another_process_and_refused_is_renewed_at_once_however_fresh(
@@ -357,7 +418,7 @@ def test_forced_renewals_past_the_budget_open_the_breaker_naming_another_exchang
     store.mark_accepted(current.generation)
     with pytest.raises(TokenRejected, match="another system exchanging with the same API key"):
         manager.renew(stale_token=current)
-    with pytest.raises(TokenRejected, match="paused"):  # the breaker holds every other call
+    with pytest.raises(TokenRejected, match="known to be refused"):  # not sent again
         manager.renew(stale_token=current)
     assert len(exchange.calls) == FORCED_RENEWAL_BUDGET
     assert store.counters()["breaker_openings:revoked"] == 1

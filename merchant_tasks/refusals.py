@@ -101,9 +101,12 @@ class Refusals:
         self._forcing_changed = threading.Condition()
 
     def known_refused(self, token: Token) -> bool:
-        """Whether ``token`` is known to be refused and its back-off is over (renew it).
+        """Whether ``token`` is known to be refused: a sibling thread is renewing it after a
+        401, or its back-off is over (then renew it, or wait for the sibling's token).
 
         Raises TokenRejected while the back-off lasts: the token is not sent again."""
+        if self._forcing >= token.generation:
+            return True
         until = self._known.get(token.generation)
         if until is None:
             return False

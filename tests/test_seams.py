@@ -32,6 +32,7 @@ from merchant_tasks.cli import main
 from merchant_tasks.exceptions import MerchantError, StoreUnavailable
 from merchant_tasks.local import RedisServer, free_port, spawn, wait_until
 from merchant_tasks.metrics import FleetCollector
+from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET
 from merchant_tasks.renewal_lock import RenewalLock
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.status import account_status
@@ -347,3 +348,41 @@ def test_status_json_is_an_error_document_when_redis_cannot_be_read(
     document: dict[str, Any] = json.loads(result.stdout)
     assert document["error"]["type"] == "StoreUnavailable"
     assert result.exit_code != 0
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_times(
+    client: FleetClient, sandbox: Sandbox
+) -> None:
+    """16 threads call while every token is revoked twice a second for 10 s. Each forced
+    renewal meets at most one 401 per thread (the requests in flight when the revocation
+    lands); once the budget is spent the stored token is known refused, and calls fail
+    fast without sending it: no more 401s than threads x (budget + 1)."""
+    assert client.request("GET", PING) == {"ok": True}
+    before = sandbox.calls().get("unauthorized", 0)
+    with Calling(client, threads=16) as calling:
+        for _ in range(20):
+            time.sleep(0.5)
+            sandbox.app.revoke_all()
+    refused = sandbox.calls().get("unauthorized", 0) - before
+    outcomes = Counter(outcome for _, outcome in calling.outcomes)
+    print(f"\nrevocations: {refused} requests got 401; outcomes {dict(outcomes)}")
+    assert set(outcomes) <= {"ok", "TokenRejected"}, outcomes
+    assert refused <= 16 * (FORCED_RENEWAL_BUDGET + 1)
+
+
+def test_status_reports_an_account_whose_tokens_are_refused_as_failing(
+    account_env: dict[str, str], sandbox: Sandbox
+) -> None:
+    sandbox.app.configure({"refuse_all_calls": True})  # the key works, the API refuses it
+    env = {"MERCHANT_API_SECRET": None, **account_env}
+    call = CliRunner().invoke(main, ["call", "GET", PING], env=env)
+    assert call.exit_code != 0
+    assert "never accepted" in call.stderr
+    status = CliRunner().invoke(main, ["status", "--json"], env=env)
+    [account] = json.loads(status.stdout)["accounts"]
+    assert account["breaker"]["kind"] == "refused"
+    assert status.exit_code != 0
+    assert sandbox.exchanges()["ok"] == 1

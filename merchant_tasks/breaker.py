@@ -52,7 +52,7 @@ class Breaker:
         Returns None when an exchange may go ahead: no pause, or a rejected secret since
         replaced.
         """
-        record = self.store.load_breaker()
+        record = self.store.records.load_breaker()
         now = self.clock()
         if record is None or record.until <= now:
             return None  # the record outlives its pause only to remember the failure count
@@ -68,7 +68,7 @@ class Breaker:
     def take_probe(self) -> bool:
         """Half-open: whether this caller may probe the endpoint during an ``unavailable``
         pause (one caller per PROBE_INTERVAL fleet-wide; only when it has no valid token)."""
-        if not self.store.take_probe(PROBE_INTERVAL):
+        if not self.store.records.take_probe(PROBE_INTERVAL):
             return False
         log.info("no valid token during an endpoint pause: probing the endpoint once")
         return True
@@ -86,7 +86,7 @@ class Breaker:
                 BreakerKind.RATE_LIMITED, now + pause + RETRY_AFTER_MARGIN, 1, "", str(exc)
             )
         else:
-            previous = self.store.load_breaker()
+            previous = self.store.records.load_breaker()
             failures = 1
             if previous is not None and previous.kind == BreakerKind.UNAVAILABLE:
                 failures = previous.failures + 1
@@ -94,7 +94,7 @@ class Breaker:
             pause *= 0.5 + self.rng.random() / 2  # jitter, so hosts do not retry in step
             pause = max(pause, getattr(exc, "retry_after", None) or 0.0)
             record = BreakerRecord(BreakerKind.UNAVAILABLE, now + pause, failures, "", str(exc))
-            self.store.take_probe(PROBE_INTERVAL)  # the first probe comes an interval later
+            self.store.records.take_probe(PROBE_INTERVAL)  # the first probe comes an interval later
         self._open(record, now)
 
     def trip_revoked(self, pause: float, detail: str) -> None:
@@ -112,13 +112,13 @@ class Breaker:
     def reset(self) -> None:
         """Close the breaker after a successful exchange. A ``refused`` record stays (its
         pause is over): it counts refusals in a row until the API accepts a token."""
-        record = self.store.load_breaker()
+        record = self.store.records.load_breaker()
         if record is not None and record.kind != BreakerKind.REFUSED:
-            self.store.close_breaker()
+            self.store.records.close_breaker()
 
     def _open(self, record: BreakerRecord, now: float) -> None:
-        self.store.open_breaker(record, now)
-        self.store.count(opening_counter(record.kind))
+        self.store.records.open_breaker(record, now)
+        self.store.records.count(opening_counter(record.kind))
         log.warning(
             "token exchanges paused for %.1f s for %s: %s",
             record.until - now,

@@ -55,10 +55,10 @@ class CompletionRecords:
     def earlier_run(self, task_id: str) -> Completed | None:
         """The successful earlier run of ``task_id``, counted as a redelivery, or None."""
         try:
-            record = self.store.load_completion(task_id)
+            record = self.store.records.load_completion(task_id)
             if record is None:
                 return None
-            self.store.count(CounterName.REDELIVERED)
+            self.store.records.count(CounterName.REDELIVERED)
         except StoreUnavailable as exc:
             log.warning("no completion record of call %s could be read (%s)", task_id, exc)
             return None
@@ -70,7 +70,7 @@ class CompletionRecords:
     def record(self, task_id: str, result: Any) -> None:
         """Remember that ``task_id`` succeeded with ``result`` (the API's decoded JSON)."""
         try:
-            self.store.save_completion(task_id, result, self.ttl)
+            self.store.records.save_completion(task_id, result, self.ttl)
         except StoreUnavailable as exc:
             log.warning(
                 "completion record of call %s not written (%s): a redelivery would call the "

@@ -188,7 +188,7 @@ def _drive(
 
     def view(now: float) -> None:
         counters = sandbox.counters()
-        fleet = store.counters()
+        fleet = store.records.counters()
         token = store.load()
         clock = store.time()
         summary.exchanges = counters["exchanges"]["ok"]

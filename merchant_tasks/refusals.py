@@ -189,7 +189,7 @@ class Refusals:
             accepted = max(accepted, self.store.accepted_generation())
         if judge(stale, accepted) != Refusal.NEVER_ACCEPTED:
             return
-        record = self.store.load_breaker()
+        record = self.store.records.load_breaker()
         now = self.clock()
         same = record is not None and record.kind == BreakerKind.REFUSED
         if same and record is not None and record.generation == stale.generation:
@@ -198,7 +198,7 @@ class Refusals:
             raise TokenRejected(_never_accepted(record.until - now), retry_after=record.until - now)
         failures = record.failures + 1 if same and record is not None else 1
         pause = refused_backoff(failures)
-        self.store.count(CounterName.NEVER_ACCEPTED)
+        self.store.records.count(CounterName.NEVER_ACCEPTED)
         self.breaker.trip_refused(stale.generation, failures, pause, _never_accepted(pause))
         raise TokenRejected(_never_accepted(pause), retry_after=pause)
 
@@ -206,7 +206,7 @@ class Refusals:
         """Count a forced renewal (under the lock, before its exchange); past the budget,
         open the ``revoked`` breaker instead."""
         now = self.clock()
-        spent = self.store.forced_in_period(now, FORCED_RENEWAL_PERIOD)
+        spent = self.store.records.forced_in_period(now, FORCED_RENEWAL_PERIOD)
         if spent >= FORCED_RENEWAL_BUDGET:
             message = (
                 f"tokens of this account were revoked over and over: {spent} forced renewals "
@@ -216,8 +216,8 @@ class Refusals:
             )
             self.breaker.trip_revoked(FORCED_RENEWAL_PERIOD, message)
             raise TokenRejected(message, retry_after=FORCED_RENEWAL_PERIOD)
-        self.store.log_forced(now)
-        self.store.count(CounterName.FORCED_RENEWALS)
+        self.store.records.log_forced(now)
+        self.store.records.count(CounterName.FORCED_RENEWALS)
 
     def _sibling_renewal(self, stale: Token) -> Token | None:
         """While another thread of this process renews (or waits for the fleet's renewal

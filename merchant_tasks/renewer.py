@@ -78,15 +78,15 @@ class Renewer:
         try:
             issued = self._exchange(reason, current, attempts=1 if probe else EXCHANGE_ATTEMPTS)
         except TokenExchangeError as exc:
-            self.store.record_renewal(reason, outcome_of(exc))
+            self.store.records.record_renewal(reason, outcome_of(exc))
             self.breaker.trip(exc)
             raise
         forced = reason == RenewalReason.FORCED
         expires_at = issued_at + issued.expires_in
         if current is not None and self.policy.no_better(issued.value, expires_at, current, forced):
-            self.store.record_renewal(reason, Outcome.UNCHANGED)
+            self.store.records.record_renewal(reason, Outcome.UNCHANGED)
             return self._keep_final(current, expected, forced)
-        self.store.record_renewal(reason, Outcome.OK)
+        self.store.records.record_renewal(reason, Outcome.OK)
         token = Token(
             value=issued.value,
             issued_at=issued_at,
@@ -105,9 +105,9 @@ class Renewer:
             try:
                 issued = self.exchange()
             except TokenExchangeError as exc:
-                self.store.record_attempt(reason, outcome_of(exc), self.clock())
+                self.store.records.record_attempt(reason, outcome_of(exc), self.clock())
                 raise
-            self.store.record_attempt(reason, Outcome.OK, self.clock())
+            self.store.records.record_attempt(reason, Outcome.OK, self.clock())
             if issued.expires_in <= 0 and current is None:
                 # its last token, in its last second: a new one comes once that is over
                 raise TokenEndpointUnavailable(

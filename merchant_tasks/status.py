@@ -49,7 +49,7 @@ def account_status(name: str, settings: Settings, store: TokenStore) -> AccountS
     """Read one account's status from its store."""
     now = store.time()
     token = store.load()
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     breaker = None
     if record is not None and record.until > now:
         breaker = {
@@ -63,12 +63,12 @@ def account_status(name: str, settings: Settings, store: TokenStore) -> AccountS
         "environment": settings.environment,
         "api_key": settings.api_key,
         "now": now,
-        "exchanges_last_hour": store.exchanges_since(now - HOUR),
-        "exchanges_last_day": store.exchanges_since(now - DAY),
+        "exchanges_last_hour": store.records.exchanges_since(now - HOUR),
+        "exchanges_last_day": store.records.exchanges_since(now - DAY),
         "breaker": breaker,
         "lock_holder": store.lock_holder(),
-        "counters": store.counters(),
-        "histograms": store.histograms(),
+        "counters": store.records.counters(),
+        "histograms": store.records.histograms(),
     }
     if token is None:
         return AccountStatus(state="missing", **common)

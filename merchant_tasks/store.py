@@ -43,8 +43,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -56,6 +56,9 @@ from .policy import BreakerKind, CounterName, Outcome
 from .redis_topology import StoreClient
 from .sealing import PLAIN_TEXT, TokenCodec
 from .token import RenewalReason, Token
+
+if TYPE_CHECKING:
+    from .records import AccountRecords
 
 log = logging.getLogger(__name__)
 
@@ -200,56 +203,43 @@ class RedisClock:
         return remote_then + (mono - mono_then)
 
 
-class TokenStore:
-    """Reads and writes one account's keys; the manager, beat's check, completions,
-    wake-ups, status and metrics reach Redis through it."""
+class AccountRedis:
+    """One account's Redis commands: every error typed (``StoreUnavailable`` naming the
+    cause), every corrupt or wrong-typed value read as absent and logged once."""
 
-    namespace_for = staticmethod(AccountKeys.namespace_for)
-
-    def __init__(self, client: StoreClient, namespace: str, codec: TokenCodec = PLAIN_TEXT) -> None:
-        self.redis = client
-        self.namespace = namespace
-        self.keys = AccountKeys.of(namespace)
-        self.codec = codec  # how the token value is kept at rest (sealing.py)
+    def __init__(self, client: StoreClient, keys: AccountKeys) -> None:
+        self.client = client
+        self.keys = keys
         self.address = redis_address(client)  # for error messages: host only, no password
-        self._parsed: tuple[bytes, Token] | None = None
-        self._parsed_lock = threading.Lock()
-        # the highest generation this process has seen stored: Redis may lose the last
-        # writes in a failover (asynchronous replication), and a process that used a token
-        # must never go back to an older one
-        self._seen_generation = 0
         self._reported: set[str] = set()  # keys whose corrupt value was logged
 
-    def __repr__(self) -> str:
-        return f"TokenStore(namespace={self.namespace!r})"
-
-    # -- reading, whatever the keys hold ---------------------------------------------------
-
-    def _command(self, command: Callable[[], T]) -> T:
+    def command(self, command: Callable[[], T]) -> T:
         with unavailable_as_error(self.address):
             return command()
 
-    def _read(
-        self, key: str, command: Callable[[], Any], parse: Callable[[Any], T], absent: T
-    ) -> T:
+    def read(self, key: str, command: Callable[[], Any], parse: Callable[[Any], T], absent: T) -> T:
         """``parse`` of what ``command`` read from ``key``; ``absent`` when nothing is
         there or what is there is corrupt or of the wrong type (logged once)."""
         try:
-            raw = self._command(command)
+            raw = self.command(command)
         except StoreUnavailable as exc:
             if not _wrong_type(exc.__cause__):
                 raise
-            self._corrupt(key, "a value of the wrong type")
+            self.corrupt(key, "a value of the wrong type")
             return absent
         if raw is None:
             return absent
         try:
             return parse(raw)
         except _CORRUPT as exc:
-            self._corrupt(key, type(exc).__name__)
+            self.corrupt(key, type(exc).__name__)
             return absent
 
-    def _corrupt(self, key: str, why: str) -> None:
+    def get(self, key: str, parse: Callable[[bytes], T], absent: T) -> T:
+        """GET ``key``, parsed; see ``read``."""
+        return self.read(key, lambda: self.client.get(key), parse, absent)
+
+    def corrupt(self, key: str, why: str) -> None:
         if key not in self._reported:
             self._reported.add(key)
             log.warning(
@@ -259,20 +249,56 @@ class TokenStore:
                 why,
             )
 
-    def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         """Run one of ``store_scripts``, sent whole (EVAL), not by digest (EVALSHA).
 
         They run a few times a renewal, never on the hot path; after a Redis restart or
         failover the server's script cache is empty, and a digest would cost every process
         two more commands (NOSCRIPT, SCRIPT LOAD) in the very storm that follows.
         """
-        return self._command(lambda: self.redis.eval(script, len(keys), *keys, *args))
+        return self.command(lambda: self.client.eval(script, len(keys), *keys, *args))
+
+
+class TokenStore:
+    """One account's token, generation, acceptance and renewal lock; ``records`` holds its
+    breaker, budget, counters and completion records. The manager, beat's check,
+    completions, wake-ups, status and metrics reach Redis through it."""
+
+    namespace_for = staticmethod(AccountKeys.namespace_for)
+
+    def __init__(self, client: StoreClient, namespace: str, codec: TokenCodec = PLAIN_TEXT) -> None:
+        self.namespace = namespace
+        self.keys = AccountKeys.of(namespace)
+        self.codec = codec  # how the token value is kept at rest (sealing.py)
+        from .records import AccountRecords  # records builds on this module
+
+        self.commands = AccountRedis(client, self.keys)
+        self.address = self.commands.address
+        self.records: AccountRecords = AccountRecords(self.commands)
+        self._parsed: tuple[bytes, Token] | None = None
+        self._parsed_lock = threading.Lock()
+        # the highest generation this process has seen stored: Redis may lose the last
+        # writes in a failover (asynchronous replication), and a process that used a token
+        # must never go back to an older one
+        self._seen_generation = 0
+
+    def __repr__(self) -> str:
+        return f"TokenStore(namespace={self.namespace!r})"
+
+    @property
+    def redis(self) -> StoreClient:
+        """The Redis client (wake-ups subscribe with it; tests swap it)."""
+        return self.commands.client
+
+    @redis.setter
+    def redis(self, client: StoreClient) -> None:
+        self.commands.client = client
 
     # -- the token ---------------------------------------------------------------------------
 
     def time(self) -> float:
         """Redis's clock, in seconds."""
-        seconds, micros = self._command(self.redis.time)
+        seconds, micros = self.commands.command(self.redis.time)
         return float(seconds + micros / 1e6)
 
     def load(self) -> Token | None:
@@ -282,7 +308,7 @@ class TokenStore:
         (Redis lost writes): it is renewed rather than used again.
         """
         key = self.keys.token
-        return self._parse(self._read(key, lambda: self.redis.get(key), bytes, None))
+        return self._parse(self.commands.get(key, bytes, None))
 
     def _parse(self, raw: bytes | None) -> Token | None:
         if raw is None:
@@ -295,7 +321,7 @@ class TokenStore:
                 token = Token.from_json(raw)
                 token = replace(token, value=self.codec.open(token.value, self.namespace))
             except _CORRUPT as exc:  # (a value in clear where a key seals them is a ValueError)
-                self._corrupt(self.keys.token, type(exc).__name__)
+                self.commands.corrupt(self.keys.token, type(exc).__name__)
                 return None
             with self._parsed_lock:
                 self._parsed = (raw, token)
@@ -320,17 +346,17 @@ class TokenStore:
         Returns the stored token and 1 (lock taken), 0 (not tried) or -1 (another holds
         it: the wait was noted, see ``note_wait``).
         """
-        raw, outcome = self._run(
+        raw, outcome = self.commands.run(
             scripts.LOOK_AFTER_401,
             keys=[self.keys.token, self.keys.lock, self.keys.counters, self.keys.waits],
             args=[
                 refused_generation,
                 lock_value or "",
                 owner_prefix,
-                _milliseconds(lease),
+                milliseconds(lease),
                 CounterName.UNAUTHORIZED,
                 CounterName.LOCK_WAITS,
-                _milliseconds(wait_limit),
+                milliseconds(wait_limit),
             ],
         )
         return self._parse(raw), int(outcome)
@@ -339,7 +365,7 @@ class TokenStore:
         """The generation of the last token written (0 if none ever was), or the highest
         this process has seen stored if Redis has lost writes since."""
         key = self.keys.generation
-        return max(self._read(key, lambda: self.redis.get(key), int, 0), self._seen_generation)
+        return max(self.commands.get(key, int, 0), self._seen_generation)
 
     def save(self, token: Token) -> tuple[bool, int]:
         """Write ``token`` if it is the successor of the stored generation.
@@ -347,7 +373,7 @@ class TokenStore:
         ``token.generation`` must be the stored generation plus one. Returns whether it was
         written and the generation now stored.
         """
-        written, generation = self._run(
+        written, generation = self.commands.run(
             scripts.SAVE_IF_GENERATION,
             keys=[self.keys.token, self.keys.generation, self.keys.waits, self.keys.histograms],
             args=[
@@ -376,7 +402,7 @@ class TokenStore:
         """Tell waiting processes that ``generation`` is stored. Best effort (they poll too):
         False if it could not be published (Redis down, or an ACL without the channel)."""
         try:
-            self._command(lambda: self.redis.publish(self.keys.renewed, str(generation)))
+            self.commands.command(lambda: self.redis.publish(self.keys.renewed, str(generation)))
         except StoreUnavailable as exc:
             log.warning("could not announce a new token: %s", exc)
             return False
@@ -386,145 +412,39 @@ class TokenStore:
         """Count a wait for another's renewal of ``stale_generation`` and note when it
         began, for the lock-wait histogram: the write that ends it records it, so a waiter
         sends no command for it. False, nothing noted, if a newer generation is stored."""
-        noted = self._run(
+        noted = self.commands.run(
             scripts.NOTE_WAIT_UNLESS_RENEWED,
             keys=[self.keys.token, self.keys.counters, self.keys.waits],
-            args=[stale_generation, CounterName.LOCK_WAITS, _milliseconds(wait_limit)],
+            args=[stale_generation, CounterName.LOCK_WAITS, milliseconds(wait_limit)],
         )
         return bool(noted)
 
     def mark_accepted(self, generation: int) -> None:
         """Record that the API accepted a token of ``generation`` (no write if already known)."""
-        self._run(scripts.RAISE_ACCEPTED, keys=[self.keys.accepted], args=[generation])
+        self.commands.run(scripts.RAISE_ACCEPTED, keys=[self.keys.accepted], args=[generation])
 
     def accepted_generation(self) -> int:
         """The highest generation the API is known to have accepted (0: none ever)."""
         key = self.keys.accepted
-        return self._read(key, lambda: self.redis.get(key), int, 0)
+        return self.commands.get(key, int, 0)
 
     # -- the renewal lock (``renewal_lock.RenewalLock`` is its only user) -----------------
 
     def take_lock(self, value: str, owner_prefix: str, lease: float) -> bool:
-        args = [value, owner_prefix, _milliseconds(lease)]
-        return bool(self._run(scripts.TAKE_LOCK, keys=[self.keys.lock], args=args))
+        args = [value, owner_prefix, milliseconds(lease)]
+        return bool(self.commands.run(scripts.TAKE_LOCK, keys=[self.keys.lock], args=args))
 
     def extend_lock(self, value: str, lease: float) -> bool:
-        args = [value, _milliseconds(lease)]
-        return bool(self._run(scripts.EXTEND_LOCK, keys=[self.keys.lock], args=args))
+        args = [value, milliseconds(lease)]
+        return bool(self.commands.run(scripts.EXTEND_LOCK, keys=[self.keys.lock], args=args))
 
     def release_lock(self, value: str) -> bool:
-        return bool(self._run(scripts.RELEASE_LOCK, keys=[self.keys.lock], args=[value]))
+        return bool(self.commands.run(scripts.RELEASE_LOCK, keys=[self.keys.lock], args=[value]))
 
     def lock_holder(self) -> str | None:
         """Who holds the renewal lock, if anyone."""
         key = self.keys.lock
-        return self._read(key, lambda: self.redis.get(key), _text, None)
-
-    # -- breaker, budget, probe ------------------------------------------------------------
-
-    def load_breaker(self) -> BreakerRecord | None:
-        key = self.keys.breaker
-        return self._read(key, lambda: self.redis.get(key), BreakerRecord.from_json, None)
-
-    def open_breaker(self, record: BreakerRecord, now: float) -> None:
-        """Store the breaker; it outlives ``record.until`` by BREAKER_MEMORY."""
-        ttl_ms = _milliseconds(record.until - now + BREAKER_MEMORY)
-        self._command(
-            lambda: self.redis.set(self.keys.breaker, json.dumps(asdict(record)), px=ttl_ms)
-        )
-
-    def close_breaker(self) -> None:
-        self._command(lambda: self.redis.delete(self.keys.breaker))
-
-    def forced_in_period(self, now: float, period: float) -> int:
-        """Forced renewals logged in the ``period`` seconds before ``now``."""
-        return int(self._run(scripts.COUNT_RECENT, [self.keys.forced], [repr(now - period), ""]))
-
-    def log_forced(self, now: float) -> None:
-        """Log one forced renewal at ``now``, for the budget."""
-        horizon = repr(now - EXCHANGE_LOG_SPAN)
-        self._run(scripts.COUNT_RECENT, [self.keys.forced], [horizon, f"{now:.6f}"])
-
-    def take_probe(self, interval: float) -> bool:
-        """The half-open probe slot, at most once per ``interval`` seconds fleet-wide."""
-        args = [_milliseconds(interval)]
-        return bool(self._run(scripts.TAKE_SLOT, keys=[self.keys.probe], args=args))
-
-    # -- counters and histograms ---------------------------------------------------------
-
-    def count(self, *events: str) -> None:
-        """Add one to each named fleet-wide counter."""
-        self._add(self.keys.counters, [(event, 1) for event in events])
-
-    def _add(
-        self,
-        hash_key: str,
-        increments: list[tuple[str, int]],
-        logged: tuple[str, float] | None = None,
-    ) -> None:
-        """Add to fields of ``hash_key``; with ``logged`` (entry, time), also log the entry
-        in the exchange log, which keeps the last EXCHANGE_LOG_SPAN seconds."""
-        entry, at = logged if logged is not None else ("", 0.0)
-        args: list[Any] = [entry, repr(at), repr(at - EXCHANGE_LOG_SPAN)]
-        args += [x for increment in increments for x in increment]
-        self._run(scripts.COUNT, [hash_key, self.keys.exchange_log], args)
-
-    def record_attempt(self, reason: RenewalReason, outcome: Outcome, now: float) -> None:
-        """Count one HTTP attempt at the token endpoint, and log its time for rates."""
-        counter = attempt_counter(reason, outcome)
-        self._add(self.keys.counters, [(counter, 1)], logged=(f"{now:.6f}:{counter}", now))
-
-    def record_renewal(self, reason: RenewalReason, outcome: Outcome) -> None:
-        """Count one renewal (however many attempts it made) by reason and outcome."""
-        self.count(renewal_counter(reason, outcome))
-
-    def exchanges_since(self, since: float) -> int:
-        """Exchange attempts (any outcome) since ``since``, within the last day."""
-        key = self.keys.exchange_log
-        return self._read(key, lambda: self.redis.zcount(key, since, "+inf"), int, 0)
-
-    def counters(self) -> dict[str, int]:
-        return self._numbers(self.keys.counters)
-
-    def _numbers(self, key: str) -> dict[str, int]:
-        raw: dict[bytes, bytes] = self._read(key, lambda: self.redis.hgetall(key), dict, {})
-        numbers = {}
-        for field, value in raw.items():
-            try:
-                numbers[field.decode()] = int(value)
-            except _CORRUPT:
-                self._corrupt(key, f"field {field.decode(errors='replace')[:64]!r}")
-        return numbers
-
-    def observe(self, name: str, seconds: float) -> None:
-        """Add one duration to the fleet-wide histogram ``name`` (buckets DURATION_BUCKETS).
-
-        Kept as ``name:le:<bound>`` counts (not cumulative; ``+Inf`` for longer ones; their
-        total is the count) and ``name:sum_us`` (microseconds: integers only).
-        Best effort: a failure is logged, never raised, so it cannot fail what it measures.
-        """
-        bound = next((f"{b:g}" for b in DURATION_BUCKETS if seconds <= b), "+Inf")
-        increments = [(f"{name}:le:{bound}", 1), (f"{name}:sum_us", round(max(0.0, seconds) * 1e6))]
-        try:
-            self._add(self.keys.histograms, increments)
-        except StoreUnavailable as exc:
-            log.warning("could not record %s in Redis: %s", name, exc)
-
-    def histograms(self) -> dict[str, int]:
-        """The raw fields written by ``observe``."""
-        return self._numbers(self.keys.histograms)
-
-    # -- completion records ----------------------------------------------------------------
-
-    def load_completion(self, task_id: str) -> dict[str, Any] | None:
-        """The completion record of ``task_id`` (``{"result": ...}``), or None."""
-        key = self.keys.completed(task_id)
-        return self._read(key, lambda: self.redis.get(key), _completion, None)
-
-    def save_completion(self, task_id: str, result: Any, ttl: float) -> None:
-        payload = json.dumps({"result": result})
-        key = self.keys.completed(task_id)
-        self._command(lambda: self.redis.set(key, payload, px=_milliseconds(ttl)))
+        return self.commands.get(key, _text, None)
 
 
 def read_values(client: StoreClient, keys: list[str]) -> tuple[float, list[bytes | None]]:
@@ -553,7 +473,7 @@ def claim_slots(client: StoreClient, slots: list[tuple[str, float]]) -> list[boo
     """SET NX each (key, lifetime) in one round trip; whether each was taken."""
     pipe = client.pipeline(transaction=False)
     for key, ttl in slots:
-        pipe.set(key, b"1", nx=True, px=_milliseconds(ttl))
+        pipe.set(key, b"1", nx=True, px=milliseconds(ttl))
     with unavailable_as_error():
         return [bool(won) for won in pipe.execute()]
 
@@ -563,16 +483,11 @@ def delete_key(client: StoreClient, key: str) -> None:
         client.delete(key)
 
 
-def _completion(raw: bytes) -> dict[str, Any]:
-    record = json.loads(raw)
-    return {"result": record["result"]}
-
-
 def _text(raw: bytes) -> str:
     return raw.decode()
 
 
-def _milliseconds(seconds: float) -> int:
+def milliseconds(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 

@@ -41,7 +41,7 @@ class TimedExchange:
         try:
             return self.exchange()
         finally:
-            self.store.observe(EXCHANGE_SECONDS, self._monotonic() - started)
+            self.store.records.observe(EXCHANGE_SECONDS, self._monotonic() - started)
 
     def __repr__(self) -> str:
         return f"TimedExchange({self.exchange!r})"

@@ -273,7 +273,7 @@ def test_a_401_on_a_token_accepted_before_renews_once_and_retries_with_the_new_t
     first, second = token_values(exchange)
     assert [sent.bearer for sent in transport.sent] == [first, first, second]
     assert len(exchange.calls) == 2
-    counters = store.counters()
+    counters = store.records.counters()
     assert (counters["unauthorized"], counters["forced_renewals"]) == (1, 1)
 
 

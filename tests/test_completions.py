@@ -34,7 +34,7 @@ def test_a_recorded_call_is_found_with_its_result_and_the_redelivery_is_counted(
 
     assert earlier is not None
     assert earlier.result == result
-    assert records.store.counters() == {CounterName.REDELIVERED: 1}
+    assert records.store.records.counters() == {CounterName.REDELIVERED: 1}
 
 
 def test_an_empty_body_is_a_completed_call_too(records: CompletionRecords) -> None:
@@ -47,7 +47,7 @@ def test_an_empty_body_is_a_completed_call_too(records: CompletionRecords) -> No
 def test_a_call_never_recorded_is_not_found_and_not_counted(records: CompletionRecords) -> None:
     records.record("task-1", {"ok": True})
     assert records.earlier_run("task-2") is None
-    assert records.store.counters() == {}
+    assert records.store.records.counters() == {}
 
 
 def test_a_record_lives_twice_the_visibility_timeout_under_the_accounts_namespace(

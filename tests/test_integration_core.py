@@ -220,7 +220,7 @@ def test_breaker_stops_hammering_a_reset_secret_and_recovers_after_rotation(
     secret_file.write_text(new_secret)
     assert client.request("GET", PING) == {"ok": True}
     assert sandbox.exchanges()["ok"] == 2
-    assert client.manager.store.load_breaker() is None
+    assert client.manager.store.records.load_breaker() is None
 
 
 # -- malformed token responses, from a real server on loopback ---------------------------

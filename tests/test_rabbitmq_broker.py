@@ -171,7 +171,7 @@ def test_renewal_runs_on_its_own_rabbitmq_queue(fleet: AmqpFleet, sandbox: Sandb
     assert queues[RENEWAL_QUEUE] == 1
     assert queues.get("celery", 0) == 0  # nobody consumes calls; renewals never went there
     assert "merchant_tasks.renew_token" in worker.log_text()
-    counters = fleet.store().counters()
+    counters = fleet.store().records.counters()
     assert counters.get("renewals:scheduled:ok", 0) >= 2, counters
 
 

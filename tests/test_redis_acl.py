@@ -85,7 +85,7 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     assert store.note_wait(store.seen_generation, 30.0)
     client.manager.renew(force=True)
     assert sandbox.exchanges()["ok"] == 3
-    assert f"{LOCK_WAIT_SECONDS}:sum_us" in store.histograms()
+    assert f"{LOCK_WAIT_SECONDS}:sum_us" in store.records.histograms()
     wait_until(lambda: signal.heard >= heard + 2, "both renewals announced", 10.0)
     # completion records of calls that succeeded (completions.py)
     records = CompletionRecords(store, ttl=60.0)

@@ -214,5 +214,5 @@ def test_accounts_on_different_nodes_call_renew_after_401_and_lock_through_the_c
         on_node = node_client(owner)
         assert on_node.get(store.keys.generation) == b"2"
         assert on_node.exists(store.keys.token, store.keys.counters, store.keys.exchange_log) == 3
-        assert store.counters()["renewals:forced:ok"] == 1
+        assert store.records.counters()["renewals:forced:ok"] == 1
     assert len(nodes_used) == MASTERS

@@ -199,7 +199,7 @@ def test_token_exchanges_when_none_is_stored_and_then_reuses_it(
     assert first.generation == 1
     assert manager.token() == first
     assert len(exchange.calls) == 1
-    assert store.counters() == {
+    assert store.records.counters() == {
         "renewals:mandatory:ok": 1,
         "exchange_attempts:mandatory:ok": 1,
     }
@@ -236,7 +236,7 @@ def test_scheduled_renewal_exchanges_inside_the_advisory_window(
     assert token.reason == "scheduled"
     assert token.generation == 2
     assert len(exchange.calls) == 1
-    assert store.counters() == {
+    assert store.records.counters() == {
         "renewals:scheduled:ok": 1,
         "exchange_attempts:scheduled:ok": 1,
     }
@@ -264,7 +264,7 @@ def test_renewal_after_401_returns_the_newer_stored_token_without_exchanging(
     newer = stored(store, clock, left=7200.0)  # someone renewed meanwhile
     assert manager.renew(stale_token=refused) == newer
     assert exchange.calls == []
-    assert store.counters() == {"unauthorized": 1}
+    assert store.records.counters() == {"unauthorized": 1}
 
 
 def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
@@ -276,7 +276,7 @@ def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
     assert token.value != refused.value
     assert token.reason == "forced"
     assert len(exchange.calls) == 1
-    assert store.counters() == {
+    assert store.records.counters() == {
         "unauthorized": 1,
         "forced_renewals": 1,
         "renewals:forced:ok": 1,
@@ -297,7 +297,7 @@ def test_a_refused_token_the_api_never_accepted_is_token_rejected_without_exchan
     assert not caught.value.retryable
     assert exchange.calls == []
     assert caught.value.retry_after == REFUSED_BACKOFF
-    assert store.counters() == {
+    assert store.records.counters() == {
         "unauthorized": 1,
         "never_accepted_rejected": 1,
         "breaker_openings:refused": 1,
@@ -313,7 +313,7 @@ def test_a_token_known_refused_is_not_sent_again_until_its_backoff_ends_then_is_
     for _ in range(3):  # fail fast: no Redis command, nothing sent
         with pytest.raises(TokenRejected, match="known to be refused"):
             manager.token()
-    assert store.counters()["unauthorized"] == 1
+    assert store.records.counters()["unauthorized"] == 1
     clock.now += REFUSED_BACKOFF
     renewed = manager.token()
     assert renewed.replaces(refused, clock.now)
@@ -421,7 +421,7 @@ def test_forced_renewals_past_the_budget_open_the_breaker_naming_another_exchang
     with pytest.raises(TokenRejected, match="known to be refused"):  # not sent again
         manager.renew(stale_token=current)
     assert len(exchange.calls) == FORCED_RENEWAL_BUDGET
-    assert store.counters()["breaker_openings:revoked"] == 1
+    assert store.records.counters()["breaker_openings:revoked"] == 1
     clock.now += FORCED_RENEWAL_PERIOD  # the budget is spent per period, then refills
     assert manager.renew(stale_token=current).value != current.value
 
@@ -437,7 +437,7 @@ def test_an_exchange_handing_back_the_stored_token_marks_it_final_until_it_expir
     token = manager.token()
     assert token.value == current.value
     assert token.final
-    assert store.counters()["renewals:mandatory:unchanged"] == 1
+    assert store.records.counters()["renewals:mandatory:unchanged"] == 1
     for _ in range(50):  # every caller and beat until expiry: no further exchange
         clock.now += 1.9
         assert manager.token().value == current.value
@@ -512,24 +512,24 @@ def test_a_forced_renewal_handed_back_the_refused_token_is_token_rejected(
 def test_without_a_valid_token_one_caller_probes_the_endpoint_during_an_unavailable_pause(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    store.open_breaker(
+    store.records.open_breaker(
         BreakerRecord(BreakerKind.UNAVAILABLE, clock.now + 60.0, 6, "", "HTTP 503"), clock.now
     )
     assert manager.token().value == "tok-issued-1"  # the probe got through and closed it
-    assert store.load_breaker() is None
+    assert store.records.load_breaker() is None
 
 
 def test_a_failed_half_open_probe_is_one_attempt_and_reopens_the_breaker(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    store.open_breaker(
+    store.records.open_breaker(
         BreakerRecord(BreakerKind.UNAVAILABLE, clock.now + 60.0, 6, "", "HTTP 503"), clock.now
     )
     exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * EXCHANGE_ATTEMPTS
     with pytest.raises(TokenEndpointUnavailable, match="HTTP 503"):
         manager.token()
     assert len(exchange.calls) == 1
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.failures == 7
     with pytest.raises(TokenEndpointUnavailable, match="paused"):  # next probe: an interval on
@@ -540,10 +540,10 @@ def test_a_failed_half_open_probe_is_one_attempt_and_reopens_the_breaker(
 def test_the_half_open_probe_is_taken_once_per_interval_fleet_wide(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    store.open_breaker(
+    store.records.open_breaker(
         BreakerRecord(BreakerKind.UNAVAILABLE, clock.now + 60.0, 6, "", "HTTP 503"), clock.now
     )
-    assert store.take_probe(PROBE_INTERVAL)  # another process probes right now
+    assert store.records.take_probe(PROBE_INTERVAL)  # another process probes right now
     with pytest.raises(TokenEndpointUnavailable, match="paused"):
         manager.token()
     assert exchange.calls == []
@@ -586,7 +586,7 @@ def test_a_caller_without_a_token_waits_for_the_renewal_held_elsewhere(
     assert exchange.calls == []
     assert len(sleep.waits) == 3
     assert all(0 < wait <= POLL_MAX for wait in sleep.waits)
-    assert store.counters() == {"lock_waits": 1}
+    assert store.records.counters() == {"lock_waits": 1}
 
 
 def test_waiting_for_another_process_starts_with_short_polls(
@@ -613,7 +613,7 @@ def test_a_caller_without_a_token_gets_renewal_timeout_when_the_holder_never_wri
     assert caught.value.retryable
     assert exchange.calls == []
     assert len(sleep.waits) == math.ceil(manager.wait_limit / POLL_INITIAL) - 1
-    assert store.counters() == {"lock_waits": 1}
+    assert store.records.counters() == {"lock_waits": 1}
 
 
 def test_a_waiter_outlasts_a_dead_holder_and_the_whole_renewal_of_the_next_one(
@@ -673,13 +673,13 @@ def test_rejected_credentials_open_the_breaker_for_that_secret(
         manager.token()
     assert len(exchange.calls) == 1  # never retried
     assert sleep.waits == []
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.kind == "rejected"
     assert record.until == clock.now + REJECTED_BACKOFF
     assert record.secret_fingerprint == fingerprint(secret[0])
     assert secret[0] not in record.detail
-    assert store.counters() == {
+    assert store.records.counters() == {
         "renewals:mandatory:rejected": 1,
         "exchange_attempts:mandatory:rejected": 1,
         "breaker_openings:rejected": 1,
@@ -719,7 +719,7 @@ def test_a_waiter_that_gets_the_lock_after_a_failed_renewal_obeys_the_breaker_it
     ) -> bool:
         if sleep.waits:  # the caller has waited once; now, just after it looked...
             record = BreakerRecord(BreakerKind.RATE_LIMITED, clock.now + 30.0, 1, "", "HTTP 429")
-            store.open_breaker(record, clock.now)
+            store.records.open_breaker(record, clock.now)
             store.redis.delete(store.keys.lock)
         return take_lock(value, prefix, lease)
 
@@ -739,7 +739,7 @@ def test_a_new_secret_goes_through_the_rejected_breaker_and_success_closes_it(
     secret[0] = "secret-two-rotated-5f6e7d"
     token = manager.token()
     assert token.value == "tok-issued-2"
-    assert store.load_breaker() is None
+    assert store.records.load_breaker() is None
 
 
 def test_a_new_secret_that_is_rejected_too_reopens_the_breaker_for_it(
@@ -754,7 +754,7 @@ def test_a_new_secret_that_is_rejected_too_reopens_the_breaker_for_it(
     secret[0] = "secret-two-also-wrong-11"
     with pytest.raises(CredentialsRejected):
         manager.token()
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.secret_fingerprint == fingerprint(secret[0])
     assert len(exchange.calls) == 2
@@ -770,7 +770,7 @@ def test_a_rate_limited_exchange_pauses_exchanges_until_retry_after(
     exchange.outcomes = [ExchangeRateLimited("HTTP 429", retry_after=30.0)]
     with pytest.raises(ExchangeRateLimited):
         manager.token()
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert (record.kind, record.until) == ("rate_limited", clock.now + 30.0 + RETRY_AFTER_MARGIN)
     # the record outlives its pause, to count failures in a row
@@ -785,8 +785,8 @@ def test_a_rate_limited_exchange_pauses_exchanges_until_retry_after(
     clock.now += 11.0  # past ``until``: the record no longer pauses anything
     assert manager.token().value == "tok-issued-2"
     assert len(exchange.calls) == 2
-    assert store.counters()["renewals:mandatory:rate_limited"] == 1
-    assert store.counters()["breaker_openings:rate_limited"] == 1
+    assert store.records.counters()["renewals:mandatory:rate_limited"] == 1
+    assert store.records.counters()["breaker_openings:rate_limited"] == 1
 
 
 def test_a_rate_limit_without_retry_after_pauses_for_the_default_backoff(
@@ -795,7 +795,7 @@ def test_a_rate_limit_without_retry_after_pauses_for_the_default_backoff(
     exchange.outcomes = [ExchangeRateLimited("HTTP 429")]
     with pytest.raises(ExchangeRateLimited):
         manager.token()
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.until == clock.now + RATE_LIMITED_BACKOFF + RETRY_AFTER_MARGIN
     assert len(exchange.calls) == 1  # a 429 is not retried while holding the lock
@@ -814,13 +814,13 @@ def test_an_unavailable_endpoint_is_retried_then_pauses_exchanges(
     assert len(exchange.calls) == EXCHANGE_ATTEMPTS
     assert len(sleep.waits) == EXCHANGE_ATTEMPTS - 1
     assert all(0 <= wait <= EXCHANGE_RETRY_WAIT_MAX for wait in sleep.waits)
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert (record.kind, record.failures) == ("unavailable", 1)
     pause = record.until - clock.now
     assert UNAVAILABLE_BACKOFF / 2 <= pause <= UNAVAILABLE_BACKOFF
     assert pause != UNAVAILABLE_BACKOFF  # jittered
-    assert store.counters() == {
+    assert store.records.counters() == {
         "renewals:mandatory:failed": 1,
         "exchange_attempts:mandatory:failed": EXCHANGE_ATTEMPTS,  # every HTTP attempt
         "breaker_openings:unavailable": 1,
@@ -845,7 +845,7 @@ def test_an_endpoint_that_recovers_within_the_attempts_gives_a_token(
     exchange.outcomes = [failure, failure]
     assert manager.token().value == "tok-issued-3"
     assert len(sleep.waits) == 2
-    assert store.load_breaker() is None
+    assert store.records.load_breaker() is None
 
 
 def test_repeated_endpoint_failures_grow_the_jittered_backoff(
@@ -858,12 +858,12 @@ def test_repeated_endpoint_failures_grow_the_jittered_backoff(
     exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * (2 * EXCHANGE_ATTEMPTS)
     with pytest.raises(TokenEndpointUnavailable):
         manager.token()
-    first = store.load_breaker()
+    first = store.records.load_breaker()
     assert first is not None
     clock.now = first.until  # the pause is over; the record remembers the failure
     with pytest.raises(TokenEndpointUnavailable):
         manager.token()
-    second = store.load_breaker()
+    second = store.records.load_breaker()
     assert second is not None
     assert second.failures == 2
     assert second.until - clock.now > UNAVAILABLE_BACKOFF  # doubled, then jittered by half
@@ -883,7 +883,7 @@ def test_a_5xx_retry_after_is_honoured_before_the_next_exchange(
         manager.token()
     gaps = [b - a for a, b in zip(exchange.calls, exchange.calls[1:], strict=False)]
     assert all(gap >= 30.0 for gap in gaps)
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.until >= started + 30.0
 
@@ -904,7 +904,7 @@ def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
     token = stored(store, clock, left=3600.0)
     clock.now += 3600.0 - 60.0  # mandatory window
     record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "paused")
-    store.open_breaker(record, clock.now)
+    store.records.open_breaker(record, clock.now)
     assert manager.token() == token
     assert exchange.calls == []
 
@@ -927,8 +927,8 @@ def test_without_a_valid_token_an_open_breaker_raises_its_error(
     error: type[Exception],
 ) -> None:
     record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "why it paused")
-    store.open_breaker(record, clock.now)
-    assert store.take_probe(PROBE_INTERVAL)  # another process is probing (half-open)
+    store.records.open_breaker(record, clock.now)
+    assert store.records.take_probe(PROBE_INTERVAL)  # another process is probing (half-open)
     with pytest.raises(error, match="paused for 30 s more: why it paused"):
         manager.token()
     assert exchange.calls == []
@@ -953,7 +953,7 @@ def test_a_failed_renewal_in_the_mandatory_window_still_returns_the_valid_token(
     clock.now += 3600.0 - 60.0
     exchange.outcomes = [failure] * EXCHANGE_ATTEMPTS
     assert manager.token() == token
-    assert store.load_breaker() is not None
+    assert store.records.load_breaker() is not None
 
 
 # -- races and outages -------------------------------------------------------------------
@@ -1129,7 +1129,7 @@ def test_threads_of_one_process_wait_for_its_renewal_in_turn_without_polling_red
     assert sleep.waits == []  # nobody polled the Redis lock
     # one 401 per process reaches Redis; its siblings take the copy it kept (a storm's
     # Redis commands do not grow with the threads)
-    assert store.counters()["unauthorized"] == 1
+    assert store.records.counters()["unauthorized"] == 1
 
 
 def test_a_thread_with_a_valid_token_does_not_queue_behind_another_threads_renewal(

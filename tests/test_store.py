@@ -180,7 +180,7 @@ def test_the_look_after_a_401_counts_it_and_takes_the_lock_when_the_refused_toke
     assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0) == (refused, 1)
     assert store.lock_holder() == "host-a:1:aa:1"
     assert store.release_lock("host-a:1:aa:1")
-    assert store.counters() == {CounterName.UNAUTHORIZED: 1}
+    assert store.records.counters() == {CounterName.UNAUTHORIZED: 1}
 
 
 def test_the_look_after_a_401_leaves_the_lock_when_a_newer_token_is_stored(
@@ -199,12 +199,12 @@ def test_the_look_after_a_401_counts_a_wait_when_another_holds_the_lock(
     assert store.take_lock("host-b:2:bb:1", "host-b:2:bb:", 10.0)
     assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0) == (None, -1)
     assert store.lock_holder() == "host-b:2:bb:1"
-    assert store.counters() == {CounterName.UNAUTHORIZED: 1, CounterName.LOCK_WAITS: 1}
+    assert store.records.counters() == {CounterName.UNAUTHORIZED: 1, CounterName.LOCK_WAITS: 1}
 
 
 def _lock_waits(store: TokenStore) -> tuple[int, int]:
     """How many waits the lock-wait histogram holds, and their sum in microseconds."""
-    fields = store.histograms()
+    fields = store.records.histograms()
     count = sum(v for k, v in fields.items() if k.startswith(f"{LOCK_WAIT_SECONDS}:le:"))
     return count, fields.get(f"{LOCK_WAIT_SECONDS}:sum_us", 0)
 
@@ -222,7 +222,7 @@ def test_a_noted_wait_is_recorded_by_the_write_that_ends_it(
     assert count == 2
     assert 0 <= sum_us < 30_000_000
     assert not fake_redis.exists(store.keys.waits)
-    assert store.counters()[CounterName.LOCK_WAITS] == 2
+    assert store.records.counters()[CounterName.LOCK_WAITS] == 2
     store.save(make_token(3))
     assert _lock_waits(store)[0] == 2  # each wait is recorded once
 
@@ -243,7 +243,7 @@ def test_no_wait_is_noted_once_a_newer_generation_is_stored(
     store.save(make_token(1))
     store.save(make_token(2))
     assert not store.note_wait(1, 30.0)  # the renewal ended before the wait
-    assert store.counters() == {}
+    assert store.records.counters() == {}
     assert not fake_redis.exists(store.keys.waits)
     assert store.note_wait(2, 30.0)
     assert 0 < fake_redis.pttl(store.keys.waits) <= 30_000
@@ -260,18 +260,18 @@ def test_acceptance_only_ever_rises(store: TokenStore) -> None:
 
 def test_forced_renewals_are_counted_per_period(store: TokenStore) -> None:
     for at in (100.0, 150.0, 170.0):
-        store.log_forced(at)
-    assert store.forced_in_period(175.0, 60.0) == 2
-    assert store.forced_in_period(231.0, 60.0) == 0
+        store.records.log_forced(at)
+    assert store.records.forced_in_period(175.0, 60.0) == 2
+    assert store.records.forced_in_period(231.0, 60.0) == 0
 
 
 def test_the_probe_slot_is_given_once_per_interval(store: TokenStore) -> None:
-    assert store.take_probe(10.0)
-    assert not store.take_probe(10.0)
+    assert store.records.take_probe(10.0)
+    assert not store.records.take_probe(10.0)
 
 
 def test_no_breaker_is_open_at_first(store: TokenStore) -> None:
-    assert store.load_breaker() is None
+    assert store.records.load_breaker() is None
 
 
 def test_a_breaker_is_kept_a_while_past_until_and_closes(
@@ -280,28 +280,28 @@ def test_a_breaker_is_kept_a_while_past_until_and_closes(
     record = BreakerRecord(
         BreakerKind.REJECTED, until=1030.0, failures=2, secret_fingerprint="abc123"
     )
-    store.open_breaker(record, now=1000.0)
-    assert store.load_breaker() == record
+    store.records.open_breaker(record, now=1000.0)
+    assert store.records.load_breaker() == record
     expected_ms = (30 + BREAKER_MEMORY) * 1000
     assert expected_ms - 1000 <= fake_redis.pttl(store.keys.breaker) <= expected_ms
-    store.close_breaker()
-    assert store.load_breaker() is None
+    store.records.close_breaker()
+    assert store.records.load_breaker() is None
 
 
 def test_a_breaker_long_over_is_stored_with_the_shortest_ttl(
     store: TokenStore, fake_redis: redis.Redis
 ) -> None:
-    store.open_breaker(
+    store.records.open_breaker(
         BreakerRecord(BreakerKind.RATE_LIMITED, until=0.0), now=1000.0 + BREAKER_MEMORY
     )
     assert fake_redis.pttl(store.keys.breaker) <= 1
 
 
 def test_counters_add_up_per_event(store: TokenStore) -> None:
-    assert store.counters() == {}
-    store.count("renewals:scheduled:ok", "lock_waits")
-    store.count("lock_waits")
-    assert store.counters() == {"renewals:scheduled:ok": 1, "lock_waits": 2}
+    assert store.records.counters() == {}
+    store.records.count("renewals:scheduled:ok", "lock_waits")
+    store.records.count("lock_waits")
+    assert store.records.counters() == {"renewals:scheduled:ok": 1, "lock_waits": 2}
 
 
 # -- Redis down --------------------------------------------------------------------------
@@ -312,24 +312,26 @@ OPERATIONS: dict[str, Callable[[TokenStore], object]] = {
     "time": lambda s: s.time(),
     "generation": lambda s: s.generation(),
     "lock_holder": lambda s: s.lock_holder(),
-    "load_breaker": lambda s: s.load_breaker(),
-    "open_breaker": lambda s: s.open_breaker(BreakerRecord(BreakerKind.UNAVAILABLE, 2.0), 1.0),
-    "close_breaker": lambda s: s.close_breaker(),
-    "count": lambda s: s.count("x"),
-    "counters": lambda s: s.counters(),
+    "load_breaker": lambda s: s.records.load_breaker(),
+    "open_breaker": lambda s: s.records.open_breaker(
+        BreakerRecord(BreakerKind.UNAVAILABLE, 2.0), 1.0
+    ),
+    "close_breaker": lambda s: s.records.close_breaker(),
+    "count": lambda s: s.records.count("x"),
+    "counters": lambda s: s.records.counters(),
     "look_after_401": lambda s: s.look_after_401(1, "o:1", "o:", 1.0, 1.0),
     "note_wait": lambda s: s.note_wait(1, 1.0),
     "take_lock": lambda s: s.take_lock("o:1", "o:", 1.0),
     "extend_lock": lambda s: s.extend_lock("o:1", 1.0),
     "release_lock": lambda s: s.release_lock("o:1"),
-    "record_attempt": lambda s: s.record_attempt(RenewalReason.MANUAL, Outcome.OK, 1.0),
-    "exchanges_since": lambda s: s.exchanges_since(1.0),
-    "load_completion": lambda s: s.load_completion("t"),
+    "record_attempt": lambda s: s.records.record_attempt(RenewalReason.MANUAL, Outcome.OK, 1.0),
+    "exchanges_since": lambda s: s.records.exchanges_since(1.0),
+    "load_completion": lambda s: s.records.load_completion("t"),
     "mark_accepted": lambda s: s.mark_accepted(1),
     "accepted_generation": lambda s: s.accepted_generation(),
-    "forced_in_period": lambda s: s.forced_in_period(1.0, 1.0),
-    "log_forced": lambda s: s.log_forced(1.0),
-    "take_probe": lambda s: s.take_probe(1.0),
+    "forced_in_period": lambda s: s.records.forced_in_period(1.0, 1.0),
+    "log_forced": lambda s: s.records.log_forced(1.0),
+    "take_probe": lambda s: s.records.take_probe(1.0),
 }
 
 

@@ -143,4 +143,4 @@ def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling
     renewer.join(10.0)
     assert renewed[0].value == token_b.value == "tok-renewed-by-a"
     assert sleeps_b == []  # woken, not polling
-    assert store_a.counters()["lock_waits"] == 1
+    assert store_a.records.counters()["lock_waits"] == 1

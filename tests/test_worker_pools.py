@@ -141,7 +141,7 @@ def _assert_each_payment_once_one_exchange_no_failed_ack(
     assert len({answer["id"] for answer in answers}) == CALLS
     assert sandbox.calls()["unauthorized"] >= 1  # the storm did meet the revoked token
     assert sandbox.exchanges()["ok"] == 2  # the first token, and one for the storm
-    counters = fleet.store().counters()
+    counters = fleet.store().records.counters()
     assert counters.get("renewals:forced:ok", 0) == 1
     assert counters.get(CounterName.REDELIVERED, 0) == 0  # no call came back while running
 

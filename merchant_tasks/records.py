@@ -1,0 +1,160 @@
+"""One account's records in the token store: the breaker, the forced-renewal budget, the
+half-open probe, the fleet-wide counters and histograms, and the completion records.
+
+Reached as ``TokenStore.records``; the same ``store.AccountRedis`` plumbing types every
+error and reads every corrupt value as absent (docs/design.md, "Keys").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from typing import Any
+
+from . import store_scripts as scripts
+from .exceptions import StoreUnavailable
+from .policy import Outcome
+from .store import (
+    BREAKER_MEMORY,
+    DURATION_BUCKETS,
+    EXCHANGE_LOG_SPAN,
+    AccountRedis,
+    BreakerRecord,
+    attempt_counter,
+    milliseconds,
+    renewal_counter,
+)
+from .token import RenewalReason
+
+log = logging.getLogger(__name__)
+
+
+class AccountRecords:
+    """Breaker, budget, probe, counters, histograms and completion records of one account."""
+
+    def __init__(self, commands: AccountRedis) -> None:
+        self.commands = commands
+        self.keys = commands.keys
+
+    def __repr__(self) -> str:
+        return f"AccountRecords(namespace={self.keys.namespace!r})"
+
+    # -- breaker, budget, probe ------------------------------------------------------------
+
+    def load_breaker(self) -> BreakerRecord | None:
+        key = self.keys.breaker
+        return self.commands.get(key, BreakerRecord.from_json, None)
+
+    def open_breaker(self, record: BreakerRecord, now: float) -> None:
+        """Store the breaker; it outlives ``record.until`` by BREAKER_MEMORY."""
+        ttl_ms = milliseconds(record.until - now + BREAKER_MEMORY)
+        self.commands.command(
+            lambda: self.commands.client.set(
+                self.keys.breaker, json.dumps(asdict(record)), px=ttl_ms
+            )
+        )
+
+    def close_breaker(self) -> None:
+        self.commands.command(lambda: self.commands.client.delete(self.keys.breaker))
+
+    def forced_in_period(self, now: float, period: float) -> int:
+        """Forced renewals logged in the ``period`` seconds before ``now``."""
+        return int(
+            self.commands.run(scripts.COUNT_RECENT, [self.keys.forced], [repr(now - period), ""])
+        )
+
+    def log_forced(self, now: float) -> None:
+        """Log one forced renewal at ``now``, for the budget."""
+        horizon = repr(now - EXCHANGE_LOG_SPAN)
+        self.commands.run(scripts.COUNT_RECENT, [self.keys.forced], [horizon, f"{now:.6f}"])
+
+    def take_probe(self, interval: float) -> bool:
+        """The half-open probe slot, at most once per ``interval`` seconds fleet-wide."""
+        args = [milliseconds(interval)]
+        return bool(self.commands.run(scripts.TAKE_SLOT, keys=[self.keys.probe], args=args))
+
+    # -- counters and histograms ---------------------------------------------------------
+
+    def count(self, *events: str) -> None:
+        """Add one to each named fleet-wide counter."""
+        self._add(self.keys.counters, [(event, 1) for event in events])
+
+    def _add(
+        self,
+        hash_key: str,
+        increments: list[tuple[str, int]],
+        logged: tuple[str, float] | None = None,
+    ) -> None:
+        """Add to fields of ``hash_key``; with ``logged`` (entry, time), also log the entry
+        in the exchange log, which keeps the last EXCHANGE_LOG_SPAN seconds."""
+        entry, at = logged if logged is not None else ("", 0.0)
+        args: list[Any] = [entry, repr(at), repr(at - EXCHANGE_LOG_SPAN)]
+        args += [x for increment in increments for x in increment]
+        self.commands.run(scripts.COUNT, [hash_key, self.keys.exchange_log], args)
+
+    def record_attempt(self, reason: RenewalReason, outcome: Outcome, now: float) -> None:
+        """Count one HTTP attempt at the token endpoint, and log its time for rates."""
+        counter = attempt_counter(reason, outcome)
+        self._add(self.keys.counters, [(counter, 1)], logged=(f"{now:.6f}:{counter}", now))
+
+    def record_renewal(self, reason: RenewalReason, outcome: Outcome) -> None:
+        """Count one renewal (however many attempts it made) by reason and outcome."""
+        self.count(renewal_counter(reason, outcome))
+
+    def exchanges_since(self, since: float) -> int:
+        """Exchange attempts (any outcome) since ``since``, within the last day."""
+        key = self.keys.exchange_log
+        return self.commands.read(
+            key, lambda: self.commands.client.zcount(key, since, "+inf"), int, 0
+        )
+
+    def counters(self) -> dict[str, int]:
+        return self._numbers(self.keys.counters)
+
+    def _numbers(self, key: str) -> dict[str, int]:
+        raw: dict[bytes, bytes] = self.commands.read(
+            key, lambda: self.commands.client.hgetall(key), dict, {}
+        )
+        numbers = {}
+        for field, value in raw.items():
+            try:
+                numbers[field.decode()] = int(value)
+            except ValueError:
+                self.commands.corrupt(key, f"field {field.decode(errors='replace')[:64]!r}")
+        return numbers
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Add one duration to the fleet-wide histogram ``name`` (buckets DURATION_BUCKETS).
+
+        Kept as ``name:le:<bound>`` counts (not cumulative; ``+Inf`` for longer ones; their
+        total is the count) and ``name:sum_us`` (microseconds: integers only).
+        Best effort: a failure is logged, never raised, so it cannot fail what it measures.
+        """
+        bound = next((f"{b:g}" for b in DURATION_BUCKETS if seconds <= b), "+Inf")
+        increments = [(f"{name}:le:{bound}", 1), (f"{name}:sum_us", round(max(0.0, seconds) * 1e6))]
+        try:
+            self._add(self.keys.histograms, increments)
+        except StoreUnavailable as exc:
+            log.warning("could not record %s in Redis: %s", name, exc)
+
+    def histograms(self) -> dict[str, int]:
+        """The raw fields written by ``observe``."""
+        return self._numbers(self.keys.histograms)
+
+    # -- completion records ----------------------------------------------------------------
+
+    def load_completion(self, task_id: str) -> dict[str, Any] | None:
+        """The completion record of ``task_id`` (``{"result": ...}``), or None."""
+        key = self.keys.completed(task_id)
+        return self.commands.get(key, _completion, None)
+
+    def save_completion(self, task_id: str, result: Any, ttl: float) -> None:
+        payload = json.dumps({"result": result})
+        key = self.keys.completed(task_id)
+        self.commands.command(lambda: self.commands.client.set(key, payload, px=milliseconds(ttl)))
+
+
+def _completion(raw: bytes) -> dict[str, Any]:
+    record = json.loads(raw)
+    return {"result": record["result"]}

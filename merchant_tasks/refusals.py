@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .breaker import Breaker
-from .exceptions import TokenRejected
+from .exceptions import StoreUnavailable, TokenRejected
 from .local_copy import LocalCopy
 from .policy import BreakerKind, CounterName
 from .renewal_lock import RenewalLock
@@ -89,16 +89,32 @@ class Refusals:
     breaker: Breaker
     signal: RenewalSignal | None
     clock: Callable[[], float]
-    wait_limit: float
+
+    @property
+    def wait_limit(self) -> float:
+        return self.flight.wait_limit
 
     def __post_init__(self) -> None:
-        self.accepted = 0  # the highest generation this process saw accepted
+        self._accepted = 0  # the highest generation this process saw accepted
         self._known: dict[int, float] = {}  # refused generation -> end of its back-off
         self.remake_locks()
 
     def remake_locks(self) -> None:
         self._forcing = 0  # the generation a thread of this process is renewing after a 401
         self._forcing_changed = threading.Condition()
+
+    def accepted(self, token: Token) -> None:
+        """The API accepted ``token``: the evidence that a later 401 on it is a revocation,
+        recorded once per generation and process."""
+        if token.generation <= self._accepted:
+            return
+        self._accepted = token.generation
+        try:
+            self.store.mark_accepted(token.generation)
+        except StoreUnavailable as exc:
+            # not retried with every call (each would wait for Redis): this process still
+            # knows, and the other processes using this generation record it too
+            log.warning("could not record that the API accepted a token: %s", exc)
 
     def known_refused(self, token: Token) -> bool:
         """Whether ``token`` is known to be refused: a sibling thread is renewing it after a
@@ -184,7 +200,7 @@ class Refusals:
 
     def _judge(self, stale: Token) -> None:
         """Returns if ``stale`` is renewed now; raises TokenRejected if it waits."""
-        accepted = self.accepted
+        accepted = self._accepted
         if accepted < stale.generation:
             accepted = max(accepted, self.store.accepted_generation())
         if judge(stale, accepted) != Refusal.NEVER_ACCEPTED:

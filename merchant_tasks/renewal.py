@@ -51,6 +51,22 @@ Clock = Callable[[], float]
 Acceptable = Callable[[Token | None], bool]  # whether a token (or none) serves the caller
 
 
+def limits(exchange_timeout: float) -> tuple[float, float, float]:
+    """How long the longest renewal, a wait for another's and the lock's lease last, for
+    one exchange's deadline (``exchange_timeout``, exchange.py)."""
+    # every attempt at its deadline plus the waits between them (a back-off and a
+    # Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
+    renewal = (
+        EXCHANGE_ATTEMPTS * exchange_timeout
+        + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
+        + LOCK_MARGIN
+    )
+    # a caller may arrive just after a holder took the lock and died (the lease runs out),
+    # and then see the next holder take it and need its whole renewal
+    wait = 2 * renewal
+    return renewal, wait, exchange_timeout + LOCK_MARGIN  # the lease outlives an exchange
+
+
 class TokenManager:
     """Gives out the account's token and renews it, once for the whole fleet."""
 
@@ -72,53 +88,30 @@ class TokenManager:
     ) -> None:
         self.store = store
         self.policy = RenewalPolicy(renew_before, renew_mandatory)
-        self._clock: Clock = clock or RedisClock(store.time)
+        self.clock: Clock = clock or RedisClock(store.time)  # the store's, shared by every part
         self._sleep = sleep
         self.copy = LocalCopy(local_copy_ttl, monotonic)
-        self.breaker = Breaker(store, self._clock, secret_fingerprint, rng or random.Random())
+        self.breaker = Breaker(store, self.clock, secret_fingerprint, rng or random.Random())
         self.signal = RenewalSignal(store) if wake_ups else None
-        # the longest renewal: every attempt at its deadline plus the waits between them
-        # (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
-        self.renewal_limit = (
-            EXCHANGE_ATTEMPTS * exchange_timeout
-            + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
-            + LOCK_MARGIN
-        )
-        # how long a caller waits for other processes' renewal: it may arrive just after a
-        # holder took the lock and died (the lease runs out), and then see the next holder
-        # take it and need its whole renewal
-        self.wait_limit = 2 * self.renewal_limit
-        # one exchange's deadline is exchange_timeout (exchange.py): the lease outlives it
-        self.lock = RenewalLock(store, exchange_timeout + LOCK_MARGIN)
+        self.renewal_limit, self.wait_limit, lease = limits(exchange_timeout)
+        self.lock = RenewalLock(store, lease)
         # the parts get the callables themselves, not closures over this manager: no
         # reference cycle, so a manager is freed as soon as it is dropped
+        clock = self.clock
         self.renewer = Renewer(
-            store,
-            exchange,
-            self.policy,
-            self.breaker,
-            self.copy,
-            clock=self._clock,
-            sleep=sleep,
+            store, exchange, self.policy, self.breaker, self.copy, clock=clock, sleep=sleep
         )
         self.flight = SingleFlight(
             store,
             self.lock,
             self.signal,
-            renewal_limit=self.renewal_limit,
-            wait_limit=self.wait_limit,
-            clock=self._clock,
+            self.renewal_limit,
+            self.wait_limit,
+            clock=clock,
             sleep=sleep,
         )
         self.refusals = Refusals(
-            store,
-            self.copy,
-            self.flight,
-            self.lock,
-            self.breaker,
-            self.signal,
-            self._clock,
-            self.wait_limit,
+            store, self.copy, self.flight, self.lock, self.breaker, self.signal, self.clock
         )
         self._remake_locks()
         _MANAGERS.add(self)  # its locks are remade in a forked child
@@ -140,16 +133,6 @@ class TokenManager:
     @exchange.setter
     def exchange(self, exchange: Callable[[], IssuedToken]) -> None:
         self.renewer.exchange = exchange
-
-    @property
-    def clock(self) -> Clock:
-        """The store's clock, shared by every part."""
-        return self._clock
-
-    @clock.setter
-    def clock(self, clock: Clock) -> None:
-        self._clock = self.breaker.clock = self.renewer.clock = self.flight.clock = clock
-        self.refusals.clock = clock
 
     @property
     def sleep(self) -> Callable[[float], None]:
@@ -201,15 +184,7 @@ class TokenManager:
 
     def accepted(self, token: Token) -> None:
         """The API accepted ``token``: record it, once per generation and process."""
-        if token.generation <= self.refusals.accepted:
-            return
-        self.refusals.accepted = token.generation
-        try:
-            self.store.mark_accepted(token.generation)
-        except StoreUnavailable as exc:
-            # not retried with every call (each would wait for Redis): this process still
-            # knows, and the other processes using this generation record it too
-            log.warning("could not record that the API accepted a token: %s", exc)
+        self.refusals.accepted(token)
 
     # -- beat, operators, 401s -----------------------------------------------------------
 

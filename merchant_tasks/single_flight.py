@@ -57,9 +57,9 @@ class SingleFlight:
     store: TokenStore
     lock: RenewalLock
     signal: RenewalSignal | None  # None: no announcements, waits poll the store
-    _: KW_ONLY
     renewal_limit: float  # seconds the longest renewal takes: every attempt and wait
     wait_limit: float  # seconds a caller waits for another's renewal
+    _: KW_ONLY
     clock: Callable[[], float]
     sleep: Callable[[float], None]
 
@@ -136,13 +136,21 @@ class SingleFlight:
                 wait_noted.append(True)
             return None
 
+        token = self._waiting(heard)(attempt)
+        assert token is not None  # the retry only ends on a token or an error
+        return token
+
+    def _waiting(self, heard: list[int]) -> Retrying:
+        """Attempts until one gives a token: woken by an announcement after ``heard[0]``,
+        or after a bounded poll; RenewalTimeout after ``wait_limit``."""
+
         def wait(seconds: float) -> None:
             if self.signal is not None and self.signal.listening:
                 self.signal.wait(heard[0], POLL_MAX)
             else:
                 self.sleep(seconds)
 
-        wait_for_holder = Retrying(
+        return Retrying(
             retry=retry_if_result(lambda token: token is None),
             wait=wait_random_exponential(multiplier=POLL_INITIAL, max=POLL_MAX),
             stop=stop_after_delay(self.wait_limit)
@@ -150,9 +158,6 @@ class SingleFlight:
             sleep=wait,
             retry_error_callback=self._holder_too_slow,
         )
-        token = wait_for_holder(attempt)
-        assert token is not None  # the retry only ends on a token or an error
-        return token
 
     def _holder_too_slow(self, state: RetryCallState) -> Token:
         holder = self.store.lock_holder() or "nobody (it expired)"

@@ -21,7 +21,8 @@ from .exceptions import (
     TokenRejected,
 )
 from .policy import BreakerKind
-from .store import BreakerRecord, TokenStore, opening_counter
+from .store import BreakerRecord, opening_counter
+from .store_protocol import Store
 from .token import Token
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ PROBE_INTERVAL = 2.0  # half-open: with no valid token, one caller per interval 
 class Breaker:
     """Pauses exchanges fleet-wide after failures; ``check`` says whether one may go ahead."""
 
-    store: TokenStore
+    store: Store
     clock: Callable[[], float]
     secret_fingerprint: Callable[[], str]  # of the secret in use: a replaced one may try again
     rng: random.Random

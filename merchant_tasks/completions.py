@@ -23,7 +23,7 @@ from typing import Any
 
 from .exceptions import StoreUnavailable
 from .policy import CounterName
-from .store import TokenStore
+from .store_protocol import Store
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class CompletionRecords:
     may still come from the process's copy) and the guarantee falls back to at least once.
     """
 
-    def __init__(self, store: TokenStore, ttl: float) -> None:
+    def __init__(self, store: Store, ttl: float) -> None:
         self.store = store
         self.ttl = ttl
 

@@ -33,7 +33,7 @@ from .local_copy import LocalCopy
 from .policy import BreakerKind, CounterName
 from .renewal_lock import RenewalLock
 from .single_flight import Prelude, SingleFlight
-from .store import TokenStore
+from .store_protocol import Store
 from .token import Token
 from .wakeup import RenewalSignal
 
@@ -82,7 +82,7 @@ def refused_backoff(failures: int) -> float:
 class Refusals:
     """Judges each 401 of one account and renews after it, once per process and fleet."""
 
-    store: TokenStore
+    store: Store
     copy: LocalCopy
     flight: SingleFlight
     lock: RenewalLock

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .exceptions import StoreUnavailable
-from .store import TokenStore
+from .store_protocol import Store
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def process_owner() -> str:
 class RenewalLock:
     """One account's renewal lock as seen from this process."""
 
-    def __init__(self, store: TokenStore, lease: float) -> None:
+    def __init__(self, store: Store, lease: float) -> None:
         self.store = store
         self.lease = lease
         self._holdings = itertools.count(1)

@@ -37,7 +37,7 @@ from .policy import (
     RenewalPolicy,
 )
 from .renewal_lock import process_owner
-from .store import TokenStore
+from .store_protocol import Store
 from .token import RenewalReason, Token
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ ZERO_LIFETIME_RETRY = 1.0  # expires_in is in whole seconds: a token handed back
 class Renewer:
     """Exchanges for a new token and stores it, if it is better than the stored one."""
 
-    store: TokenStore
+    store: Store
     exchange: Callable[[], IssuedToken]
     policy: RenewalPolicy
     breaker: Breaker

@@ -27,7 +27,7 @@ from tenacity import (
 
 from .exceptions import RenewalTimeout
 from .renewal_lock import RenewalLock
-from .store import TokenStore
+from .store_protocol import Store
 from .token import Token
 from .wakeup import RenewalSignal
 
@@ -54,7 +54,7 @@ class Prelude:
 class SingleFlight:
     """Runs a renewal once fleet-wide; the others get its token, or keep a valid one."""
 
-    store: TokenStore
+    store: Store
     lock: RenewalLock
     signal: RenewalSignal | None  # None: no announcements, waits poll the store
     renewal_limit: float  # seconds the longest renewal takes: every attempt and wait

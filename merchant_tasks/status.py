@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .settings import Settings
-from .store import TokenStore
+from .store_protocol import Store
 from .token import TokenState
 
 HOUR = 3600.0
@@ -45,7 +45,7 @@ class AccountStatus:
         return asdict(self)
 
 
-def account_status(name: str, settings: Settings, store: TokenStore) -> AccountStatus:
+def account_status(name: str, settings: Settings, store: Store) -> AccountStatus:
     """Read one account's status from its store."""
     now = store.time()
     token = store.load()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -13,6 +14,16 @@ HOUR = 3600.0
 DAY = 86400.0
 
 
+class AccountState(enum.StrEnum):
+    """Where an account's stored token stands (a ``TokenState``, or none stored)."""
+
+    FRESH = TokenState.FRESH.value
+    ADVISORY = TokenState.ADVISORY.value
+    MANDATORY = TokenState.MANDATORY.value
+    EXPIRED = TokenState.EXPIRED.value
+    MISSING = "missing"
+
+
 @dataclass(frozen=True)
 class AccountStatus:
     """One account's token, renewals, breaker and counters at one moment (Redis time)."""
@@ -21,7 +32,7 @@ class AccountStatus:
     environment: str
     api_key: str
     now: float
-    state: str  # fresh / advisory / mandatory / expired / missing
+    state: AccountState
     generation: int | None = None
     fingerprint: str | None = None  # a short hash: tells tokens apart, reveals nothing
     issued_at: float | None = None
@@ -39,7 +50,7 @@ class AccountStatus:
     @property
     def healthy(self) -> bool:
         """A token is usable outside the mandatory window and no breaker is open."""
-        return self.state in ("fresh", "advisory") and self.breaker is None
+        return self.state in (AccountState.FRESH, AccountState.ADVISORY) and self.breaker is None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,10 +82,10 @@ def account_status(name: str, settings: Settings, store: Store) -> AccountStatus
         "histograms": store.records.histograms(),
     }
     if token is None:
-        return AccountStatus(state="missing", **common)
+        return AccountStatus(state=AccountState.MISSING, **common)
     state = token.state(now, settings.renew_before, settings.renew_mandatory)
     return AccountStatus(
-        state=state.value,
+        state=AccountState(state),
         generation=token.generation,
         fingerprint=token.fingerprint,
         issued_at=token.issued_at,

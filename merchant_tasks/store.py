@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import redis
+from redis.client import PubSub
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
@@ -75,6 +76,7 @@ BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so 
 _CORRUPT = (ValueError, KeyError, TypeError, AttributeError, RecursionError)  # parsing garbage
 
 T = TypeVar("T")
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)  # whatever a Redis client raises
 
 
 def renewal_counter(reason: RenewalReason, outcome: Outcome) -> str:
@@ -478,6 +480,13 @@ def claim_slots(client: StoreClient, slots: list[tuple[str, float]]) -> list[boo
         return [bool(won) for won in pipe.execute()]
 
 
+def open_subscription(client: StoreClient) -> PubSub:
+    """A pub/sub connection of ``client``, for ``wakeup``'s subscriber thread."""
+    # Redis and RedisCluster both make their own kind of PubSub here
+    pubsub: PubSub = client.pubsub()  # type: ignore[no-untyped-call]
+    return pubsub
+
+
 def delete_key(client: StoreClient, key: str) -> None:
     with unavailable_as_error():
         client.delete(key)
@@ -526,7 +535,7 @@ def unavailable_as_error(address: str | None = None) -> Iterator[None]:
     where = f"Redis at {address}" if address else "Redis"
     try:
         yield
-    except (redis.RedisError, RedisClusterException) as exc:
+    except REDIS_ERRORS as exc:
         raise StoreUnavailable(
             f"token store ({where}) {_cause(exc)}; check MERCHANT_REDIS_URL"
         ) from exc

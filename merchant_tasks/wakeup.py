@@ -19,11 +19,10 @@ import time
 import weakref
 from typing import Any
 
-import redis
 from redis.client import PubSub
 
 from .redis_topology import StoreClient
-from .store import TokenStore
+from .store import REDIS_ERRORS, TokenStore, open_subscription
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +136,7 @@ class _Subscriber:
         """The subscriber thread: takes up new channels each tick, ends when none is left."""
         pubsub: PubSub | None = None
         try:
-            # Redis and RedisCluster both make their own kind of PubSub here
-            pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]
+            pubsub = open_subscription(self._client)
             subscribed: set[str] = set()
             while True:
                 wanted = self._wanted()
@@ -147,12 +145,12 @@ class _Subscriber:
                 if wanted - subscribed:
                     pubsub.subscribe(*(wanted - subscribed))
                 if subscribed - wanted:
-                    pubsub.unsubscribe(*(subscribed - wanted))
+                    pubsub.unsubscribe(*(subscribed - wanted))  # type: ignore[no-untyped-call]
                 subscribed = wanted
                 message: dict[str, Any] | None = pubsub.get_message(timeout=LISTEN_TICK)
                 if message is not None:
                     self._deliver(message)  # holds no signal across ticks: they may end
-        except (redis.RedisError, OSError, ValueError, AttributeError) as exc:
+        except (*REDIS_ERRORS, OSError, ValueError, AttributeError) as exc:
             log.info(
                 "renewal announcements lost (%s); waiters poll until resubscribed",
                 type(exc).__name__,
@@ -160,7 +158,7 @@ class _Subscriber:
             self._stopped()
         finally:
             if pubsub is not None:
-                with contextlib.suppress(redis.RedisError, OSError):
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
                     pubsub.close()
 
     def _stopped(self) -> None:

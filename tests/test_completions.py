@@ -12,7 +12,7 @@ from conftest import dead_redis
 from merchant_tasks.completions import CompletionRecords
 from merchant_tasks.metrics import FleetCollector
 from merchant_tasks.policy import CounterName
-from merchant_tasks.status import AccountStatus, format_status
+from merchant_tasks.status import AccountState, AccountStatus, format_status
 from merchant_tasks.store import TokenStore
 
 VISIBILITY_TIMEOUT = 3600.0
@@ -79,7 +79,7 @@ def test_status_and_metrics_show_the_redelivered_calls_answered_from_their_recor
         environment="sandbox",
         api_key="k",
         now=0.0,
-        state="missing",
+        state=AccountState.MISSING,
         counters={CounterName.REDELIVERED: 3},
     )
     assert "redelivered_completed_calls=3" in format_status(status)

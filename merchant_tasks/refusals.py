@@ -206,13 +206,14 @@ class Refusals:
         if judge(stale, accepted) != Refusal.NEVER_ACCEPTED:
             return
         record = self.store.records.load_breaker()
+        earlier = record if record is not None and record.kind == BreakerKind.REFUSED else None
         now = self.clock()
-        same = record is not None and record.kind == BreakerKind.REFUSED
-        if same and record is not None and record.generation == stale.generation:
-            if record.until <= now:
+        if earlier is not None and earlier.generation == stale.generation:
+            if earlier.until <= now:
                 return  # its back-off is over: renew it
-            raise TokenRejected(_never_accepted(record.until - now), retry_after=record.until - now)
-        failures = record.failures + 1 if same and record is not None else 1
+            left = earlier.until - now
+            raise TokenRejected(_never_accepted(left), retry_after=left)
+        failures = earlier.failures + 1 if earlier is not None else 1  # refusals in a row
         pause = refused_backoff(failures)
         self.store.records.count(CounterName.NEVER_ACCEPTED)
         self.breaker.trip_refused(stale.generation, failures, pause, _never_accepted(pause))

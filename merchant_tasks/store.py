@@ -1,4 +1,5 @@
-"""The token store: one account's keys in Redis, and the only module that speaks to Redis.
+"""The token store: one account's keys in Redis. With ``records`` (the account's breaker,
+budget, counters and completion records) it is the only code that speaks to Redis.
 
 Keys, under ``<prefix>:<environment>:<api key>:`` (``<prefix>:{<environment>:<api key>}:``
 on a Redis Cluster: the hash tag keeps them in one slot, as the save script and the lock

@@ -521,6 +521,8 @@ def _cause(exc: Exception) -> str:
     name = type(exc).__name__
     if isinstance(exc, redis.exceptions.ReadOnlyError):
         return f"is a read-only replica ({name}): a failover may be under way"
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return f"refused a command its ACL user may not run ({name})"
     if isinstance(exc, redis.exceptions.OutOfMemoryError):
         return f"is out of memory ({name}): check its maxmemory"
     if isinstance(exc, redis.ResponseError):

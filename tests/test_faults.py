@@ -1125,8 +1125,8 @@ def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
     refuse_all_calls), from the start: a key the API does not accept.
 
     Three processes make 15 calls each: every call fails with TokenRejected naming the
-    likely causes, after one request (no retry: the token was never accepted), and the
-    whole fleet makes one exchange.
+    likely causes, the whole fleet makes one exchange, and each process sends the refused
+    token once: then it is known to be refused and calls fail without sending it.
     """
     sandbox.app.configure({"refuse_all_calls": True})
     callers.start(child_env(settings), [{"FAULT_MAX_CALLS": "15"}] * 3)
@@ -1140,7 +1140,7 @@ def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
         assert "never accepted" in message
         assert "MERCHANT_ENVIRONMENT" in message
     assert sandbox.exchanges()["ok"] == 1
-    assert sandbox.calls()["unauthorized"] == 45  # one request per call
+    assert sandbox.calls()["unauthorized"] == 3  # one request per process
 
 
 def test_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_more_exchanges(

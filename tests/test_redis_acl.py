@@ -23,7 +23,8 @@ pytestmark = pytest.mark.integration
 # the README's ACL, with the key pattern of this test's prefix
 TOKEN_STORE_COMMANDS = (
     "+get +set +del +hincrby +hgetall +zadd +zcount +zremrangebyscore +rpush +lrange +ltrim "
-    "+pexpire +eval +evalsha +script|load +time +ping +publish +subscribe +unsubscribe"
+    "+pexpire +eval +evalsha +script|load +time +ping +publish +subscribe +unsubscribe "
+    "+type +hset +pttl +zcard"  # the scripts check a key's type and TTL before writing over it
 )
 
 

@@ -30,9 +30,10 @@ from merchant_tasks.accounts import AccountClients, FleetClient, client_for
 from merchant_tasks.celery_app import isolated_config, load_config, write_config_module
 from merchant_tasks.cli import main
 from merchant_tasks.exceptions import MerchantError, StoreUnavailable
+from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import RedisServer, free_port, spawn, wait_until
 from merchant_tasks.metrics import FleetCollector
-from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET
+from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET, REFUSED_BACKOFF
 from merchant_tasks.renewal_lock import RenewalLock
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.status import account_status
@@ -386,3 +387,39 @@ def test_status_reports_an_account_whose_tokens_are_refused_as_failing(
     assert account["breaker"]["kind"] == "refused"
     assert status.exit_code != 0
     assert sandbox.exchanges()["ok"] == 1
+
+
+def test_two_revocations_before_first_use_heal_within_90_seconds(
+    client: FleetClient, sandbox: Sandbox
+) -> None:
+    """A call's token is revoked (it had been used), and so are the next two tokens, each
+    right after it is issued: the second is refused before any use and its predecessor
+    never was accepted either. Calls fail fast for the back-off (60 s), then succeed again:
+    before, the account stayed broken for the token's whole life (2 h)."""
+    assert client.request("GET", PING) == {"ok": True}
+    exchange = client.manager.exchange
+    revoking = [2]
+
+    def revoked_on_issue() -> IssuedToken:
+        issued = exchange()
+        if revoking[0]:
+            revoking[0] -= 1
+            sandbox.app.revoke_all()  # the new token too, before anyone uses it
+        return issued
+
+    client.manager.exchange = revoked_on_issue
+    sandbox.app.revoke_all()
+    started = time.monotonic()
+    outcomes: Counter[str] = Counter()
+    while True:
+        try:
+            client.request("GET", PING)
+            break
+        except MerchantError as exc:
+            outcomes[type(exc).__name__] += 1
+        assert time.monotonic() - started < 3 * REFUSED_BACKOFF, outcomes  # stuck, as before
+        time.sleep(0.5)
+    healed = time.monotonic() - started
+    print(f"\ntwo revocations before first use: healed after {healed:.1f} s; {dict(outcomes)}")
+    assert set(outcomes) == {"TokenRejected"}  # failing fast meanwhile, then healed
+    assert sandbox.exchanges()["ok"] == 4  # the first token, two revoked on issue, the healer

@@ -28,16 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from celery.signals import celeryd_after_setup, worker_init
+from celery.signals import beat_init, celeryd_after_setup, worker_init
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from .exceptions import ConfigurationError
-from .redis_topology import DEFAULT_SENTINEL_MASTER, is_kombu_redis_url, is_sentinel_url
+from .redis_topology import is_kombu_redis_url, is_sentinel_url
 from .routing import CALLS_QUEUE as CALLS_QUEUE  # re-exported: the queues' names
 from .routing import RENEWAL_QUEUE as RENEWAL_QUEUE
 from .routing import remove_stale_bindings, task_queues
-from .settings import FleetSettings, read_variable
+from .settings import FleetSettings
 from .worker_pools import size_pools_at_worker_start
 
 log = logging.getLogger(__name__)
@@ -141,12 +141,10 @@ def transport_options(
     defaults: dict[str, Any] = {"visibility_timeout": VISIBILITY_TIMEOUT}
     if is_sentinel_url(url):
         # the token store's sentinel settings serve Celery too: one value for both
-        defaults["master_name"] = (
-            read_variable(environ, "MERCHANT_REDIS_SENTINEL_MASTER") or DEFAULT_SENTINEL_MASTER
-        )
-        password = read_variable(environ, "MERCHANT_REDIS_SENTINEL_PASSWORD")
-        if password:
-            defaults["sentinel_kwargs"] = {"password": password}
+        fleet = FleetSettings.from_env(environ)
+        defaults["master_name"] = fleet.redis_sentinel_master
+        if fleet.redis_sentinel_password:
+            defaults["sentinel_kwargs"] = {"password": fleet.redis_sentinel_password}
     return {**defaults, **chosen}
 
 
@@ -182,22 +180,41 @@ def _started_by_celery_command() -> bool:
     return "celery.bin.celery" in sys.modules
 
 
-def _exit_with(exc: ConfigurationError) -> None:
-    """A configuration mistake under ``celery ...``: one line on stderr, no traceback."""
-    print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+def _exit_with(exc: Exception) -> None:
+    """A configuration mistake under ``celery ...``: one line on stderr, no traceback.
+
+    Another exception met while loading the configuration is shown by its type only (its
+    text could quote a file's content), and stops the process all the same: Celery would
+    otherwise log what a start-up signal raised and run on.
+    """
+    if isinstance(exc, ConfigurationError):
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.__stderr__)
+    else:
+        log.debug("loading the configuration failed", exc_info=exc)
+        print(f"error: loading the configuration raised {type(exc).__name__}", file=sys.__stderr__)
     raise SystemExit(EXIT_CONFIGURATION)
+
+
+def _load_accounts_or_exit(read_secrets: bool) -> None:
+    from .accounts import load_accounts  # the process's own import: the app needs no account
+
+    try:
+        load_accounts(read_secrets=read_secrets)
+    except Exception as exc:
+        _exit_with(exc)
+
+
+def _check_beat_start(sender: Any = None, **_: Any) -> None:
+    """Before the first tick: every account's settings load (beat holds no secret)."""
+    if getattr(sender, "app", None) is app:
+        _load_accounts_or_exit(read_secrets=False)
 
 
 def _check_worker_start(sender: Any = None, **_: Any) -> None:
     """Before consuming: every account's settings load, and no stale binding remains."""
-    from .accounts import load_accounts  # the worker's own import: the app needs no account
-
     if getattr(sender, "app", None) is not app:
         return  # another Celery app's worker in a process that imported this module
-    try:
-        load_accounts()
-    except ConfigurationError as exc:
-        _exit_with(exc)
+    _load_accounts_or_exit(read_secrets=True)
     try:
         remove_stale_bindings(app)
     except Exception as exc:  # the broker may be down at start: Celery keeps retrying it
@@ -205,6 +222,7 @@ def _check_worker_start(sender: Any = None, **_: Any) -> None:
 
 
 worker_init.connect(_check_worker_start)
+beat_init.connect(_check_beat_start)
 
 app = Celery("merchant_tasks")
 try:

@@ -41,7 +41,10 @@ _HASH_SPAN = 2**64  # the renewal point's fraction of the window: 8 bytes of SHA
 def namespace_of(settings: Settings) -> str:
     """The account's key namespace in the token store."""
     return AccountKeys.namespace_for(
-        settings.key_prefix, settings.environment, settings.api_key, hash_tag=settings.redis_cluster
+        settings.fleet.key_prefix,
+        settings.environment,
+        settings.api_key,
+        hash_tag=settings.fleet.redis_cluster,
     )
 
 
@@ -53,7 +56,7 @@ def renewal_point(settings: Settings) -> float:
     """
     lowest = min(
         settings.renew_before,
-        settings.renew_mandatory + SPREAD_TICKS * settings.renew_interval,
+        settings.renew_mandatory + SPREAD_TICKS * settings.fleet.renew_interval,
     )
     digest = hashlib.sha256(namespace_of(settings).encode()).digest()
     fraction = int.from_bytes(digest[:8], "big") / _HASH_SPAN
@@ -77,7 +80,7 @@ def due_accounts(
     """
     by_server: dict[str, list[_Entry]] = {}
     for name, settings in accounts.items():
-        by_server.setdefault(settings.redis_url, []).append(
+        by_server.setdefault(settings.fleet.redis_url, []).append(
             _Entry(name, _keys(settings).token, renewal_point(settings))
         )
     due: list[str] = []
@@ -97,7 +100,7 @@ def claim_renewals(
     """
     by_server: dict[str, list[str]] = {}
     for name in names:
-        by_server.setdefault(accounts[name].redis_url, []).append(name)
+        by_server.setdefault(accounts[name].fleet.redis_url, []).append(name)
     claimed: list[str] = []
     for url, server_names in by_server.items():
         slots = [(claim_key(accounts[name]), claim_ttl(accounts[name])) for name in server_names]

@@ -79,7 +79,7 @@ def test_the_env_file_is_a_valid_configuration(tmp_path: Path) -> None:
     env["MERCHANT_API_SECRET_FILE"] = str(secret)  # where compose mounts it, here
     settings = Settings.from_env(env)
     assert settings.base_url == "http://sandbox:8480"
-    assert settings.redis_url == "redis://redis:6379/0"
+    assert settings.fleet.redis_url == "redis://redis:6379/0"
 
 
 def _command(name: str) -> list[str]:

@@ -97,7 +97,7 @@ def test_exit_codes_tell_configuration_redis_and_api_failures_apart(env: dict[st
 
 
 def test_the_sandbox_refuses_a_network_address_unless_allowed(env: dict[str, str]) -> None:
-    code, _, err = _run({**env, "MERCHANT_API_SECRET": "s"}, "sandbox", "--host", "0.0.0.0")  # noqa: S104
+    code, _, err = _run(env, "sandbox", "--host", "0.0.0.0")  # noqa: S104
     assert code == 2
     assert "loopback only" in err
 
@@ -215,3 +215,37 @@ def test_the_sandbox_on_a_busy_port_fails_without_printing_its_banner(tmp_path: 
     assert done.returncode != 0
     assert "merchant API sandbox" not in done.stdout
     assert "in use" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["renew"],
+        ["call", "GET", "/open-api/v1/ping"],
+        ["sandbox", "--port", "1"],
+    ],
+)
+def test_an_unknown_variable_stops_a_command_naming_the_closest_known_one(
+    env: dict[str, str], args: list[str]
+) -> None:
+    code, out, err = _run({**env, "MERCHANT_RENEW_INTERVALL": "30"}, *args)
+    assert code == EXIT_CONFIGURATION
+    assert "unknown variable MERCHANT_RENEW_INTERVALL (did you mean MERCHANT_RENEW_INTERVAL?)" in (
+        out + err
+    )
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize(
+    "args", [["status"], ["status", "--json"], ["renew"], ["call", "GET", "/open-api/v1/ping"]]
+)
+def test_a_base_url_with_a_password_is_refused_and_the_password_shown_nowhere(
+    env: dict[str, str], args: list[str]
+) -> None:
+    gateway = {**env, "MERCHANT_BASE_URL": "http://apiuser:BasicPw99@127.0.0.1:1"}
+    code, out, err = _run(gateway, *args)
+    assert code == EXIT_CONFIGURATION
+    assert "MERCHANT_BASE_URL must not hold a user or password" in out + err
+    assert "BasicPw99" not in out + err

@@ -15,7 +15,7 @@ from merchant_tasks.accounts import AccountClients, client_for
 from merchant_tasks.completions import CompletionRecords
 from merchant_tasks.local import wait_until
 from merchant_tasks.redis_topology import redis_from_url
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.store import LOCK_WAIT_SECONDS
 
 pytestmark = pytest.mark.integration
@@ -70,8 +70,7 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
         api_key=TEST_API_KEY,
         secret=Secret(path=secret_file),
         base_url=sandbox.url,
-        redis_url=f"redis://{name}:{password}@{host}",
-        key_prefix=key_prefix,
+        fleet=FleetSettings(redis_url=f"redis://{name}:{password}@{host}", key_prefix=key_prefix),
     )
     client = client_for(settings)
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}

@@ -57,9 +57,8 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
 @pytest.fixture
 def fast_settings(settings: Settings, private_redis: RedisServer) -> Settings:
     """The test's account on the private Redis, with 1 s / 2 s HTTP timeouts (lease 8 s)."""
-    return dataclasses.replace(
-        settings, redis_url=private_redis.url, connect_timeout=1.0, read_timeout=2.0
-    )
+    fleet = dataclasses.replace(settings.fleet, redis_url=private_redis.url)
+    return dataclasses.replace(settings, fleet=fleet, connect_timeout=1.0, read_timeout=2.0)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from .exceptions import (
     TokenRejected,
 )
 from .policy import BreakerKind
-from .store import BreakerRecord, opening_counter
+from .records import BreakerRecord, opening_counter
 from .store_protocol import Store
 from .token import Token
 

@@ -27,9 +27,10 @@ import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from .redis_commands import AccountKeys
 from .redis_topology import StoreClient
 from .settings import Settings
-from .store import AccountKeys, claim_slots, delete_key, read_values
+from .store import claim_slots, delete_key, read_values
 from .token import Token
 
 SPREAD_TICKS = 2.0  # the lowest renewal point leaves two beat intervals before the

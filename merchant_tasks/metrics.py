@@ -25,8 +25,8 @@ from prometheus_client.registry import Collector
 
 from .exceptions import MerchantError
 from .policy import BreakerKind, CounterName, Outcome
+from .records import DURATION_BUCKETS, attempt_counter, opening_counter, renewal_counter
 from .status import AccountStatus
-from .store import DURATION_BUCKETS, attempt_counter, opening_counter, renewal_counter
 from .timing import HISTOGRAMS
 from .token import RenewalReason
 

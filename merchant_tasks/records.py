@@ -1,7 +1,7 @@
 """One account's records in the token store: the breaker, the forced-renewal budget, the
 half-open probe, the fleet-wide counters and histograms, and the completion records.
 
-Reached as ``TokenStore.records``; the same ``store.AccountRedis`` plumbing types every
+Reached as ``TokenStore.records``; the same ``redis_commands.AccountRedis`` types every
 error and reads every corrupt value as absent (docs/design.md, "Keys").
 """
 
@@ -9,25 +9,61 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict
+import math
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import store_scripts as scripts
 from .exceptions import StoreUnavailable
-from .policy import Outcome
-from .store import (
-    BREAKER_MEMORY,
-    DURATION_BUCKETS,
-    EXCHANGE_LOG_SPAN,
-    AccountRedis,
-    BreakerRecord,
-    attempt_counter,
-    milliseconds,
-    renewal_counter,
-)
+from .policy import BreakerKind, Outcome
+from .redis_commands import AccountRedis, milliseconds
 from .token import RenewalReason
 
 log = logging.getLogger(__name__)
+
+EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last day)
+# upper bounds (seconds) of the fleet-wide histograms: an exchange takes ~0.1-1 s, a wait
+# for another process's exchange as long, up to the read timeout (10 s) and its retries
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
+# failures in a row are counted and the back-off grows; a success deletes it
+
+
+def renewal_counter(reason: RenewalReason, outcome: Outcome) -> str:
+    """The counter of renewals for ``reason`` that ended with ``outcome`` (one a renewal,
+    however many HTTP attempts it made)."""
+    return f"renewals:{reason}:{outcome}"
+
+
+def attempt_counter(reason: RenewalReason, outcome: Outcome) -> str:
+    """The counter of HTTP attempts at the token endpoint, made for a renewal for
+    ``reason``, that ended with ``outcome``."""
+    return f"exchange_attempts:{reason}:{outcome}"
+
+
+def opening_counter(kind: BreakerKind) -> str:
+    """The counter of breaker openings of ``kind``."""
+    return f"breaker_openings:{kind}"
+
+
+@dataclass(frozen=True)
+class BreakerRecord:
+    """Why token exchanges are paused fleet-wide, and until when (Redis time)."""
+
+    kind: BreakerKind
+    until: float
+    failures: int = 1
+    secret_fingerprint: str = ""  # for "rejected": the secret that was refused
+    detail: str = ""  # the error's message, free of secrets by construction
+    generation: int = 0  # for "refused": the refused token's generation
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> BreakerRecord:
+        data = json.loads(raw)
+        record = cls(**{**data, "kind": BreakerKind(data["kind"])})
+        if not math.isfinite(float(record.until)) or not isinstance(record.failures, int):
+            raise ValueError("not a breaker record")
+        return record
 
 
 class AccountRecords:

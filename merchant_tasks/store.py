@@ -1,9 +1,10 @@
 """The token store: one account's keys in Redis. With ``records`` (the account's breaker,
-budget, counters and completion records) it is the only code that speaks to Redis.
+budget, counters and completion records) and ``redis_commands`` (under both) it is the only
+code that speaks to Redis.
 
 Keys, under ``<prefix>:<environment>:<api key>:`` (``<prefix>:{<environment>:<api key>}:``
 on a Redis Cluster: the hash tag keeps them in one slot, as the save script and the lock
-need), all named by ``AccountKeys``:
+need), all named by ``redis_commands.AccountKeys``:
 
 - ``token``      the current token as JSON (value, issue and expiry times, generation, who
                  renewed and why); its TTL is the token's time left, so it expires with it;
@@ -37,140 +38,39 @@ hot path costs one GET and no TIME. See docs/design.md, "Keys".
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Callable
+from dataclasses import replace
+from typing import cast
 
-import redis
 from redis.client import PubSub
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException
 
 from . import store_scripts as scripts
 from .exceptions import StoreUnavailable
-from .policy import BreakerKind, CounterName, Outcome
+from .policy import CounterName
+from .records import DURATION_BUCKETS, AccountRecords
+from .redis_commands import (
+    CORRUPT,
+    AccountKeys,
+    AccountRedis,
+    cause,
+    milliseconds,
+    unavailable_as_error,
+    wrong_type,
+)
 from .redis_topology import StoreClient
 from .sealing import PLAIN_TEXT, TokenCodec
-from .token import RenewalReason, Token
-
-if TYPE_CHECKING:
-    from .records import AccountRecords
+from .token import Token
 
 log = logging.getLogger(__name__)
 
 CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
-EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last day)
-# upper bounds (seconds) of the fleet-wide histograms: an exchange takes ~0.1-1 s, a wait
-# for another process's exchange as long, up to the read timeout (10 s) and its retries
-DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding another's renewal under way to a
 # token being stored: recorded by the store's write, not by the waiters
 _WAIT_BUCKETS = [x for b in DURATION_BUCKETS for x in (round(b * 1e6), f"{b:g}")]  # ARGV pairs
-BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
-# failures in a row are counted and the back-off grows; a success deletes it
-_CORRUPT = (ValueError, KeyError, TypeError, AttributeError, RecursionError)  # parsing garbage
-
-T = TypeVar("T")
-REDIS_ERRORS = (redis.RedisError, RedisClusterException)  # whatever a Redis client raises
-
-
-def renewal_counter(reason: RenewalReason, outcome: Outcome) -> str:
-    """The counter of renewals for ``reason`` that ended with ``outcome`` (one a renewal,
-    however many HTTP attempts it made)."""
-    return f"renewals:{reason}:{outcome}"
-
-
-def attempt_counter(reason: RenewalReason, outcome: Outcome) -> str:
-    """The counter of HTTP attempts at the token endpoint, made for a renewal for
-    ``reason``, that ended with ``outcome``."""
-    return f"exchange_attempts:{reason}:{outcome}"
-
-
-def opening_counter(kind: BreakerKind) -> str:
-    """The counter of breaker openings of ``kind``."""
-    return f"breaker_openings:{kind}"
-
-
-@dataclass(frozen=True)
-class AccountKeys:
-    """Every key of one account, made from its namespace here and nowhere else."""
-
-    namespace: str
-    token: str
-    generation: str
-    lock: str
-    breaker: str
-    counters: str
-    histograms: str
-    exchange_log: str
-    accepted: str
-    forced: str
-    probe: str
-    waits: str
-    renewal_sent: str
-    renewed: str  # a channel
-
-    @classmethod
-    def of(cls, namespace: str) -> AccountKeys:
-        def key(name: str) -> str:
-            return f"{namespace}:{name}"
-
-        return cls(
-            namespace,
-            token=key("token"),
-            generation=key("generation"),
-            lock=key("lock"),
-            breaker=key("breaker"),
-            counters=key("counters"),
-            histograms=key("histograms"),
-            exchange_log=key("exchanges"),
-            accepted=key("accepted"),
-            forced=key("forced"),
-            probe=key("probe"),
-            waits=key("waits"),
-            renewal_sent=key("renewal-sent"),
-            renewed=key("renewed"),
-        )
-
-    @staticmethod
-    def namespace_for(
-        prefix: str, environment: str, api_key: str, *, hash_tag: bool = False
-    ) -> str:
-        """The account's key namespace; with ``hash_tag`` (Redis Cluster), its keys share
-        one hash slot, as the save script and the lock need."""
-        if hash_tag:
-            return f"{prefix}:{{{environment}:{api_key}}}"
-        return f"{prefix}:{environment}:{api_key}"
-
-    def completed(self, task_id: str) -> str:
-        """The completion record of call ``task_id`` (``completions``)."""
-        return f"{self.namespace}:completed:{task_id}"
-
-
-@dataclass(frozen=True)
-class BreakerRecord:
-    """Why token exchanges are paused fleet-wide, and until when (Redis time)."""
-
-    kind: BreakerKind
-    until: float
-    failures: int = 1
-    secret_fingerprint: str = ""  # for "rejected": the secret that was refused
-    detail: str = ""  # the error's message, free of secrets by construction
-    generation: int = 0  # for "refused": the refused token's generation
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> BreakerRecord:
-        data = json.loads(raw)
-        record = cls(**{**data, "kind": BreakerKind(data["kind"])})
-        if not math.isfinite(float(record.until)) or not isinstance(record.failures, int):
-            raise ValueError("not a breaker record")
-        return record
 
 
 class RedisClock:
@@ -206,62 +106,6 @@ class RedisClock:
         return remote_then + (mono - mono_then)
 
 
-class AccountRedis:
-    """One account's Redis commands: every error typed (``StoreUnavailable`` naming the
-    cause), every corrupt or wrong-typed value read as absent and logged once."""
-
-    def __init__(self, client: StoreClient, keys: AccountKeys) -> None:
-        self.client = client
-        self.keys = keys
-        self.address = redis_address(client)  # for error messages: host only, no password
-        self._reported: set[str] = set()  # keys whose corrupt value was logged
-
-    def command(self, command: Callable[[], T]) -> T:
-        with unavailable_as_error(self.address):
-            return command()
-
-    def read(self, key: str, command: Callable[[], Any], parse: Callable[[Any], T], absent: T) -> T:
-        """``parse`` of what ``command`` read from ``key``; ``absent`` when nothing is
-        there or what is there is corrupt or of the wrong type (logged once)."""
-        try:
-            raw = self.command(command)
-        except StoreUnavailable as exc:
-            if not _wrong_type(exc.__cause__):
-                raise
-            self.corrupt(key, "a value of the wrong type")
-            return absent
-        if raw is None:
-            return absent
-        try:
-            return parse(raw)
-        except _CORRUPT as exc:
-            self.corrupt(key, type(exc).__name__)
-            return absent
-
-    def get(self, key: str, parse: Callable[[bytes], T], absent: T) -> T:
-        """GET ``key``, parsed; see ``read``."""
-        return self.read(key, lambda: self.client.get(key), parse, absent)
-
-    def corrupt(self, key: str, why: str) -> None:
-        if key not in self._reported:
-            self._reported.add(key)
-            log.warning(
-                "%s holds what merchant-tasks never writes (%s): treated as absent; "
-                "the next write replaces it",
-                key,
-                why,
-            )
-
-    def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        """Run one of ``store_scripts``, sent whole (EVAL), not by digest (EVALSHA).
-
-        They run a few times a renewal, never on the hot path; after a Redis restart or
-        failover the server's script cache is empty, and a digest would cost every process
-        two more commands (NOSCRIPT, SCRIPT LOAD) in the very storm that follows.
-        """
-        return self.command(lambda: self.client.eval(script, len(keys), *keys, *args))
-
-
 class TokenStore:
     """One account's token, generation, acceptance and renewal lock; ``records`` holds its
     breaker, budget, counters and completion records. The manager, beat's check,
@@ -273,8 +117,6 @@ class TokenStore:
         self.namespace = namespace
         self.keys = AccountKeys.of(namespace)
         self.codec = codec  # how the token value is kept at rest (sealing.py)
-        from .records import AccountRecords  # records builds on this module
-
         self.commands = AccountRedis(client, self.keys)
         self.address = self.commands.address
         self.records: AccountRecords = AccountRecords(self.commands)
@@ -323,7 +165,7 @@ class TokenStore:
             try:
                 token = Token.from_json(raw)
                 token = replace(token, value=self.codec.open(token.value, self.namespace))
-            except _CORRUPT as exc:  # (a value in clear where a key seals them is a ValueError)
+            except CORRUPT as exc:  # (a value in clear where a key seals them is a ValueError)
                 self.commands.corrupt(self.keys.token, type(exc).__name__)
                 return None
             with self._parsed_lock:
@@ -463,12 +305,12 @@ def read_values(client: StoreClient, keys: list[str]) -> tuple[float, list[bytes
         clock = [client.time()] if clustered else []
         replies = [*clock, *pipe.execute(raise_on_error=False)]
     if isinstance(replies[0], Exception):
-        raise StoreUnavailable(f"token store (Redis) {_cause(replies[0])}") from replies[0]
+        raise StoreUnavailable(f"token store (Redis) {cause(replies[0])}") from replies[0]
     seconds, micros = cast(tuple[int, int], replies[0])
-    values = [b"" if _wrong_type(raw) else cast(bytes | None, raw) for raw in replies[1:]]
+    values = [b"" if wrong_type(raw) else cast(bytes | None, raw) for raw in replies[1:]]
     for raw in replies[1:]:
-        if isinstance(raw, Exception) and not _wrong_type(raw):
-            raise StoreUnavailable(f"token store (Redis) {_cause(raw)}") from raw
+        if isinstance(raw, Exception) and not wrong_type(raw):
+            raise StoreUnavailable(f"token store (Redis) {cause(raw)}") from raw
     return seconds + micros / 1e6, values
 
 
@@ -495,50 +337,3 @@ def delete_key(client: StoreClient, key: str) -> None:
 
 def _text(raw: bytes) -> str:
     return raw.decode()
-
-
-def milliseconds(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
-
-
-def _wrong_type(exc: BaseException | None) -> bool:
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
-
-
-def redis_address(client: object) -> str:
-    """Where a client connects (host:port or socket path), never its user or password."""
-    pool = getattr(client, "connection_pool", None)  # a cluster client has one per node
-    kwargs = getattr(pool, "connection_kwargs", None)
-    if not isinstance(kwargs, dict):
-        return "MERCHANT_REDIS_URL"
-    if kwargs.get("path"):
-        return str(kwargs["path"])
-    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-
-
-def _cause(exc: Exception) -> str:
-    """What a Redis error says about the store, without any text the server chose."""
-    name = type(exc).__name__
-    if isinstance(exc, redis.exceptions.ReadOnlyError):
-        return f"is a read-only replica ({name}): a failover may be under way"
-    if isinstance(exc, redis.exceptions.NoPermissionError):
-        return f"refused a command its ACL user may not run ({name})"
-    if isinstance(exc, redis.exceptions.OutOfMemoryError):
-        return f"is out of memory ({name}): check its maxmemory"
-    if isinstance(exc, redis.ResponseError):
-        code = str(exc).split(" ", 1)[0]
-        return f"refused a command ({name} {code if code.isalpha() and code.isupper() else ''})"
-    return f"unavailable: {name}"
-
-
-@contextmanager
-def unavailable_as_error(address: str | None = None) -> Iterator[None]:
-    """Every Redis error as StoreUnavailable naming ``address`` (host:port) and the cause
-    (unreachable, read-only, out of memory, a refused command); the original is chained."""
-    where = f"Redis at {address}" if address else "Redis"
-    try:
-        yield
-    except REDIS_ERRORS as exc:
-        raise StoreUnavailable(
-            f"token store ({where}) {_cause(exc)}; check MERCHANT_REDIS_URL"
-        ) from exc

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from .policy import Outcome
-from .store import AccountKeys, BreakerRecord
+from .records import BreakerRecord
+from .redis_commands import AccountKeys
 from .token import RenewalReason, Token
 
 

@@ -21,8 +21,9 @@ from typing import Any
 
 from redis.client import PubSub
 
+from .redis_commands import REDIS_ERRORS
 from .redis_topology import StoreClient
-from .store import REDIS_ERRORS, TokenStore, open_subscription
+from .store import TokenStore, open_subscription
 
 log = logging.getLogger(__name__)
 

@@ -60,11 +60,12 @@ from merchant_tasks.exceptions import (
 from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import Child, RedisServer, free_port, spawn, wait_until
 from merchant_tasks.policy import BreakerKind
+from merchant_tasks.records import BreakerRecord
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
-from merchant_tasks.store import BreakerRecord, RedisClock, TokenStore
+from merchant_tasks.store import RedisClock, TokenStore
 from merchant_tasks.token import Token, fingerprint
 
 if TYPE_CHECKING:

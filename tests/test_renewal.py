@@ -36,11 +36,12 @@ from merchant_tasks.exceptions import (
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
 from merchant_tasks.policy import BreakerKind
+from merchant_tasks.records import BreakerRecord
 from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD, REFUSED_BACKOFF
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX
 from merchant_tasks.single_flight import POLL_INITIAL, POLL_MAX
-from merchant_tasks.store import BreakerRecord, TokenStore
+from merchant_tasks.store import TokenStore
 from merchant_tasks.token import RenewalReason, Token, fingerprint
 
 RENEW_BEFORE = 480.0

@@ -11,13 +11,8 @@ import redis
 from conftest import UNIT_NAMESPACE, dead_redis
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.policy import BreakerKind, CounterName, Outcome
-from merchant_tasks.store import (
-    BREAKER_MEMORY,
-    LOCK_WAIT_SECONDS,
-    BreakerRecord,
-    RedisClock,
-    TokenStore,
-)
+from merchant_tasks.records import BREAKER_MEMORY, BreakerRecord
+from merchant_tasks.store import LOCK_WAIT_SECONDS, RedisClock, TokenStore
 from merchant_tasks.token import RenewalReason, Token
 
 

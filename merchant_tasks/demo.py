@@ -38,17 +38,11 @@ from celery import Celery
 from .celery_app import isolated_config, package_defaults, write_config_module
 from .local import RedisServer, free_port, redis_answers, running, wait_until
 from .sandbox import SandboxApp, SandboxConfig, SandboxServer
-from .settings import Secret, Settings, child_env
+from .settings import DEFAULT_REDIS_URL, FleetSettings, Secret, Settings, child_env, read_variable
 from .store import TokenStore
 
 DEMO_API_KEY = "demo-app-id"
 CALL_API_TASK = "merchant_tasks.call_api"
-CELERY_URL_VARIABLES = (
-    "CELERY_BROKER_URL",
-    "CELERY_RESULT_BACKEND",
-    "CELERY_BROKER_READ_URL",
-    "CELERY_BROKER_WRITE_URL",
-)
 VIEW_INTERVAL = 0.5  # seconds between two refreshes of the live view
 DRAIN_TIMEOUT = 30.0  # seconds to wait for calls still queued when the duration ends
 
@@ -94,48 +88,23 @@ def run_demo(
             api_key=DEMO_API_KEY,
             secret=Secret(path=secret_file),
             base_url=server.url,
-            redis_url=redis_url,
-            key_prefix=key_prefix,
             token_lifetime=lifetime,
             renew_before=renew_before,
             renew_mandatory=round(lifetime * 0.1, 3),
-            renew_interval=max(1.0, round(lifetime * 0.05, 3)),
+            fleet=FleetSettings(
+                redis_url=redis_url,
+                key_prefix=key_prefix,
+                renew_interval=max(1.0, round(lifetime * 0.05, 3)),
+            ),
         )
         # the children get these settings and nothing else of ours: no MERCHANT_* or CELERY_*
         # variable of this shell (Celery reads its URLs from the environment first)
         env = child_env(settings)
         # and so does this process, where the producer below would otherwise send elsewhere
-        for name in [*CELERY_URL_VARIABLES, "MERCHANT_API_SECRET"]:
-            os.environ.pop(name, None)
-        os.environ.update(settings.to_env())
-        celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
-        stack.enter_context(
-            running(
-                "worker",
-                [
-                    *celery,
-                    "worker",
-                    "--loglevel=WARNING",
-                    f"--concurrency={workers}",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "-n",
-                    f"demo-{uuid.uuid4().hex[:6]}@%h",
-                ],
-                workdir / "worker.log",
-                env=env,
-                cwd=workdir,
-            )
-        )
-        stack.enter_context(
-            running(
-                "beat",
-                [*celery, "beat", "--loglevel=WARNING", "-s", str(workdir / "beat-schedule")],
-                workdir / "beat.log",
-                env=env,
-                cwd=workdir,
-            )
-        )
+        for name in set(os.environ) - set(env):
+            del os.environ[name]
+        os.environ.update(env)
+        _start_worker_and_beat(stack, workdir, env, workers)
         store = TokenStore(
             redis.Redis.from_url(redis_url),
             TokenStore.namespace_for(key_prefix, "sandbox", DEMO_API_KEY),
@@ -155,6 +124,18 @@ def run_demo(
         out.write(_summary_text(summary))
         return summary
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
+
+
+def _start_worker_and_beat(
+    stack: contextlib.ExitStack, workdir: Path, env: dict[str, str], workers: int
+) -> None:
+    """The demo's Celery worker and beat, stopped with ``stack``."""
+    celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
+    worker = [*celery, "worker", "--loglevel=WARNING", f"--concurrency={workers}"]
+    worker += ["--without-gossip", "--without-mingle", "-n", f"demo-{uuid.uuid4().hex[:6]}@%h"]
+    stack.enter_context(running("worker", worker, workdir / "worker.log", env=env, cwd=workdir))
+    beat = [*celery, "beat", "--loglevel=WARNING", "-s", str(workdir / "beat-schedule")]
+    stack.enter_context(running("beat", beat, workdir / "beat.log", env=env, cwd=workdir))
 
 
 def _drive(
@@ -178,32 +159,10 @@ def _drive(
     live = out.isatty()
 
     def collect() -> None:
-        for result in [r for r in pending if r.ready()]:
-            pending.remove(result)
-            if result.successful():
-                summary.ok += 1
-            else:
-                summary.failed += 1
-                summary.errors.append(repr(result.result)[:200])
+        _collect(pending, summary)
 
     def view(now: float) -> None:
-        counters = sandbox.counters()
-        fleet = store.counters()
-        token = store.load()
-        clock = store.time()
-        summary.exchanges = counters["exchanges"]["ok"]
-        summary.unauthorized = counters["calls"]["unauthorized"]
-        summary.forced_renewals = fleet.get("exchanges:forced:ok", 0)
-        token_text = (
-            f"gen {token.generation:>3} left {token.time_left(clock):5.1f}s"
-            if token is not None
-            else "no token yet    "
-        )
-        line = (
-            f"t={now:5.1f}s  token {token_text}  exchanges {summary.exchanges:>3}  "
-            f"calls ok {summary.ok:>5} failed {summary.failed:>3} queued {len(pending):>4}  "
-            f"401s {summary.unauthorized:>3} (forced renewals {summary.forced_renewals})"
-        )
+        line = _view_line(summary, sandbox, store, len(pending), now)
         out.write(("\r\x1b[K" + line) if live else line + "\n")
         out.flush()
 
@@ -237,6 +196,39 @@ def _drive(
         out.write("\n")
 
 
+def _collect(pending: list[Any], summary: DemoSummary) -> None:
+    """Count the results that are in, and forget them."""
+    for result in [r for r in pending if r.ready()]:
+        pending.remove(result)
+        if result.successful():
+            summary.ok += 1
+        else:
+            summary.failed += 1
+            summary.errors.append(repr(result.result)[:200])
+
+
+def _view_line(
+    summary: DemoSummary, sandbox: SandboxApp, store: TokenStore, queued: int, now: float
+) -> str:
+    """One line of the live view (and the summary's figures brought up to date)."""
+    counters = sandbox.counters()
+    token = store.load()
+    clock = store.time()
+    summary.exchanges = counters["exchanges"]["ok"]
+    summary.unauthorized = counters["calls"]["unauthorized"]
+    summary.forced_renewals = store.records.counters().get("renewals:forced:ok", 0)
+    token_text = (
+        f"gen {token.generation:>3} left {token.time_left(clock):5.1f}s"
+        if token is not None
+        else "no token yet    "
+    )
+    return (
+        f"t={now:5.1f}s  token {token_text}  exchanges {summary.exchanges:>3}  "
+        f"calls ok {summary.ok:>5} failed {summary.failed:>3} queued {queued:>4}  "
+        f"401s {summary.unauthorized:>3} (forced renewals {summary.forced_renewals})"
+    )
+
+
 def _summary_text(summary: DemoSummary) -> str:
     lines = [
         "",
@@ -259,7 +251,7 @@ def _summary_text(summary: DemoSummary) -> str:
 @contextlib.contextmanager
 def _redis_for_demo(workdir: Path) -> Iterator[tuple[str, str]]:
     """MERCHANT_REDIS_URL if it answers, else a private redis-server, else fakeredis."""
-    url = os.environ.get("MERCHANT_REDIS_URL", "redis://localhost:6379/0")
+    url = read_variable("MERCHANT_REDIS_URL") or DEFAULT_REDIS_URL
     try:
         redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
     except redis.RedisError:

@@ -27,7 +27,7 @@ from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import RedisServer, free_port
 from merchant_tasks.redis_topology import StoreClient
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.store import TokenStore
 
 if TYPE_CHECKING:
@@ -199,8 +199,7 @@ def settings(sandbox: Sandbox, redis_url: str, key_prefix: str, secret_file: Pat
         api_key=TEST_API_KEY,
         secret=Secret(path=secret_file),
         base_url=sandbox.url,
-        redis_url=redis_url,
-        key_prefix=key_prefix,
+        fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
     )
 
 

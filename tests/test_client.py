@@ -29,7 +29,7 @@ from merchant_tasks.exceptions import (
 from merchant_tasks.exchange import TOKEN_PATH
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.store import TokenStore
-from merchant_tasks.token import Token, fingerprint
+from merchant_tasks.token import RenewalReason, Token, fingerprint
 
 BASE_URL = "https://api.example.test"
 ORDERS = "/open-api/v1/orders"
@@ -185,7 +185,9 @@ def test_a_path_outside_the_api_is_a_value_error(
     assert len(exchange.calls) == 0
 
 
-@pytest.mark.parametrize("path", [TOKEN_PATH, TOKEN_PATH + "/", TOKEN_PATH + "?grant=x"])
+@pytest.mark.parametrize(
+    "path", [TOKEN_PATH, TOKEN_PATH + "/", TOKEN_PATH + "?grant=x", TOKEN_PATH + ";v=1"]
+)
 def test_the_token_endpoint_cannot_be_called_through_request(
     client: FleetClient, transport: FakeTransport, path: str
 ) -> None:
@@ -219,7 +221,32 @@ def test_a_path_with_dot_segments_cannot_leave_the_api(
 
 
 @pytest.mark.parametrize(
-    "path", ["/open-api/v1/orders/a%20b", "/open-api/v1/orders/%E2%82%AC", "/open-api/v1/x.y/z"]
+    "path",
+    [
+        "/open-api/v1/..;/admin",  # Tomcat and Spring drop ";..." and read ".."
+        "/open-api/v1/..;jsessionid=x/..;/admin",
+        "/open-api/v1/.;/auth/access_token",
+        "/open-api/v1/%2e%2e%3b/admin",  # the same, percent-encoded
+        "/open-api/v1/.. /admin",  # trailing blanks, which some servers trim
+        "/open-api/v1/.../admin",  # dots only, which some servers collapse
+    ],
+)
+def test_a_segment_some_server_reads_as_a_dot_segment_is_refused(
+    client: FleetClient, transport: FakeTransport, path: str
+) -> None:
+    with pytest.raises(ValueError, match="/open-api/v1/"):
+        client.request("GET", path)
+    assert transport.sent == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/open-api/v1/orders/a%20b",
+        "/open-api/v1/orders/%E2%82%AC",
+        "/open-api/v1/x.y/z",
+        "/open-api/v1/x;v=1",
+    ],
 )
 def test_other_percent_encoded_or_dotted_names_are_allowed(
     client: FleetClient, transport: FakeTransport, path: str
@@ -250,7 +277,7 @@ def test_no_request_is_sent_when_no_token_can_be_had(
 # -- 401 ---------------------------------------------------------------------------------
 
 
-def refused_while_another_host_renews(store: TokenStore, reason: str) -> Reply:
+def refused_while_another_host_renews(store: TokenStore, reason: RenewalReason) -> Reply:
     """A 401 answered while another host stores the next generation, ``tok-from-another-host``."""
 
     def reply(request: requests.PreparedRequest) -> requests.Response:
@@ -273,14 +300,16 @@ def test_a_401_on_a_token_accepted_before_renews_once_and_retries_with_the_new_t
     first, second = token_values(exchange)
     assert [sent.bearer for sent in transport.sent] == [first, first, second]
     assert len(exchange.calls) == 2
-    counters = store.counters()
+    counters = store.records.counters()
     assert (counters["unauthorized"], counters["forced_renewals"]) == (1, 1)
 
 
 def test_a_401_uses_a_token_another_process_renewed_meanwhile(
     client: FleetClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
 ) -> None:
-    transport.reply(refused_while_another_host_renews(store, "forced"), response(200, {"ok": 1}))
+    transport.reply(
+        refused_while_another_host_renews(store, RenewalReason.FORCED), response(200, {"ok": 1})
+    )
     assert client.request("GET", ORDERS) == {"ok": 1}
     assert transport.sent[1].bearer == "tok-from-another-host"
     assert len(exchange.calls) == 1  # theirs was used: no exchange of our own
@@ -304,7 +333,7 @@ def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once
 ) -> None:
     """Another process renewed, then every token was revoked: one exchange, no failure."""
     client.request("GET", ORDERS)  # the first token is accepted
-    renewed_elsewhere = refused_while_another_host_renews(store, "scheduled")
+    renewed_elsewhere = refused_while_another_host_renews(store, RenewalReason.SCHEDULED)
     transport.reply(renewed_elsewhere, response(401), response(200, {"ok": 1}))
     assert client.request("GET", ORDERS) == {"ok": 1}
     assert [sent.bearer for sent in transport.sent[2:]] == [

@@ -34,7 +34,7 @@ from merchant_tasks.exceptions import (
 from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import spawn, wait_all_ready, wait_until
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import FleetSettings, Secret, Settings
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +90,7 @@ def test_processes_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
         "MERCHANT_API_KEY": TEST_API_KEY,
         "MERCHANT_API_SECRET_FILE": str(secret_file),
         "MERCHANT_BASE_URL": sandbox.url,
-        "MERCHANT_REDIS_URL": settings.redis_url,
+        "MERCHANT_REDIS_URL": settings.fleet.redis_url,
         "MERCHANT_KEY_PREFIX": key_prefix,
         "STORM_READY_KEY": ready_key,
         "STORM_GO_KEY": go_key,
@@ -191,7 +191,7 @@ def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
         slow = threading.Thread(target=lambda: slow_result.append(client.manager.renew(force=True)))
         slow.start()
         assert slow_request_arrived.wait(10)
-        redis_client.delete(store.lock_key)  # as if the slow holder's lock had expired
+        redis_client.delete(store.keys.lock)  # as if the slow holder's lock had expired
         newer = other_process.manager.renew(force=True)
         assert slow.is_alive()  # its exchange is still held
         release.set()
@@ -220,7 +220,7 @@ def test_breaker_stops_hammering_a_reset_secret_and_recovers_after_rotation(
     secret_file.write_text(new_secret)
     assert client.request("GET", PING) == {"ok": True}
     assert sandbox.exchanges()["ok"] == 2
-    assert client.manager.store.load_breaker() is None
+    assert client.manager.store.records.load_breaker() is None
 
 
 # -- malformed token responses, from a real server on loopback ---------------------------
@@ -345,8 +345,7 @@ def test_a_sandbox_key_is_refused_by_an_emulator_playing_production(
         api_key="sandbox-only-key",
         secret=Secret("sandbox-only-secret"),
         base_url=sandbox.url,
-        redis_url=redis_url,
-        key_prefix=key_prefix,
+        fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
     )
     wrong = client_for(production_settings, redis_client=redis_client)
     for _ in range(5):

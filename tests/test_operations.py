@@ -69,7 +69,7 @@ def test_status_json_reports_token_renewals_breaker_and_counters_but_no_token(
     assert account["exchanges_last_hour"] == account["exchanges_last_day"] == 2
     assert account["breaker"] is None
     assert account["lock_holder"] is None
-    assert account["counters"]["exchanges:forced:ok"] == 1
+    assert account["counters"]["renewals:forced:ok"] == 1
     assert account["counters"]["unauthorized"] == 1
     for token in sandbox.app.issued_tokens():
         assert token not in out
@@ -97,7 +97,7 @@ def test_exit_codes_tell_configuration_redis_and_api_failures_apart(env: dict[st
 
 
 def test_the_sandbox_refuses_a_network_address_unless_allowed(env: dict[str, str]) -> None:
-    code, _, err = _run({**env, "MERCHANT_API_SECRET": "s"}, "sandbox", "--host", "0.0.0.0")  # noqa: S104
+    code, _, err = _run(env, "sandbox", "--host", "0.0.0.0")  # noqa: S104
     assert code == 2
     assert "loopback only" in err
 
@@ -137,7 +137,7 @@ def test_one_scrape_sees_the_exchanges_of_every_process(
     }
     labels = (("account", "default"), ("environment", "sandbox"))
     manual = (*labels, ("outcome", "ok"), ("reason", "manual"))
-    assert samples[("merchant_tasks_exchanges_total", tuple(sorted(manual)))] == 2
+    assert samples[("merchant_tasks_renewals_total", tuple(sorted(manual)))] == 2
     assert samples[("merchant_tasks_token_generation", labels)] == 2
     assert samples[("merchant_tasks_token_time_left_seconds", labels)] > 0
     assert samples[("merchant_tasks_breaker_open", (*labels, ("kind", "rejected")))] == 0
@@ -215,3 +215,53 @@ def test_the_sandbox_on_a_busy_port_fails_without_printing_its_banner(tmp_path: 
     assert done.returncode != 0
     assert "merchant API sandbox" not in done.stdout
     assert "in use" in done.stderr
+
+
+def test_status_reads_redis_without_the_secret_which_exchanging_commands_still_need(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """As in the compose file: the exporter's container has no secret mounted."""
+    _run(env, "call", "GET", "/open-api/v1/ping")  # a token in Redis
+    unmounted = {k: v for k, v in env.items() if k != "MERCHANT_API_SECRET"}
+    unmounted["MERCHANT_API_SECRET_FILE"] = str(tmp_path / "not-mounted")
+    code, out, err = _run(unmounted, "status", "--json")
+    assert code == 0, err
+    [account] = json.loads(out)["accounts"]
+    assert account["state"] == "fresh"
+    code, _, err = _run(unmounted, "renew", "--force")
+    assert code == EXIT_CONFIGURATION
+    assert "MERCHANT_API_SECRET_FILE: cannot read" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["renew"],
+        ["call", "GET", "/open-api/v1/ping"],
+        ["sandbox", "--port", "1"],
+    ],
+)
+def test_an_unknown_variable_stops_a_command_naming_the_closest_known_one(
+    env: dict[str, str], args: list[str]
+) -> None:
+    code, out, err = _run({**env, "MERCHANT_RENEW_INTERVALL": "30"}, *args)
+    assert code == EXIT_CONFIGURATION
+    assert "unknown variable MERCHANT_RENEW_INTERVALL (did you mean MERCHANT_RENEW_INTERVAL?)" in (
+        out + err
+    )
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize(
+    "args", [["status"], ["status", "--json"], ["renew"], ["call", "GET", "/open-api/v1/ping"]]
+)
+def test_a_base_url_with_a_password_is_refused_and_the_password_shown_nowhere(
+    env: dict[str, str], args: list[str]
+) -> None:
+    gateway = {**env, "MERCHANT_BASE_URL": "http://apiuser:BasicPw99@127.0.0.1:1"}
+    code, out, err = _run(gateway, *args)
+    assert code == EXIT_CONFIGURATION
+    assert "MERCHANT_BASE_URL must not hold a user or password" in out + err
+    assert "BasicPw99" not in out + err

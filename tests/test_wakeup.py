@@ -16,7 +16,7 @@ from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.store import TokenStore
-from merchant_tasks.token import Token
+from merchant_tasks.token import RenewalReason, Token
 from merchant_tasks.wakeup import RenewalSignal
 
 pytestmark = pytest.mark.integration
@@ -127,7 +127,7 @@ def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling
     a = manager_for(store_a, slow_exchange, sleeps_a)
     b = manager_for(store_b, lambda: IssuedToken("tok-never", 3600.0), sleeps_b)
     now = store_a.time()
-    revoked = Token("tok-revoked", now - 10, now + 3600, 1, "x", "scheduled")
+    revoked = Token("tok-revoked", now - 10, now + 3600, 1, "x", RenewalReason.SCHEDULED)
     assert store_a.save(revoked) == (True, 1)
     store_a.mark_accepted(1)
     for manager in (a, b):
@@ -143,4 +143,4 @@ def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling
     renewer.join(10.0)
     assert renewed[0].value == token_b.value == "tok-renewed-by-a"
     assert sleeps_b == []  # woken, not polling
-    assert store_a.counters()["lock_waits"] == 1
+    assert store_a.records.counters()["lock_waits"] == 1

@@ -33,6 +33,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 
@@ -183,8 +184,10 @@ def client_for(
     *,
     redis_client: StoreClient | None = None,
     session: requests.Session | None = None,
+    name: str = DEFAULT_ACCOUNT,
 ) -> FleetClient:
-    """The client of one account: its settings wired to a store, an exchange and a manager.
+    """The client of account ``name``: its settings wired to a store, an exchange and a
+    manager.
 
     ``redis_client`` and ``session`` are shared when given (``AccountClients`` shares one
     Redis pool per server); otherwise the client gets its own.
@@ -197,10 +200,12 @@ def client_for(
             fleet.key_prefix, settings.environment, settings.api_key, hash_tag=fleet.redis_cluster
         ),
         codec_for(fleet.token_key_file, fleet.token_key_previous_file),
+        account=name,
     )
+    server = urlsplit(settings.base_url).hostname or ""
     manager = TokenManager(
         store,
-        TimedExchange(TokenExchange.from_settings(settings, session), store),
+        TimedExchange(TokenExchange.from_settings(settings, session), store, server=server),
         lambda: fingerprint(settings.secret.reveal()),
         renew_before=settings.renew_before,
         renew_mandatory=settings.renew_mandatory,
@@ -211,6 +216,7 @@ def client_for(
         manager,
         session=session,
         timeout=(settings.connect_timeout, settings.read_timeout),
+        account=name,
     )
 
 
@@ -265,6 +271,7 @@ class AccountClients:
                     settings,
                     redis_client=self._redis_for(settings.fleet.redis_url),
                     session=session,
+                    name=name,
                 )
                 self._clients[name] = client
         return client

@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import telemetry
 from .exceptions import (
     CredentialsRejected,
     ExchangeRateLimited,
@@ -120,6 +121,7 @@ class Breaker:
     def _open(self, record: BreakerRecord, now: float) -> None:
         self.store.records.open_breaker(record, now)
         self.store.records.count(opening_counter(record.kind))
+        telemetry.count_breaker_opening(self.store.account, record.kind)
         log.warning(
             "token exchanges paused for %.1f s for %s: %s",
             record.until - now,

@@ -37,6 +37,7 @@ from tenacity import (
 )
 from urllib3.exceptions import NewConnectionError
 
+from . import telemetry
 from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
 from .exchange import TOKEN_PATH, error_code, parse_retry_after
 from .refusals import refused_after_renewal_message
@@ -93,6 +94,7 @@ class _Call:
     json: Any
     params: Mapping[str, Any] | None
     headers: Mapping[str, str] | None
+    span: telemetry.Recorder  # its ``merchant_tasks.request`` span (a no-op when not traced)
 
 
 class TokenSource(Protocol):
@@ -123,8 +125,10 @@ class MerchantClient(Generic[SourceT]):
         session: requests.Session | None = None,
         timeout: tuple[float, float] = DEFAULT_TIMEOUTS,
         sleep: Callable[[float], None] = time.sleep,
+        account: str = "",
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.account = account  # its name in telemetry (``accounts.client_for`` sets it)
         self.manager = manager
         self.session = session or new_session()
         self.timeout = timeout
@@ -162,7 +166,16 @@ class MerchantClient(Generic[SourceT]):
         _check_path(path)
         if headers and any(name.lower() == "authorization" for name in headers):
             raise ValueError("the Authorization header is set by the client from the shared token")
-        call = _Call(method, path, json, params, headers)
+        with telemetry.request_span(method, path, self.account) as span:
+            try:
+                answer = self._request(_Call(method, path, json, params, headers, span))
+            except Exception as exc:
+                telemetry.count_call(self.account, type(exc).__name__)
+                raise
+            telemetry.count_call(self.account, "ok")
+            return answer
+
+    def _request(self, call: _Call) -> Any:
         try:
             # the usual case, kept free of the retry machinery's cost
             return self._send(self.manager.token(), call)
@@ -182,7 +195,8 @@ class MerchantClient(Generic[SourceT]):
             return self._retry_transient(attempt)
         except _Transient as exc:  # not retryable for this method: report it as it came
             raise ApiUnavailable(
-                f"{method} {path} failed ({exc}); not retried: the server may have processed it",
+                f"{call.method} {call.path} failed ({exc}); "
+                "not retried: the server may have processed it",
                 status=exc.status,
                 excerpt=exc.excerpt,
                 retry_after=exc.retry_after,
@@ -199,6 +213,7 @@ class MerchantClient(Generic[SourceT]):
                 renewals += 1
                 log.info("call got 401 with token %s; renewing", refused.token.fingerprint)
                 token = self.manager.renew(stale_token=refused.token)
+                call.span.link(token.traceparent)  # a renewal another thread or process ran
             try:
                 return self._send(token, call)
             except _Unauthorized as exc:
@@ -208,6 +223,7 @@ class MerchantClient(Generic[SourceT]):
         method, path = call.method, call.path
         all_headers = {"accept": "application/json", **(call.headers or {})}
         all_headers["authorization"] = f"Bearer {token.value}"
+        call.span.count(telemetry.ATTEMPTS)
         try:
             response = self.session.request(
                 method,
@@ -231,11 +247,13 @@ class MerchantClient(Generic[SourceT]):
             ) from None
         status = response.status_code
         log.debug("%s %s answered %d", method, path, status)
+        call.span.set(telemetry.HTTP_STATUS, status)
         if 200 <= status < 300:
             self.manager.accepted(token)
             return _decode(response, method, path)
         excerpt = _excerpt(response, token)
         if status == 401:
+            call.span.count(telemetry.UNAUTHORIZED)
             raise _Unauthorized(token, excerpt)
         if status in TRANSIENT_STATUSES:
             raise _Transient(

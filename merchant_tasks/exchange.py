@@ -76,6 +76,7 @@ class IssuedToken:
 
     value: str = field(repr=False)
     expires_in: float
+    status: int = 200  # the HTTP status it came with (a span's attribute)
 
 
 class TokenExchange:
@@ -275,7 +276,7 @@ def parse_token(response: Answered, default_lifetime: float, secret: str = "") -
         raise MalformedTokenResponse(
             f"token endpoint's expires_in ({lifetime:.0f} s) is beyond {MAX_TOKEN_LIFETIME:.0f} s"
         )
-    return IssuedToken(value=value, expires_in=lifetime)
+    return IssuedToken(value=value, expires_in=lifetime, status=response.status_code)
 
 
 def parse_retry_after(header: str | None) -> float | None:

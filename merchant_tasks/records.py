@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import store_scripts as scripts
+from . import telemetry
 from .exceptions import StoreUnavailable
 from .policy import BreakerKind, Outcome
 from .redis_commands import AccountRedis, milliseconds
@@ -69,8 +70,9 @@ class BreakerRecord:
 class AccountRecords:
     """Breaker, budget, probe, counters, histograms and completion records of one account."""
 
-    def __init__(self, commands: AccountRedis) -> None:
+    def __init__(self, commands: AccountRedis, account: str = "") -> None:
         self.commands = commands
+        self.account = account  # its name in this process's meters (telemetry)
         self.keys = commands.keys
 
     def __repr__(self) -> str:
@@ -131,11 +133,13 @@ class AccountRecords:
 
     def record_attempt(self, reason: RenewalReason, outcome: Outcome, now: float) -> None:
         """Count one HTTP attempt at the token endpoint, and log its time for rates."""
+        telemetry.count_exchange_attempt(self.account, reason, outcome)
         counter = attempt_counter(reason, outcome)
         self._add(self.keys.counters, [(counter, 1)], logged=(f"{now:.6f}:{counter}", now))
 
     def record_renewal(self, reason: RenewalReason, outcome: Outcome) -> None:
         """Count one renewal (however many attempts it made) by reason and outcome."""
+        telemetry.count_renewal(self.account, reason, outcome)
         self.count(renewal_counter(reason, outcome))
 
     def exchanges_since(self, since: float) -> int:

@@ -24,6 +24,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+from . import telemetry
 from .breaker import Breaker
 from .exceptions import (
     RenewalTimeout,
@@ -33,7 +34,7 @@ from .exceptions import (
 )
 from .exchange import IssuedToken
 from .local_copy import LOCAL_COPY_TTL, LocalCopy
-from .policy import RenewalPolicy
+from .policy import Outcome, RenewalPolicy
 from .refusals import Refusals
 from .renewal_lock import RenewalLock
 from .renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, Renewer
@@ -242,6 +243,7 @@ class TokenManager:
         """
         since = self.copy.now() if started is None else started
         probing: list[bool] = []
+        ran: list[bool] = []
 
         def look() -> Token | None:
             kept = self.copy.kept_since(since)
@@ -259,11 +261,21 @@ class TokenManager:
                 raise
 
         def renew() -> Token:
+            ran.append(True)
             if first is not None:
                 first()
             return self.renewer.renew(reason, probe=bool(probing))
 
-        return self.flight.run(look, renew, fallback, prelude=prelude)
+        with telemetry.renewal_span(reason, self.store.account) as span:
+            before = self.store.seen_generation
+            span.set(telemetry.GENERATION_BEFORE, before)
+            token = self.flight.run(look, renew, fallback, prelude=prelude)
+            span.set(telemetry.GENERATION_AFTER, token.generation)
+            span.set(telemetry.WAITED, not ran)  # the token came from another's renewal
+            if not ran:  # the renewer's outcome is counted where it ran
+                newer = token.generation > before
+                span.set(telemetry.OUTCOME, Outcome.OK if newer else Outcome.UNCHANGED)
+            return token
 
 
 # A fork copies the locks as they are: one held by a parent's thread would stay held in the

@@ -20,6 +20,7 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from . import telemetry
 from .breaker import Breaker
 from .exceptions import (
     CredentialsRejected,
@@ -95,6 +96,7 @@ class Renewer:
             renewed_by=process_owner(),
             reason=reason,
             lag=max(0.0, self.clock() - issued_at),
+            traceparent=telemetry.renewal_traceparent(),
         )
         return self._store_new(token, expected, issued.expires_in)
 
@@ -161,7 +163,12 @@ class Renewer:
             )
         if current.final:
             return current
-        final = dataclasses.replace(current, generation=expected + 1, final=True)
+        final = dataclasses.replace(
+            current,
+            generation=expected + 1,
+            final=True,
+            traceparent=telemetry.renewal_traceparent(),
+        )
         written, stored_generation = self.store.save(final)
         if not written:
             return self._newer_than_ours(stored_generation)

@@ -113,13 +113,20 @@ class TokenStore:
 
     namespace_for = staticmethod(AccountKeys.namespace_for)
 
-    def __init__(self, client: StoreClient, namespace: str, codec: TokenCodec = PLAIN_TEXT) -> None:
+    def __init__(
+        self,
+        client: StoreClient,
+        namespace: str,
+        codec: TokenCodec = PLAIN_TEXT,
+        account: str = "",
+    ) -> None:
         self.namespace = namespace
+        self.account = account  # the account's name (``accounts``), in telemetry
         self.keys = AccountKeys.of(namespace)
         self.codec = codec  # how the token value is kept at rest (sealing.py)
         self.commands = AccountRedis(client, self.keys)
         self.address = self.commands.address
-        self.records: AccountRecords = AccountRecords(self.commands)
+        self.records: AccountRecords = AccountRecords(self.commands, account)
         self._parsed: tuple[bytes, Token] | None = None
         self._parsed_lock = threading.Lock()
         # the highest generation this process has seen stored: Redis may lose the last

@@ -60,6 +60,9 @@ class Store(Protocol):
     def namespace(self) -> str: ...
 
     @property
+    def account(self) -> str: ...
+
+    @property
     def keys(self) -> AccountKeys: ...
 
     @property

@@ -10,19 +10,21 @@ Spans (docs/tracing.md draws a trace):
   renewal.
 
 The renewer stores its renewal span's context (a W3C ``traceparent``, never the token)
-beside the token it saves, so a call in another process that gets that token after a 401
-links its request span to the renewal that fixed it.
+beside the token it saves (``Token.traceparent``), so a call that gets that token after a
+401 links its request span to the renewal that fixed it, in whatever process it ran. When
+the renewal ran under the request itself it is already the request's child: no link.
 
 Without the OpenTelemetry API installed, or while the application has configured no SDK
 (the API's proxy providers), every function here returns a shared no-op: the hot path
-pays one global read. Nothing here puts a token, a secret or a header into telemetry;
-attributes are methods, paths without query, host names, counts and outcomes.
+pays one global read. Nothing here puts a token, a secret or a header into telemetry:
+attributes are methods, paths without query, host names, counts and outcomes, and an
+error is recorded by its type only (its message may quote an error body).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -48,9 +50,10 @@ OUTCOME = "merchant_tasks.renewal.outcome"
 WAITED = "merchant_tasks.renewal.waited"
 GENERATION_BEFORE = "merchant_tasks.generation.before"
 GENERATION_AFTER = "merchant_tasks.generation.after"
+BREAKER_KIND = "merchant_tasks.breaker.kind"
+CALL_OUTCOME = "merchant_tasks.call.outcome"
 HTTP_METHOD = "http.request.method"
 HTTP_STATUS = "http.response.status_code"
-RESEND_COUNT = "http.request.resend_count"
 SERVER_ADDRESS = "server.address"
 URL_PATH = "url.path"
 ERROR_TYPE = "error.type"
@@ -61,13 +64,21 @@ AttributeValue = str | bool | int | float
 class Recorder(Protocol):
     """What instrumented code may do with its span; the no-op does nothing."""
 
+    def __enter__(self) -> Recorder: ...
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
+
     def set(self, key: str, value: AttributeValue) -> None: ...
 
-    def link(self, traceparent: str | None) -> None: ...
+    def count(self, key: str) -> None:
+        """Add one to the integer attribute ``key`` (attempts, 401s met)."""
 
-    def failed(self, error: BaseException) -> None: ...
-
-    def traceparent(self) -> str | None: ...
+    def link(self, traceparent: str) -> None: ...
 
 
 class _NoSpan:
@@ -82,31 +93,51 @@ class _NoSpan:
     def set(self, key: str, value: AttributeValue) -> None:
         pass
 
-    def link(self, traceparent: str | None) -> None:
+    def count(self, key: str) -> None:
         pass
 
-    def failed(self, error: BaseException) -> None:
+    def link(self, traceparent: str) -> None:
         pass
-
-    def traceparent(self) -> str | None:
-        return None
 
 
 NO_SPAN = _NoSpan()
+
+# the request and the renewal span current in this thread (or task), if any is recorded
+_REQUEST: ContextVar[_Span | None] = ContextVar("merchant_tasks_request", default=None)
+_RENEWAL: ContextVar[_Span | None] = ContextVar("merchant_tasks_renewal", default=None)
+_EXCHANGE: ContextVar[_Span | None] = ContextVar("merchant_tasks_exchange", default=None)
 
 
 class _Span:
     """A live span, current while its ``with`` block runs."""
 
-    def __init__(self, tracer: Any, name: str, kind: Any, attributes: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        tracer: Any,
+        name: str,
+        kind: Any,
+        attributes: Mapping[str, AttributeValue],
+        role: ContextVar[_Span | None],
+    ) -> None:
+        # exceptions are recorded by type only (``__exit__``): their messages stay out
         self._manager = tracer.start_as_current_span(
-            name, kind=kind, attributes=dict(attributes), record_exception=False
+            name,
+            kind=kind,
+            attributes=dict(attributes),
+            record_exception=False,
+            set_status_on_exception=False,
         )
+        self._role = role
         self._span: Any = None
-        self._linked: set[str] = set()
+        self._counts: dict[str, int] = {}
+        self._related: set[str] = set()  # traceparents linked, or of renewals run under it
 
     def __enter__(self) -> _Span:
         self._span = self._manager.__enter__()
+        self._reset = self._role.set(self)
+        request = _REQUEST.get()
+        if self._role is _RENEWAL and request is not None:
+            request._related.add(self.traceparent())  # its child: never linked too
         return self
 
     def __exit__(
@@ -115,59 +146,68 @@ class _Span:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._role.reset(self._reset)
         if error is not None:
-            self.failed(error)
+            self._span.set_attribute(ERROR_TYPE, type(error).__name__)
+            self._span.set_status(_trace.Status(_trace.StatusCode.ERROR, type(error).__name__))
         self._manager.__exit__(kind, error, traceback)
 
     def set(self, key: str, value: AttributeValue) -> None:
         self._span.set_attribute(key, value)
 
-    def link(self, traceparent: str | None) -> None:
-        """Link to the span that ``traceparent`` names (another process's renewal)."""
-        if not traceparent or traceparent in self._linked or traceparent == self.traceparent():
+    def count(self, key: str) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+        self._span.set_attribute(key, self._counts[key])
+
+    def link(self, traceparent: str) -> None:
+        """Link to the span ``traceparent`` names (a renewal another thread or process ran)."""
+        if not traceparent or traceparent in self._related:
             return
         context = _remote_context(traceparent)
         if context is not None:
-            self._linked.add(traceparent)
+            self._related.add(traceparent)
             self._span.add_link(context)
 
-    def failed(self, error: BaseException) -> None:
-        # the error's type only: messages may quote an error body, never worth the risk
-        self._span.set_attribute(ERROR_TYPE, type(error).__name__)
-        self._span.set_status(_trace.Status(_trace.StatusCode.ERROR, type(error).__name__))
-
-    def traceparent(self) -> str | None:
+    def traceparent(self) -> str:
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(
             carrier, context=_trace.set_span_in_context(self._span)
         )
-        return carrier.get("traceparent")
+        return carrier.get("traceparent", "")
 
 
 def request_span(method: str, path: str, account: str) -> Recorder:
     """The span of one client call (``path`` without its query)."""
-    return _start(
-        REQUEST_SPAN,
-        "CLIENT",
-        {HTTP_METHOD: method, URL_PATH: path.split("?", 1)[0], ACCOUNT: account},
-    )
+    tracer = _tracer()
+    if tracer is None:
+        return NO_SPAN
+    attributes = {HTTP_METHOD: method, URL_PATH: path.split("?", 1)[0], ACCOUNT: account}
+    return _Span(tracer, REQUEST_SPAN, _trace.SpanKind.CLIENT, attributes, _REQUEST)
 
 
 def renewal_span(reason: str, account: str) -> Recorder:
     """The span of one renewal this process runs or waits for."""
-    return _start(RENEWAL_SPAN, "INTERNAL", {REASON: reason, ACCOUNT: account})
-
-
-def exchange_span(host: str) -> Recorder:
-    """The span of one HTTP attempt at the token endpoint."""
-    return _start(EXCHANGE_SPAN, "CLIENT", {HTTP_METHOD: "POST", SERVER_ADDRESS: host})
-
-
-def _start(name: str, kind: str, attributes: Mapping[str, Any]) -> Recorder:
     tracer = _tracer()
     if tracer is None:
         return NO_SPAN
-    return _Span(tracer, name, getattr(_trace.SpanKind, kind), attributes)
+    attributes = {REASON: reason, ACCOUNT: account}
+    return _Span(tracer, RENEWAL_SPAN, _trace.SpanKind.INTERNAL, attributes, _RENEWAL)
+
+
+def exchange_span(server: str) -> Recorder:
+    """The span of one HTTP attempt at the token endpoint of ``server`` (host[:port])."""
+    tracer = _tracer()
+    if tracer is None:
+        return NO_SPAN
+    attributes = {HTTP_METHOD: "POST", SERVER_ADDRESS: server}
+    return _Span(tracer, EXCHANGE_SPAN, _trace.SpanKind.CLIENT, attributes, _EXCHANGE)
+
+
+def renewal_traceparent() -> str:
+    """The current renewal span's ``traceparent``, stored with the token it makes ("" when
+    nothing is traced)."""
+    renewal = _RENEWAL.get()
+    return renewal.traceparent() if renewal is not None else ""
 
 
 _cached_tracer: tuple[object, Any] | None = None
@@ -181,9 +221,10 @@ def _tracer() -> Any:
     provider = _trace.get_tracer_provider()
     if isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
         return None
-    if _cached_tracer is None or _cached_tracer[0] is not provider:
-        _cached_tracer = (provider, provider.get_tracer(SCOPE, _version()))
-    return _cached_tracer[1]
+    cached = _cached_tracer
+    if cached is None or cached[0] is not provider:
+        cached = _cached_tracer = (provider, provider.get_tracer(SCOPE, _version()))
+    return cached[1]
 
 
 def _remote_context(traceparent: str) -> Any:
@@ -199,27 +240,28 @@ def _version() -> str:
     return __version__
 
 
-# -- metrics -------------------------------------------------------------------------------
+# -- metrics: the same instruments as the Prometheus exporter (metrics.py) ----------------
 
 
 class _Instruments:
     """The meter's instruments, made once per meter provider."""
 
     def __init__(self, meter: Any) -> None:
-        self.exchanges = meter.create_counter(
-            "merchant_tasks.exchanges",
-            unit="{exchange}",
-            description="Token exchange attempts by reason and outcome.",
+        self.renewals = meter.create_counter(
+            "merchant_tasks.renewals",
+            unit="{renewal}",
+            description="Renewals by reason and outcome: one each, however many HTTP attempts.",
+        )
+        self.exchange_attempts = meter.create_counter(
+            "merchant_tasks.exchange.attempts",
+            unit="{attempt}",
+            description="HTTP requests to the token endpoint, by the renewal's reason and "
+            "their outcome.",
         )
         self.exchange_duration = meter.create_histogram(
             "merchant_tasks.exchange.duration",
             unit="s",
             description="Seconds one token exchange attempt took, any outcome.",
-        )
-        self.lock_wait = meter.create_histogram(
-            "merchant_tasks.lock_wait.duration",
-            unit="s",
-            description="Seconds a caller waited for another's renewal.",
         )
         self.breaker_openings = meter.create_counter(
             "merchant_tasks.breaker.openings",
@@ -237,24 +279,38 @@ _cached_instruments: tuple[object, _Instruments] | None = None
 
 
 def _instruments() -> _Instruments | None:
+    """The instruments of the configured meter provider, or None when nothing records."""
     global _cached_instruments
     if _metrics is None:
         return None
     provider = _metrics.get_meter_provider()
+    # the API's proxy (no SDK set yet) is private: told apart by its class name
     if isinstance(provider, _metrics.NoOpMeterProvider) or type(provider).__name__ == (
         "_ProxyMeterProvider"
     ):
         return None
-    if _cached_instruments is None or _cached_instruments[0] is not provider:
+    cached = _cached_instruments
+    if cached is None or cached[0] is not provider:
         meter = provider.get_meter(SCOPE, _version())
-        _cached_instruments = (provider, _Instruments(meter))
-    return _cached_instruments[1]
+        cached = _cached_instruments = (provider, _Instruments(meter))
+    return cached[1]
 
 
-def count_exchange(account: str, reason: str, outcome: str) -> None:
+def count_renewal(account: str, reason: str, outcome: str) -> None:
+    """One renewal ended with ``outcome``: counted, and told to its span."""
+    renewal = _RENEWAL.get()
+    if renewal is not None:
+        renewal.set(OUTCOME, outcome)
     instruments = _instruments()
     if instruments is not None:
-        instruments.exchanges.add(1, {ACCOUNT: account, REASON: reason, OUTCOME: outcome})
+        instruments.renewals.add(1, {ACCOUNT: account, REASON: reason, OUTCOME: outcome})
+
+
+def count_exchange_attempt(account: str, reason: str, outcome: str) -> None:
+    instruments = _instruments()
+    if instruments is not None:
+        attributes = {ACCOUNT: account, REASON: reason, OUTCOME: outcome}
+        instruments.exchange_attempts.add(1, attributes)
 
 
 def observe_exchange(account: str, seconds: float) -> None:
@@ -263,29 +319,13 @@ def observe_exchange(account: str, seconds: float) -> None:
         instruments.exchange_duration.record(seconds, {ACCOUNT: account})
 
 
-def observe_lock_wait(account: str, seconds: float) -> None:
-    instruments = _instruments()
-    if instruments is not None:
-        instruments.lock_wait.record(seconds, {ACCOUNT: account})
-
-
 def count_breaker_opening(account: str, kind: str) -> None:
     instruments = _instruments()
     if instruments is not None:
-        instruments.breaker_openings.add(1, {ACCOUNT: account, "merchant_tasks.breaker.kind": kind})
+        instruments.breaker_openings.add(1, {ACCOUNT: account, BREAKER_KIND: kind})
 
 
 def count_call(account: str, outcome: str) -> None:
     instruments = _instruments()
     if instruments is not None:
-        instruments.calls.add(1, {ACCOUNT: account, "merchant_tasks.call.outcome": outcome})
-
-
-@contextmanager
-def no_telemetry() -> Iterator[None]:
-    """For tests: forget the cached tracer and instruments around a block."""
-    global _cached_tracer, _cached_instruments
-    try:
-        yield
-    finally:
-        _cached_tracer = _cached_instruments = None
+        instruments.calls.add(1, {ACCOUNT: account, CALL_OUTCOME: outcome})

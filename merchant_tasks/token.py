@@ -11,6 +11,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+TRACEPARENT_MAX = 64  # a W3C traceparent is 55 characters; more is not one
+
 
 class TokenState(enum.StrEnum):
     """Where a token stands in its life, by time left (docs/design.md, "Windows")."""
@@ -44,6 +46,7 @@ class Token:
     # renewing before expiry is futile (docs/design.md, "An answer no better")
     lag: float = 0.0  # seconds the issuing exchange took: the server's expiry is at most
     # this much later than ``expires_at`` (which counts from before the request was sent)
+    traceparent: str = ""  # the span of the renewal that stored it (telemetry), or ""
 
     @property
     def kept_until(self) -> float:
@@ -105,6 +108,7 @@ class Token:
                 "reason": self.reason or "",
                 "final": self.final,
                 "lag": self.lag,
+                "traceparent": self.traceparent,
             },
             separators=(",", ":"),
         )
@@ -125,6 +129,7 @@ class Token:
                 reason=RenewalReason(data["reason"]) if data.get("reason") else None,
                 final=bool(data.get("final", False)),
                 lag=float(data.get("lag", 0.0)),
+                traceparent=str(data.get("traceparent", ""))[:TRACEPARENT_MAX],
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a stored token ({type(exc).__name__})") from None

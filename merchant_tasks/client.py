@@ -94,7 +94,7 @@ class _Call:
     json: Any
     params: Mapping[str, Any] | None
     headers: Mapping[str, str] | None
-    span: telemetry.Recorder  # its ``merchant_tasks.request`` span (a no-op when not traced)
+    span: telemetry.Recorder = telemetry.NO_SPAN  # its ``merchant_tasks.request`` span
 
 
 class TokenSource(Protocol):
@@ -213,7 +213,6 @@ class MerchantClient(Generic[SourceT]):
                 renewals += 1
                 log.info("call got 401 with token %s; renewing", refused.token.fingerprint)
                 token = self.manager.renew(stale_token=refused.token)
-                call.span.link(token.traceparent)  # a renewal another thread or process ran
             try:
                 return self._send(token, call)
             except _Unauthorized as exc:

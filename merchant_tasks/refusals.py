@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import telemetry
 from .breaker import Breaker
 from .exceptions import StoreUnavailable, TokenRejected
 from .local_copy import LocalCopy
@@ -139,12 +140,14 @@ class Refusals:
         """The token that replaces ``stale``, refused by the API: another's, or a forced
         renewal if the evidence says it was revoked; else TokenRejected."""
         try:
-            return self._renew_after(stale, renew)
+            token = self._renew_after(stale, renew)
         except TokenRejected as exc:
             if exc.retry_after:  # a back-off: no call sends this token until it is over
                 self._known = {g: t for g, t in self._known.items() if g >= stale.generation}
                 self._known[stale.generation] = self.clock() + exc.retry_after
             raise
+        telemetry.link_renewal(token.traceparent)  # the call's span, to what replaced it
+        return token
 
     def _renew_after(self, stale: Token, renew: ForcedRenewal) -> Token:
         self.known_refused(stale)

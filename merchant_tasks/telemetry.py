@@ -78,8 +78,6 @@ class Recorder(Protocol):
     def count(self, key: str) -> None:
         """Add one to the integer attribute ``key`` (attempts, 401s met)."""
 
-    def link(self, traceparent: str) -> None: ...
-
 
 class _NoSpan:
     """The span of a process that traces nothing: every method is a no-op."""
@@ -96,16 +94,12 @@ class _NoSpan:
     def count(self, key: str) -> None:
         pass
 
-    def link(self, traceparent: str) -> None:
-        pass
-
 
 NO_SPAN = _NoSpan()
 
 # the request and the renewal span current in this thread (or task), if any is recorded
 _REQUEST: ContextVar[_Span | None] = ContextVar("merchant_tasks_request", default=None)
 _RENEWAL: ContextVar[_Span | None] = ContextVar("merchant_tasks_renewal", default=None)
-_EXCHANGE: ContextVar[_Span | None] = ContextVar("merchant_tasks_exchange", default=None)
 
 
 class _Span:
@@ -117,7 +111,7 @@ class _Span:
         name: str,
         kind: Any,
         attributes: Mapping[str, AttributeValue],
-        role: ContextVar[_Span | None],
+        role: ContextVar[_Span | None] | None,
     ) -> None:
         # exceptions are recorded by type only (``__exit__``): their messages stay out
         self._manager = tracer.start_as_current_span(
@@ -134,7 +128,7 @@ class _Span:
 
     def __enter__(self) -> _Span:
         self._span = self._manager.__enter__()
-        self._reset = self._role.set(self)
+        self._reset = self._role.set(self) if self._role is not None else None
         request = _REQUEST.get()
         if self._role is _RENEWAL and request is not None:
             request._related.add(self.traceparent())  # its child: never linked too
@@ -146,7 +140,8 @@ class _Span:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._role.reset(self._reset)
+        if self._role is not None and self._reset is not None:
+            self._role.reset(self._reset)
         if error is not None:
             self._span.set_attribute(ERROR_TYPE, type(error).__name__)
             self._span.set_status(_trace.Status(_trace.StatusCode.ERROR, type(error).__name__))
@@ -200,7 +195,15 @@ def exchange_span(server: str) -> Recorder:
     if tracer is None:
         return NO_SPAN
     attributes = {HTTP_METHOD: "POST", SERVER_ADDRESS: server}
-    return _Span(tracer, EXCHANGE_SPAN, _trace.SpanKind.CLIENT, attributes, _EXCHANGE)
+    return _Span(tracer, EXCHANGE_SPAN, _trace.SpanKind.CLIENT, attributes, None)
+
+
+def link_renewal(traceparent: str) -> None:
+    """Link the current request's span to the renewal ``traceparent`` names, unless that
+    renewal ran under it (then it is its child)."""
+    request = _REQUEST.get()
+    if request is not None:
+        request.link(traceparent)
 
 
 def renewal_traceparent() -> str:

@@ -78,6 +78,7 @@ class Fleet:
             fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
         )
         self.env = child_env(self.settings)
+        self.app_module = "merchant_tasks"  # what the children's ``celery -A`` loads
         self.windows(LIFETIME, RENEW_BEFORE, RENEW_MANDATORY, RENEW_INTERVAL)
 
     def long_windows(self) -> None:
@@ -105,7 +106,7 @@ class Fleet:
         return child
 
     def _celery(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "celery", "-A", "merchant_tasks", *args]
+        return [sys.executable, "-m", "celery", "-A", self.app_module, *args]
 
     def start_worker(
         self, label: str, concurrency: int = 2, cwd: Path | None = None, pool: str = "prefork"

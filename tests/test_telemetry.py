@@ -1,0 +1,359 @@
+"""Traces and meters (``telemetry``) through the OpenTelemetry SDK's in-memory exporter and
+reader, against the emulator and a real Redis; and one trace end to end through a real
+worker with the Celery instrumentation.
+
+The SDK's global providers can be set once per process: ``sdk`` sets them once for the
+session (other tests in the process are traced too, which changes nothing they see); the
+test of a process without an SDK runs in a subprocess. Every test's exported spans are
+searched for the secret, every token the emulator issued and any Authorization header.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from opentelemetry import metrics, trace
+from opentelemetry.instrumentation.celery import CeleryInstrumentor
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from celery_fleet import CALL_API, PING, READY_TIMEOUT, running_fleet
+from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from merchant_tasks.accounts import client_for
+from merchant_tasks.exceptions import CredentialsRejected
+from merchant_tasks.exchange import IssuedToken
+from merchant_tasks.local import wait_until
+from merchant_tasks.settings import FleetSettings, Secret, Settings
+from merchant_tasks.telemetry import (
+    ACCOUNT,
+    ATTEMPTS,
+    BREAKER_KIND,
+    CALL_OUTCOME,
+    ERROR_TYPE,
+    EXCHANGE_SPAN,
+    GENERATION_AFTER,
+    GENERATION_BEFORE,
+    HTTP_METHOD,
+    HTTP_STATUS,
+    OUTCOME,
+    REASON,
+    RENEWAL_SPAN,
+    REQUEST_SPAN,
+    SERVER_ADDRESS,
+    UNAUTHORIZED,
+    URL_PATH,
+    WAITED,
+)
+from merchant_tasks.token import Token
+from traced_worker import SPANS_FILE
+
+pytestmark = pytest.mark.integration
+
+THREADS = 8
+WRONG_SECRET = "wrong-secret-9d2e51c0"  # searched for too
+Attributes = frozenset[tuple[str, Any]]
+
+
+@dataclass
+class Telemetry:
+    """The session's span exporter and metric reader."""
+
+    exporter: InMemorySpanExporter
+    reader: InMemoryMetricReader
+
+    def spans(self, name: str) -> list[ReadableSpan]:
+        """This test's finished spans called ``name``, in the order they ended."""
+        return [span for span in self.exporter.get_finished_spans() if span.name == name]
+
+    def points(self, metric: str, account: str) -> dict[Attributes, Any]:
+        """``metric``'s data points of ``account``: each attribute set (without the account)
+        to its value (a histogram's: its count)."""
+        found: dict[Attributes, Any] = {}
+        data = self.reader.get_metrics_data()
+        for resource in data.resource_metrics if data else []:
+            for scope in resource.scope_metrics:
+                for each in scope.metrics:
+                    if each.name != metric:
+                        continue
+                    for point in each.data.data_points:
+                        attributes = dict(point.attributes or {})
+                        if attributes.pop(ACCOUNT, None) == account:
+                            value = getattr(point, "value", None)
+                            found[frozenset(attributes.items())] = (
+                                point.count if value is None else value  # type: ignore[union-attr]
+                            )
+        return found
+
+
+@pytest.fixture(scope="session")
+def sdk() -> Telemetry:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    return Telemetry(exporter, reader)
+
+
+@pytest.fixture
+def traced(sdk: Telemetry, sandbox: Sandbox) -> Iterator[Telemetry]:
+    """The SDK, its spans cleared; afterwards, its spans searched for secrets."""
+    sdk.exporter.clear()
+    yield sdk
+    exported = [span.to_json() for span in sdk.exporter.get_finished_spans()]
+    assert_no_secret_in("\n".join(exported), sandbox)
+
+
+def assert_no_secret_in(text: str, sandbox: Sandbox) -> None:
+    for secret in (TEST_SECRET, WRONG_SECRET, *sandbox.app.issued_tokens()):
+        assert secret not in text
+    assert "bearer" not in text.lower()
+    assert "authorization" not in text.lower()
+
+
+def linked_to(span: ReadableSpan) -> list[int]:
+    """The span ids ``span`` links to."""
+    return [link.context.span_id for link in span.links]
+
+
+def traceparent_of(span: ReadableSpan) -> str:
+    context = span.context
+    assert context is not None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
+def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
+    traced: Telemetry, settings: Settings, redis_client: redis.Redis, sandbox: Sandbox
+) -> None:
+    client = client_for(settings, redis_client=redis_client, name="storm")
+    client.request("GET", PING)
+    sandbox.app.revoke_all()
+    traced.exporter.clear()
+    # the exchange waits until every thread has met the refused token (a 401, or a sibling
+    # renewing it), so that no thread can start late with the new token
+    refused = threading.Semaphore(0)
+    renew_after = client.manager.refusals.renew_after
+    exchange = client.manager.exchange
+
+    def counted(stale: Token, renew: Callable[..., Token]) -> Token:
+        refused.release()
+        return renew_after(stale, renew)
+
+    def after_every_refusal() -> IssuedToken:
+        for _ in range(THREADS):
+            assert refused.acquire(timeout=60)
+        return exchange()
+
+    client.manager.refusals.renew_after = counted  # type: ignore[method-assign]
+    client.manager.exchange = after_every_refusal
+    start = threading.Barrier(THREADS)
+
+    def call(_: int) -> Any:
+        start.wait()
+        return client.request("GET", PING)
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        results = list(pool.map(call, range(THREADS)))
+
+    assert results == [{"ok": True}] * THREADS
+    assert sandbox.exchanges()["ok"] == 2  # the first token, then one for the storm
+    (renewal,) = traced.spans(RENEWAL_SPAN)
+    (exchanged,) = traced.spans(EXCHANGE_SPAN)
+    requests = traced.spans(REQUEST_SPAN)
+    assert len(requests) == THREADS
+    assert renewal.parent is not None
+    assert exchanged.parent is not None
+    assert exchanged.parent.span_id == renewal.context.span_id
+    parent = [r for r in requests if r.context.span_id == renewal.parent.span_id]
+    linked = [r for r in requests if linked_to(r) == [renewal.context.span_id]]
+    assert len(parent) == 1
+    assert len(linked) == THREADS - 1
+    assert parent[0].attributes is not None
+    assert parent[0].attributes[UNAUTHORIZED] == 1
+    assert dict(renewal.attributes or {}) == {
+        REASON: "forced",
+        ACCOUNT: "storm",
+        GENERATION_BEFORE: 1,
+        GENERATION_AFTER: 2,
+        WAITED: False,
+        OUTCOME: "ok",
+    }
+    assert dict(exchanged.attributes or {}) == {
+        HTTP_METHOD: "POST",
+        SERVER_ADDRESS: "127.0.0.1",
+        HTTP_STATUS: 200,
+    }
+    for request in requests:
+        attributes = dict(request.attributes or {})
+        assert attributes[HTTP_METHOD] == "GET"
+        assert attributes[URL_PATH] == PING
+        assert attributes[HTTP_STATUS] == 200
+        # sent once and refused, then again; or held back while a sibling renewed
+        assert (attributes[ATTEMPTS], attributes.get(UNAUTHORIZED, 0)) in {(2, 1), (1, 0)}
+    # the meter: the same counts as the store's counters, per account
+    ok = "ok"
+    assert traced.points("merchant_tasks.renewals", "storm") == {
+        frozenset({(REASON, "mandatory"), (OUTCOME, ok)}): 1,
+        frozenset({(REASON, "forced"), (OUTCOME, ok)}): 1,
+    }
+    assert traced.points("merchant_tasks.exchange.attempts", "storm") == {
+        frozenset({(REASON, "mandatory"), (OUTCOME, ok)}): 1,
+        frozenset({(REASON, "forced"), (OUTCOME, ok)}): 1,
+    }
+    assert traced.points("merchant_tasks.exchange.duration", "storm") == {frozenset(): 2}
+    assert traced.points("merchant_tasks.calls", "storm") == {
+        frozenset({(CALL_OUTCOME, ok)}): THREADS + 1
+    }
+
+
+def test_a_refused_request_links_to_the_renewal_another_process_stored(
+    traced: Telemetry, settings: Settings, redis_client: redis.Redis, sandbox: Sandbox
+) -> None:
+    renewing = client_for(settings, redis_client=redis_client, name="renewing")
+    other = client_for(settings, redis_client=redis_client, name="other")  # its own copy
+    other.manager.copy.ttl = 600.0  # it keeps sending the revoked token: it meets the 401
+    renewing.request("GET", PING)
+    other.request("GET", PING)
+    sandbox.app.revoke_all()
+    traced.exporter.clear()
+
+    renewing.request("GET", PING)  # 401: renews under its request
+    other.request("GET", PING)  # 401: finds the token stored by the other one
+
+    (renewal,) = traced.spans(RENEWAL_SPAN)
+    first, second = traced.spans(REQUEST_SPAN)
+    assert renewal.parent is not None
+    assert renewal.parent.span_id == first.context.span_id
+    assert first.links == ()
+    assert linked_to(second) == [renewal.context.span_id]
+    assert dict(second.attributes or {})[UNAUTHORIZED] == 1
+    stored = renewing.manager.store.load()
+    assert stored is not None
+    assert stored.traceparent == traceparent_of(renewal)
+
+
+def test_refused_credentials_show_on_the_spans_and_meters_by_type_only(
+    traced: Telemetry,
+    sandbox: Sandbox,
+    redis_url: str,
+    key_prefix: str,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    wrong = tmp_path / "wrong-secret"
+    wrong.write_text(WRONG_SECRET + "\n")
+    settings = Settings(
+        api_key=TEST_API_KEY,
+        secret=Secret(path=wrong),
+        base_url=sandbox.url,
+        fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
+    )
+    client = client_for(settings, redis_client=redis_client, name="wrong")
+
+    with pytest.raises(CredentialsRejected):
+        client.request("GET", PING)
+
+    (request,) = traced.spans(REQUEST_SPAN)
+    (renewal,) = traced.spans(RENEWAL_SPAN)
+    (exchanged,) = traced.spans(EXCHANGE_SPAN)
+    for span in (request, renewal, exchanged):
+        assert span.status.status_code == StatusCode.ERROR
+        assert span.status.description == "CredentialsRejected"
+        assert dict(span.attributes or {})[ERROR_TYPE] == "CredentialsRejected"
+        assert not span.events  # no exception event: its message is not exported
+    assert dict(renewal.attributes or {})[OUTCOME] == "rejected"
+    assert dict(exchanged.attributes or {})[HTTP_STATUS] == 401
+    assert traced.points("merchant_tasks.breaker.openings", "wrong") == {
+        frozenset({(BREAKER_KIND, "rejected")}): 1
+    }
+    assert traced.points("merchant_tasks.calls", "wrong") == {
+        frozenset({(CALL_OUTCOME, "CredentialsRejected")}): 1
+    }
+
+
+NO_OP_CHECK = """
+import sys
+if sys.argv[1] == "without the API":
+    sys.modules["opentelemetry"] = None  # import fails, as without the otel extra
+from merchant_tasks import telemetry
+assert telemetry.request_span("GET", "/open-api/v1/ping", "a") is telemetry.NO_SPAN
+assert telemetry.renewal_span("forced", "a") is telemetry.NO_SPAN
+assert telemetry.exchange_span("localhost") is telemetry.NO_SPAN
+assert telemetry.renewal_traceparent() == ""
+telemetry.count_call("a", "ok")
+telemetry.link_renewal("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+print("no-op")
+"""
+
+
+@pytest.mark.parametrize("process", ["without an SDK", "without the API"])
+def test_a_process_that_traces_nothing_gets_the_shared_no_op(process: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    run = subprocess.run(
+        [sys.executable, "-c", NO_OP_CHECK, process],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert run.stdout.strip() == "no-op", run.stderr
+
+
+def test_one_trace_from_the_enqueue_through_the_worker_to_the_request_and_its_renewal(
+    traced: Telemetry, tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path
+) -> None:
+    spans_file = tmp_path / "worker-spans.jsonl"
+    instrumentor = CeleryInstrumentor()  # type: ignore[no-untyped-call]
+    instrumentor.instrument()
+    try:
+        with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
+            fleet.long_windows()
+            fleet.app_module = "traced_worker"
+            fleet.env[SPANS_FILE] = str(spans_file)
+            tests = str(Path(__file__).parent)
+            fleet.env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (tests, os.environ.get("PYTHONPATH", "")) if p
+            )
+            fleet.start_worker("traced", concurrency=1)
+            assert fleet.get(fleet.call("GET", PING), READY_TIMEOUT) == {"ok": True}
+
+            def worker_spans() -> dict[str, dict[str, Any]]:
+                lines = spans_file.read_text().splitlines() if spans_file.exists() else []
+                return {span["name"]: span for span in map(json.loads, lines)}
+
+            # the task's span ends after its result is stored
+            wait_until(lambda: f"run/{CALL_API}" in worker_spans(), "the task's span", 30.0)
+    finally:
+        instrumentor.uninstrument()
+
+    (enqueued,) = traced.spans(f"apply_async/{CALL_API}")
+    spans = worker_spans()
+    run, request = spans[f"run/{CALL_API}"], spans[REQUEST_SPAN]
+    renewal, exchanged = spans[RENEWAL_SPAN], spans[EXCHANGE_SPAN]
+    trace_id = f"0x{enqueued.context.trace_id:032x}"
+    assert {span["context"]["trace_id"] for span in spans.values()} == {trace_id}
+    assert run["parent_id"] == f"0x{enqueued.context.span_id:016x}"
+    assert request["parent_id"] == run["context"]["span_id"]
+    assert renewal["parent_id"] == request["context"]["span_id"]
+    assert exchanged["parent_id"] == renewal["context"]["span_id"]
+    assert request["attributes"][HTTP_STATUS] == 200
+    assert renewal["attributes"][REASON] == "mandatory"
+    assert renewal["attributes"][OUTCOME] == "ok"
+    assert_no_secret_in(spans_file.read_text(), sandbox)

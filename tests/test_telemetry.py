@@ -38,6 +38,7 @@ from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import CredentialsRejected
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
+from merchant_tasks.policy import CounterName
 from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.telemetry import (
     ACCOUNT,
@@ -246,6 +247,60 @@ def test_a_refused_request_links_to_the_renewal_another_process_stored(
     stored = renewing.manager.store.load()
     assert stored is not None
     assert stored.traceparent == traceparent_of(renewal)
+
+
+def test_a_process_that_waited_for_another_renewal_shows_its_wait_and_links_to_it(
+    traced: Telemetry, settings: Settings, redis_client: redis.Redis, sandbox: Sandbox
+) -> None:
+    renewing = client_for(settings, redis_client=redis_client, name="renewing")
+    waiting = client_for(settings, redis_client=redis_client, name="waiting")
+    waiting.manager.copy.ttl = 600.0  # it sends the revoked token and meets the 401 itself
+    renewing.request("GET", PING)
+    waiting.request("GET", PING)
+    sandbox.app.revoke_all()
+    traced.exporter.clear()
+    store = renewing.manager.store
+    exchange = renewing.manager.exchange
+    other_waits = threading.Event()
+
+    def once_the_other_waits() -> IssuedToken:
+        assert other_waits.wait(timeout=60)
+        return exchange()
+
+    renewing.manager.exchange = once_the_other_waits
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(renewing.request, "GET", PING)
+        wait_until(lambda: store.lock_holder() is not None, "the renewal lock taken", 30.0)
+        second = pool.submit(waiting.request, "GET", PING)
+        wait_until(
+            lambda: store.records.counters().get(CounterName.LOCK_WAITS, 0) == 1,
+            "the other process waiting for the lock",
+            30.0,
+        )
+        other_waits.set()
+        assert first.result(timeout=60) == second.result(timeout=60) == {"ok": True}
+
+    ran = next(s for s in traced.spans(RENEWAL_SPAN) if dict(s.attributes or {})[WAITED] is False)
+    (waited,) = [s for s in traced.spans(RENEWAL_SPAN) if s is not ran]
+    request = next(
+        s for s in traced.spans(REQUEST_SPAN) if s.context.span_id == waited_parent(waited)
+    )
+    assert dict(waited.attributes or {}) == {
+        REASON: "forced",
+        ACCOUNT: "waiting",
+        GENERATION_BEFORE: 1,
+        GENERATION_AFTER: 2,
+        WAITED: True,
+        OUTCOME: "ok",
+    }
+    assert dict(request.attributes or {})[ACCOUNT] == "waiting"
+    assert linked_to(request) == [ran.context.span_id]
+    assert len(traced.spans(EXCHANGE_SPAN)) == 1
+
+
+def parent_id(span: ReadableSpan) -> int:
+    assert span.parent is not None
+    return span.parent.span_id
 
 
 def test_refused_credentials_show_on_the_spans_and_meters_by_type_only(

@@ -282,9 +282,8 @@ def test_a_process_that_waited_for_another_renewal_shows_its_wait_and_links_to_i
 
     ran = next(s for s in traced.spans(RENEWAL_SPAN) if dict(s.attributes or {})[WAITED] is False)
     (waited,) = [s for s in traced.spans(RENEWAL_SPAN) if s is not ran]
-    request = next(
-        s for s in traced.spans(REQUEST_SPAN) if s.context.span_id == waited_parent(waited)
-    )
+    parent = parent_id(waited)
+    request = next(s for s in traced.spans(REQUEST_SPAN) if s.context.span_id == parent)
     assert dict(waited.attributes or {}) == {
         REASON: "forced",
         ACCOUNT: "waiting",

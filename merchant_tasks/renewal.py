@@ -271,10 +271,10 @@ class TokenManager:
             span.set(telemetry.GENERATION_BEFORE, before)
             token = self.flight.run(look, renew, fallback, prelude=prelude)
             span.set(telemetry.GENERATION_AFTER, token.generation)
-            span.set(telemetry.WAITED, not ran)  # the token came from another's renewal
-            if not ran:  # the renewer's outcome is counted where it ran
-                newer = token.generation > before
+            if not ran:  # the renewer's outcome is counted where it ran (``records``)
+                newer = token.generation > before  # another's renewal (or a valid fallback)
                 span.set(telemetry.OUTCOME, Outcome.OK if newer else Outcome.UNCHANGED)
+            span.set(telemetry.WAITED, not ran and token.generation > before)
             return token
 
 

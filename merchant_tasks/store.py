@@ -7,8 +7,9 @@ on a Redis Cluster: the hash tag keeps them in one slot, as the save script and 
 need), all named by ``redis_commands.AccountKeys``:
 
 - ``token``      the current token as JSON (value, issue and expiry times, generation, who
-                 renewed and why); its TTL is the token's time left, so it expires with it;
-                 the value is sealed when a codec is given (``sealing.py``)
+                 renewed and why, the renewal's trace context); its TTL is the token's
+                 time left, so it expires with it; the value is sealed when a codec is
+                 given (``sealing.py``)
 - ``generation`` a counter that only grows; a write names the generation it replaces and
                  is refused if another write came first, so an older token never
                  overwrites a newer one

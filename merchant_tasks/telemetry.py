@@ -190,7 +190,7 @@ def renewal_span(reason: str, account: str) -> Recorder:
 
 
 def exchange_span(server: str) -> Recorder:
-    """The span of one HTTP attempt at the token endpoint of ``server`` (host[:port])."""
+    """The span of one HTTP attempt at the token endpoint on host ``server``."""
     tracer = _tracer()
     if tracer is None:
         return NO_SPAN

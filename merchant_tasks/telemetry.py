@@ -23,7 +23,8 @@ error is recorded by its type only (its message may quote an error body).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Protocol
@@ -31,10 +32,18 @@ from typing import Any, Protocol
 try:
     from opentelemetry import metrics as _metrics
     from opentelemetry import trace as _trace
+    from opentelemetry.metrics import _internal as _metrics_state
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 except ImportError:  # the otel extra is not installed
     _trace = None  # type: ignore[assignment]
     _metrics = None  # type: ignore[assignment]
+
+# The API keeps each global provider in a module variable, None until the application sets
+# one: reading it is the hot path's one global read (``get_tracer_provider()`` also looks
+# up an environment variable, each call). A provider named by that variable, or an API
+# without the module variable, takes the public way.
+_TRACER_BY_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+_METER_BY_ENV = "OTEL_PYTHON_METER_PROVIDER" in os.environ
 
 SCOPE = "merchant_tasks"  # the instrumentation scope every span and instrument belongs to
 REQUEST_SPAN = "merchant_tasks.request"
@@ -221,6 +230,8 @@ def _tracer() -> Any:
     global _cached_tracer
     if _trace is None:
         return None
+    if getattr(_trace, "_TRACER_PROVIDER", True) is None and not _TRACER_BY_ENV:
+        return None
     provider = _trace.get_tracer_provider()
     if isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
         return None
@@ -286,6 +297,8 @@ def _instruments() -> _Instruments | None:
     global _cached_instruments
     if _metrics is None:
         return None
+    if getattr(_metrics_state, "_METER_PROVIDER", True) is None and not _METER_BY_ENV:
+        return None
     provider = _metrics.get_meter_provider()
     # the API's proxy (no SDK set yet) is private: told apart by its class name
     if isinstance(provider, _metrics.NoOpMeterProvider) or type(provider).__name__ == (
@@ -304,31 +317,28 @@ def count_renewal(account: str, reason: str, outcome: str) -> None:
     renewal = _RENEWAL.get()
     if renewal is not None:
         renewal.set(OUTCOME, outcome)
-    instruments = _instruments()
-    if instruments is not None:
-        instruments.renewals.add(1, {ACCOUNT: account, REASON: reason, OUTCOME: outcome})
+    _measure(lambda i: i.renewals.add(1, {ACCOUNT: account, REASON: reason, OUTCOME: outcome}))
 
 
 def count_exchange_attempt(account: str, reason: str, outcome: str) -> None:
-    instruments = _instruments()
-    if instruments is not None:
-        attributes = {ACCOUNT: account, REASON: reason, OUTCOME: outcome}
-        instruments.exchange_attempts.add(1, attributes)
+    attributes = {ACCOUNT: account, REASON: reason, OUTCOME: outcome}
+    _measure(lambda i: i.exchange_attempts.add(1, attributes))
 
 
 def observe_exchange(account: str, seconds: float) -> None:
-    instruments = _instruments()
-    if instruments is not None:
-        instruments.exchange_duration.record(seconds, {ACCOUNT: account})
+    _measure(lambda i: i.exchange_duration.record(seconds, {ACCOUNT: account}))
 
 
 def count_breaker_opening(account: str, kind: str) -> None:
-    instruments = _instruments()
-    if instruments is not None:
-        instruments.breaker_openings.add(1, {ACCOUNT: account, BREAKER_KIND: kind})
+    _measure(lambda i: i.breaker_openings.add(1, {ACCOUNT: account, BREAKER_KIND: kind}))
 
 
 def count_call(account: str, outcome: str) -> None:
+    _measure(lambda i: i.calls.add(1, {ACCOUNT: account, CALL_OUTCOME: outcome}))
+
+
+def _measure(record: Callable[[_Instruments], None]) -> None:
+    """Run ``record`` with the instruments, if anything records."""
     instruments = _instruments()
     if instruments is not None:
-        instruments.calls.add(1, {ACCOUNT: account, CALL_OUTCOME: outcome})
+        record(instruments)

@@ -3,7 +3,9 @@
 A worker needs only the core (celery with Redis, redis, requests, tenacity, click). The
 tools are extras: ``sandbox`` (the emulator: werkzeug), ``metrics`` (prometheus-client),
 ``flower``, ``demo`` (the emulator and an embedded Redis), ``encryption`` (tokens
-sealed at rest), ``gevent`` (the gevent worker pool), ``all``. A tool whose extra is
+sealed at rest), ``gevent`` (the gevent worker pool), ``otel`` (the OpenTelemetry API:
+without it, or without an SDK, ``telemetry`` records nothing and never complains),
+``all``. A tool whose extra is
 missing stops with ``MissingExtra`` naming the pip command, not an ImportError; so does a
 Celery worker whose pool is gevent, when the pool is named where the app sees it first
 (``worker_pool`` in the configuration, ``-Pgevent``). ``celery ... worker -P gevent`` and
@@ -26,6 +28,7 @@ EXTRAS = {
     "demo": ("werkzeug", "fakeredis", "lupa"),
     "encryption": ("cryptography",),
     "gevent": ("gevent",),
+    "otel": ("opentelemetry",),
 }
 POOL_EXTRAS = {"gevent": "gevent"}  # a worker pool (-P) -> the extra that installs it
 

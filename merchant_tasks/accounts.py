@@ -241,7 +241,7 @@ def client_for(
 
 def client_from_env(environ: Mapping[str, str] | None = None) -> FleetClient:
     """The client of the only (or ``default``) account the MERCHANT_* variables and
-    MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see README.md)."""
+    MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see docs/operations.md, "Several accounts")."""
     return AccountClients.from_env(environ).get()
 
 

@@ -65,7 +65,7 @@ import random
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -281,9 +281,12 @@ class SandboxApp:
         self._payments: dict[str, dict[str, Any]] = {}
         self._idempotent: dict[str, tuple[Any, dict[str, Any]]] = {}  # key -> (body, payment)
         self._counters = self._zero_counters()
+        self._arrivals: Counter[str] = Counter()  # requests by path, never reset
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         request = Request(environ)
+        with self._lock:
+            self._arrivals[request.path] += 1
         if request.path == TOKEN_PATH:
             response = self._exchange(request)
         elif request.path == API_ROOT or request.path.startswith(f"{API_ROOT}/"):
@@ -301,6 +304,12 @@ class SandboxApp:
             now = self.clock.now()
             active = sum(not t.revoked and now < t.expires_at for t in self._tokens.values())
             return {**copy.deepcopy(self._counters), "active_tokens": active}
+
+    def arrived(self, path: str) -> int:
+        """Requests that reached ``path`` so far, counted on arrival (before any latency or
+        check): a test knows a call is under way before the emulator answers it."""
+        with self._lock:
+            return self._arrivals[path]
 
     def payments(self) -> list[dict[str, Any]]:
         """Every payment created, oldest first."""

@@ -193,11 +193,11 @@ def test_the_celery_command_loads_the_app_without_any_account(tmp_path: Path) ->
 
 
 def test_a_worker_without_any_account_stops_at_start_with_the_configuration_message(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, merchant_redis_url: str
 ) -> None:
     done = _celery(
         tmp_path,
-        _clean_env(MERCHANT_REDIS_URL=redis_url),
+        _clean_env(MERCHANT_REDIS_URL=merchant_redis_url),
         "worker",
         "--pool=solo",
         "--without-gossip",

@@ -16,10 +16,10 @@ RUN_TIMEOUT = 600.0  # the example's suite starts a real worker on a busy machin
 
 
 def test_the_example_projects_tests_pass_with_the_plugins_fixtures_alone(
-    redis_url: str,
+    merchant_redis_url: str,
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
-    env["MERCHANT_TEST_REDIS_URL"] = redis_url
+    env["MERCHANT_TEST_REDIS_URL"] = merchant_redis_url
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q"],
         cwd=EXAMPLE,

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import Sandbox, shows
+from conftest import shows
 from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import ConfigurationError, TokenUnreadable
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sealing import (
     PLAIN_TEXT,
     SEALED_PREFIX,
@@ -114,11 +115,11 @@ def test_without_the_cryptography_package_the_error_names_the_extra(
 
 
 def test_settings_take_the_key_files_and_check_them_at_start_up(
-    secret_file: Path, key_file: Path, tmp_path: Path
+    merchant_secret_file: Path, key_file: Path, tmp_path: Path
 ) -> None:
     env = {
         "MERCHANT_API_KEY": "k",
-        "MERCHANT_API_SECRET_FILE": str(secret_file),
+        "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
         "MERCHANT_TOKEN_KEY_FILE": str(key_file),
     }
     settings = Settings.from_env(env)
@@ -133,9 +134,9 @@ def test_settings_take_the_key_files_and_check_them_at_start_up(
 
 
 def test_the_store_keeps_the_value_sealed_and_the_times_readable(
-    redis_client: redis.Redis, key_prefix: str, key_file: Path
+    redis_client: redis.Redis, merchant_key_prefix: str, key_file: Path
 ) -> None:
-    namespace = f"{key_prefix}:sandbox:app"
+    namespace = f"{merchant_key_prefix}:sandbox:app"
     store = TokenStore(redis_client, namespace, Sealer.from_files(str(key_file)))
     token = Token("live-token-value", 1000.0, 2e10, 1, "me", "manual")
     assert store.save(token) == (True, 1)
@@ -196,34 +197,37 @@ def _run_other_process(settings: Settings, secret_file: Path, key_file: Path | N
 
 @pytest.mark.integration
 def test_a_process_with_another_key_or_none_fails_clearly_and_never_renews_over_the_token(
-    settings: Settings,
-    sandbox: Sandbox,
+    merchant_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
     redis_client: redis.Redis,
-    secret_file: Path,
+    merchant_secret_file: Path,
     key_file: Path,
     tmp_path: Path,
 ) -> None:
-    sealed_settings = replace(settings, token_key_file=str(key_file))
+    sealed_settings = replace(merchant_settings, token_key_file=str(key_file))
     ours = client_for(sealed_settings, redis_client=redis_client)
     assert ours.request("GET", PING) == {"ok": True}
     stored = redis_client.get(ours.manager.store.token_key)
-    assert sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.exchanges()["ok"] == 1
 
-    _run_other_process(settings, secret_file, _key_file(tmp_path, "another-key"))
-    _run_other_process(settings, secret_file, None)
+    _run_other_process(merchant_settings, merchant_secret_file, _key_file(tmp_path, "another-key"))
+    _run_other_process(merchant_settings, merchant_secret_file, None)
 
-    assert sandbox.exchanges()["ok"] == 1  # neither made an exchange
+    assert merchant_sandbox.exchanges()["ok"] == 1  # neither made an exchange
     assert redis_client.get(ours.manager.store.token_key) == stored
     ours.manager.copy.forget()  # read Redis again: the fleet's token is still ours
     assert ours.request("GET", PING) == {"ok": True}
-    assert sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.exchanges()["ok"] == 1
 
 
 @pytest.mark.integration
 def test_a_sealed_fleet_renews_once_and_calls_with_the_opened_token(
-    settings: Settings, sandbox: Sandbox, redis_client: redis.Redis, key_file: Path
+    merchant_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    redis_client: redis.Redis,
+    key_file: Path,
 ) -> None:
-    sealed = replace(settings, token_key_file=str(key_file))
+    sealed = replace(merchant_settings, token_key_file=str(key_file))
     first = client_for(sealed, redis_client=redis_client)
     second = client_for(sealed, redis_client=redis_client)
     assert first.request("GET", PING) == {"ok": True}
@@ -231,5 +235,5 @@ def test_a_sealed_fleet_renews_once_and_calls_with_the_opened_token(
     first.manager.renew(force=True)
     second.manager.copy.forget()
     assert second.request("GET", PING) == {"ok": True}
-    assert sandbox.exchanges()["ok"] == 2
-    assert sandbox.calls()["unauthorized"] == 0
+    assert merchant_sandbox.exchanges()["ok"] == 2
+    assert merchant_sandbox.calls()["unauthorized"] == 0

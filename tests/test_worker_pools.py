@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,12 +21,11 @@ from celery import Celery
 
 from celery_fleet import (
     Fleet,
-    running_fleet,
 )
-from conftest import Sandbox
 from merchant_tasks.celery_app import CALLS_QUEUE, VISIBILITY_TIMEOUT, package_defaults
 from merchant_tasks.completions import REDELIVERED_COUNTER
 from merchant_tasks.local import wait_until
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.worker_pools import CONSUMER_CONNECTIONS, size_pools, worker_concurrency
 
 PAYMENTS = "/open-api/v1/payments"
@@ -105,22 +102,15 @@ def test_the_concurrency_is_the_autoscale_maximum_when_larger() -> None:
     assert worker_concurrency(SimpleNamespace(concurrency=4, max_concurrency=40)) == 40
 
 
-# -- real workers --------------------------------------------------------------------------
+# -- real workers (long windows: no renewal but the storm's) -------------------------------
 
 
-@pytest.fixture
-def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
-    with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
-        fleet.long_windows()
-        yield fleet
-
-
-def _payments_created(sandbox: Sandbox) -> int:
+def _payments_created(sandbox: MerchantSandbox) -> int:
     counts = sandbox.app.counters()["endpoints"].get(f"POST {PAYMENTS}", {})
     return int(counts.get("ok", 0))
 
 
-def _storm(fleet: Fleet, sandbox: Sandbox) -> list[Any]:
+def _storm(fleet: Fleet, sandbox: MerchantSandbox) -> list[Any]:
     """Enqueue CALLS payments, revoke every token once REVOKE_AFTER exist; the answers."""
     fleet.wait_ready()
     sandbox.app.configure({"api_latency": API_LATENCY})
@@ -135,7 +125,7 @@ def _storm(fleet: Fleet, sandbox: Sandbox) -> list[Any]:
 
 
 def _assert_each_payment_once_one_exchange_no_failed_ack(
-    fleet: Fleet, sandbox: Sandbox, answers: list[Any], concurrency: int
+    fleet: Fleet, sandbox: MerchantSandbox, answers: list[Any], concurrency: int
 ) -> None:
     assert [answer["amount"] for answer in answers] == [n + 1 for n in range(CALLS)]
     assert len({answer["id"] for answer in answers}) == CALLS
@@ -167,18 +157,22 @@ def _assert_each_payment_once_one_exchange_no_failed_ack(
     ],
 )
 def test_each_pool_survives_a_401_storm_with_each_call_once_one_exchange_and_no_failed_ack(
-    fleet: Fleet, sandbox: Sandbox, pool: str, concurrency: int
+    fleet: Fleet, merchant_sandbox: MerchantSandbox, pool: str, concurrency: int
 ) -> None:
+    fleet.long_windows()
     fleet.start_worker("w", concurrency=concurrency, pool=pool)
-    answers = _storm(fleet, sandbox)
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, concurrency)
+    answers = _storm(fleet, merchant_sandbox)
+    _assert_each_payment_once_one_exchange_no_failed_ack(
+        fleet, merchant_sandbox, answers, concurrency
+    )
 
 
 @pytest.mark.integration
 @needs_gevent
 def test_a_broker_pool_capped_in_celeryconfig_is_raised_at_start_and_no_ack_fails(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
+    fleet.long_windows()
     config_dir = fleet.tmp_path / "capped"
     config_dir.mkdir()
     (config_dir / "celeryconfig.py").write_text(
@@ -191,8 +185,8 @@ def test_a_broker_pool_capped_in_celeryconfig_is_raised_at_start_and_no_ack_fail
         "worker_ready.connect(_report)\n"
     )
     fleet.start_worker("w", concurrency=50, pool="gevent", cwd=config_dir)
-    answers = _storm(fleet, sandbox)
+    answers = _storm(fleet, merchant_sandbox)
     log = fleet.logs()["worker-w.log"]
     assert "broker_transport_options['max_connections'] allows 10 connections" in log
     assert "consumer channel pool: 60" in log
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 50)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, merchant_sandbox, answers, 50)

@@ -25,7 +25,7 @@ import redis
 from celery import Celery
 
 from merchant_tasks.celery_app import load_config
-from merchant_tasks.local import Child, RedisServer, spawn, wait_until
+from merchant_tasks.local import Child, RedisServer, spawn, stop_all, wait_until
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Secret, Settings, child_env
 from merchant_tasks.store import TokenStore
@@ -157,9 +157,9 @@ class Fleet:
         return self._spawn("redis-monitor", [binary, "-p", port, "monitor"], self.workdir)
 
     def stop(self) -> None:
-        """Stop every child, the last started first, and close the client app."""
-        while self.children:
-            self.children.pop().stop()
+        """Stop every child, all at once, and close the client app."""
+        stop_all(self.children)
+        self.children.clear()
         if self._app is not None:
             self._app.close()
             self._app = None

@@ -142,8 +142,13 @@ class SentinelGroup:
 @pytest.fixture
 def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
     master = RedisServer(
-        tmp_path / "master", "--requirepass", MASTER_PASSWORD, "--masterauth", MASTER_PASSWORD
-    )
+        tmp_path / "master",
+        "--requirepass", MASTER_PASSWORD,
+        "--masterauth", MASTER_PASSWORD,
+        # the replica's first sync starts at once, not after Redis's 5 s wait for more
+        # replicas to share one transfer
+        "--repl-diskless-sync-delay", "0",
+    )  # fmt: skip
     group = SentinelGroup(master, master, [])
     try:
         master.start(ready=lambda: redis_answers(master.port, MASTER_PASSWORD))

@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 PAYMENTS = "/open-api/v1/payments"
 CALLS = 600  # the reported failure: 600 calls, gevent, 50 at once
 REVOKE_AFTER = 200  # payments created before every token is revoked
-API_LATENCY = 0.1  # seconds per call: the tasks running at once end together, as in a storm
+BATCH_LATENCY = 0.1  # seconds per call: the tasks running at once end together, as in a storm
+STORM_CONCURRENCY = 50  # tasks at once in the reported storm
 STORM_TIMEOUT = 180.0  # the first answers on a busy 2-core machine (the rest follow at once)
 ACK_FAILURES = ("Couldn't ack", "MaxConnectionsError", "Too many connections")
 
@@ -139,11 +140,13 @@ def merchant_sandbox_app(merchant_sandbox_config: SandboxConfig) -> StormSandbox
     return StormSandbox(merchant_sandbox_config)
 
 
-def _storm(fleet: Fleet, sandbox: MerchantSandbox) -> list[Any]:
+def _storm(fleet: Fleet, sandbox: MerchantSandbox, concurrency: int) -> list[Any]:
     """Enqueue CALLS payments (the emulator revokes every token once REVOKE_AFTER exist);
-    the answers."""
+    the answers. The API's latency is scaled to the concurrency, so that every pool's storm
+    lasts about as long: 0.1 s per call at -c 4 would be 15 s of waiting on latency alone."""
     fleet.wait_ready()
-    sandbox.app.configure({"api_latency": API_LATENCY})
+    latency = BATCH_LATENCY * min(concurrency, STORM_CONCURRENCY) / STORM_CONCURRENCY
+    sandbox.app.configure({"api_latency": latency})
     results = [fleet.call("POST", PAYMENTS, json={"amount": n + 1}) for n in range(CALLS)]
     return [fleet.get(result, STORM_TIMEOUT) for result in results]
 
@@ -187,7 +190,7 @@ def test_each_pool_survives_a_401_storm_with_each_call_once_one_exchange_and_no_
 ) -> None:
     fleet.long_windows()
     fleet.start_worker("w", concurrency=concurrency, pool=pool)
-    answers = _storm(fleet, merchant_sandbox)
+    answers = _storm(fleet, merchant_sandbox, concurrency)
     _assert_each_payment_once_one_exchange_no_failed_ack(
         fleet, merchant_sandbox, answers, concurrency
     )
@@ -211,7 +214,7 @@ def test_a_broker_pool_capped_in_celeryconfig_is_raised_at_start_and_no_ack_fail
         "worker_ready.connect(_report)\n"
     )
     fleet.start_worker("w", concurrency=50, pool="gevent", cwd=config_dir)
-    answers = _storm(fleet, merchant_sandbox)
+    answers = _storm(fleet, merchant_sandbox, 50)
     log = fleet.logs()["worker-w.log"]
     assert "broker_transport_options['max_connections'] allows 10 connections" in log
     assert "consumer channel pool: 60" in log

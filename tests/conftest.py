@@ -90,10 +90,24 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     return WORKERS_PER_CORE * (os.cpu_count() or 1)
 
 
+# Fixtures whose tests run longest (processes, failovers, token lifetimes), longest first.
+LONG_RUNNING_FIXTURES = ("sentinel_group", "fleet", "callers")
+
+
+def _expected_length(item: pytest.Item) -> tuple[int, int]:
+    """Sorts the longest kinds of test first: those of LONG_RUNNING_FIXTURES in that order,
+    then the other integration tests, then the unit tests."""
+    used = getattr(item, "fixturenames", ())
+    for rank, name in enumerate(LONG_RUNNING_FIXTURES):
+        if name in used:
+            return (0, rank)
+    return (1 if item.get_closest_marker("integration") else 2, 0)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Integration tests first, unit tests last: the long waits start at once, and the
+    """The longest tests first, the unit tests last: the long waits start at once, and the
     short tests fill the workers' gaps at the end instead of a long test ending the run."""
-    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
+    items.sort(key=_expected_length)
 
 
 def dead_redis() -> redis.Redis:

@@ -50,7 +50,7 @@ from harness import (
 
 from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.client import _Call, new_session
-from merchant_tasks.settings import DEFAULT_TIMEOUTS, Secret, Settings
+from merchant_tasks.settings import DEFAULT_TIMEOUTS, FleetSettings, Secret, Settings
 
 API_KEY = "bench-app-id"
 PING = "/open-api/v1/ping"
@@ -82,8 +82,7 @@ def new_client(redis_url: str, url: str, secret_file: Path) -> FleetClient:
         api_key=API_KEY,
         secret=Secret(path=secret_file),
         base_url=url,
-        redis_url=redis_url,
-        key_prefix=f"diagnose-{uuid.uuid4().hex[:8]}",
+        fleet=FleetSettings(redis_url=redis_url, key_prefix=f"diagnose-{uuid.uuid4().hex[:8]}"),
     )
     return client_for(settings)
 

@@ -32,7 +32,7 @@ from scenario import Goal, Result, Scenario, Table, yes_no
 
 from merchant_tasks.accounts import AccountClients, FleetClient, client_for
 from merchant_tasks.due import due_accounts, namespace_of
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.token import Token
 
 if TYPE_CHECKING:
@@ -64,7 +64,10 @@ def accounts_source() -> dict[str, Settings]:
     count = int(os.environ["BENCH_ACCOUNTS"])
     prefix = os.environ["BENCH_ACCOUNTS_PREFIX"]
     base = Settings.from_env({**os.environ, "MERCHANT_API_KEY": os.environ["BENCH_API_KEY"]})
-    return {f"shop-{n}": replace(base, key_prefix=f"{prefix}-{n}") for n in range(count)}
+    return {
+        f"shop-{n}": replace(base, fleet=replace(base.fleet, key_prefix=f"{prefix}-{n}"))
+        for n in range(count)
+    }
 
 
 class _CountingConnection(Connection):
@@ -107,10 +110,12 @@ class AccountsCheck(AccountsScenario):
             api_key=bench.env()["MERCHANT_API_KEY"],
             secret=Secret(path=bench.secret_file),
             base_url=bench.sandbox_url,
-            redis_url=bench.redis_url,
+            fleet=FleetSettings(redis_url=bench.redis_url),
         )
         accounts = {
-            f"shop-{n}": replace(template, key_prefix=f"{prefix}-{n}")
+            f"shop-{n}": replace(
+                template, fleet=replace(template.fleet, key_prefix=f"{prefix}-{n}")
+            )
             for n in range(plan.check_accounts)
         }
         pool = redis.ConnectionPool.from_url(bench.redis_url, connection_class=_CountingConnection)
@@ -424,9 +429,11 @@ def _client(bench: Bench, url: str, key_file: Path | None) -> FleetClient:
         api_key=bench.env()["MERCHANT_API_KEY"],
         secret=Secret(path=bench.secret_file),
         base_url=url,
-        redis_url=bench.redis_url,
-        key_prefix=f"bench-sealing-{uuid.uuid4().hex[:8]}",
-        token_key_file=str(key_file) if key_file is not None else None,
+        fleet=FleetSettings(
+            redis_url=bench.redis_url,
+            key_prefix=f"bench-sealing-{uuid.uuid4().hex[:8]}",
+            token_key_file=str(key_file) if key_file is not None else None,
+        ),
     )
     return client_for(settings)
 

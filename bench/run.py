@@ -73,7 +73,14 @@ from harness import (
 from scenario import Goal, Result, Scenario, Table, fmt
 
 from merchant_tasks.accounts import FleetClient, client_for
-from merchant_tasks.settings import DEFAULT_KEY_PREFIX, Secret, Settings, child_env
+from merchant_tasks.settings import (
+    DEFAULT_KEY_PREFIX,
+    RENEW_INTERVAL,
+    FleetSettings,
+    Secret,
+    Settings,
+    child_env,
+)
 
 API_KEY = "bench-app-id"
 PING = "/open-api/v1/ping"
@@ -131,15 +138,22 @@ class Bench:
     sandbox_env: dict[str, str]
     children: list[Child] = field(default_factory=list)
 
-    def settings(self, prefix: str, base_url: str | None = None, **fields: Any) -> Settings:
+    def settings(
+        self,
+        prefix: str,
+        base_url: str | None = None,
+        renew_interval: float = RENEW_INTERVAL,
+        **fields: Any,
+    ) -> Settings:
         """The emulator's account with its own key prefix (default windows unless given)."""
         return Settings(
             api_key=API_KEY,
             secret=Secret(path=self.secret_file),
             base_url=base_url or self.sandbox_url,
-            redis_url=self.redis_url,
-            key_prefix=prefix,
             **fields,
+            fleet=FleetSettings(
+                redis_url=self.redis_url, key_prefix=prefix, renew_interval=renew_interval
+            ),
         )
 
     def env(self, settings: Settings | None = None, **extra: str) -> dict[str, str]:

@@ -4,15 +4,17 @@ Reading order follows the token's life: ``token`` (the value), ``exchange`` (get
 ``store`` (keeping it in Redis), ``policy`` (when it is renewed, what a 401 means),
 ``single_flight``, ``wakeup``, ``renewer``, ``breaker``, ``local_copy`` and ``renewal``
 (who renews it, and how the fleet waits), ``client`` (using it), ``accounts`` (wiring
-each account's settings to a client), then the Celery wiring
-(``celery_app``, ``worker_pools``, ``completions``, ``tasks``). The design, its windows,
-guards and rules: docs/design.md.
+each account's settings to a client), then the Celery wiring (``routing``,
+``worker_pools``, ``completions``, ``tasks``; ``hosting``, which installs them into any
+Celery app, and ``celery_app``, the package's own). The design, its windows, guards and
+rules: docs/design.md.
 """
 
 from __future__ import annotations
 
 import logging
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from .accounts import AccountClients, FleetClient, client_for, client_from_env
 from .client import MerchantClient, TokenSource
@@ -64,11 +66,23 @@ __all__ = [
     "__version__",
     "client_for",
     "client_from_env",
+    "install",
 ]
 
 # a library leaves logging to its application: without this, Python's last-resort handler
 # printed warnings to stderr next to the CLI's own message (the same error twice)
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def install(app: Any) -> None:
+    """Make your own Celery ``app`` run merchant-tasks: its tasks, renewal queue and route,
+    beat's entry and worker-start checks; nothing else of ``app`` changes. Idempotent.
+
+    Call it where the app is created (Django: ``proj/celery.py``). See docs/celery-app.md.
+    """
+    from .hosting import install as install_into  # Celery is imported only by its users
+
+    install_into(app)
 
 
 def __getattr__(name: str) -> object:

@@ -8,17 +8,18 @@ MERCHANT_ACCOUNTS_FILE names a TOML or JSON file with more (or all) of them::
     base_url = "https://api.example.com"
     api_key = "AK123"
     api_secret_file = "/run/secrets/eu-shop"     # secrets come from files, never this file
-    # optional: token_lifetime, renew_before, renew_mandatory, allow_insecure_http
+    # optional: allow_insecure_http, and the windows and timeouts (docs/configuration.md)
 
 MERCHANT_ACCOUNTS_SOURCE="package.module:function" names a function of the platform's own
 (reading its database, say) that returns more of them: a mapping of account name to a
 ``Settings`` or to an entry of the file's form. The sources add up; a name defined twice is
 an error.
 
-What an account does not set (Redis, key prefix, timeouts, windows) comes from the
-MERCHANT_* variables. Tokens, locks, breakers and counters are keyed by environment and
-API key, so accounts never share them. A sandbox account and a production account may not
-share a base URL: a key of one environment must never reach the other.
+What an account does not set (windows, timeouts) comes from the MERCHANT_* variables;
+the fleet's settings (Redis, key prefix, token keys) are every account's. Tokens, locks,
+breakers and counters are keyed by environment and API key, so accounts never share them.
+A sandbox account and a production account may not share a server (compared by origin: a
+key of one environment must never reach the other).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import requests
 
@@ -44,48 +44,36 @@ from .exchange import TokenExchange
 from .redis_topology import StoreClient
 from .renewal import TokenManager
 from .sealing import codec_for
-from .settings import Settings
+from .settings import FleetSettings, Settings, read_text_file, read_variable
 from .store import TokenStore
 from .timing import TimedExchange
 from .token import fingerprint
 
 DEFAULT_ACCOUNT = "default"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-# account file key -> the variable it stands for
-_ACCOUNT_KEYS = {
-    "environment": "MERCHANT_ENVIRONMENT",
-    "base_url": "MERCHANT_BASE_URL",
-    "api_key": "MERCHANT_API_KEY",
-    "api_secret_file": "MERCHANT_API_SECRET_FILE",
-    "token_lifetime": "MERCHANT_TOKEN_LIFETIME",
-    "renew_before": "MERCHANT_RENEW_BEFORE",
-    "renew_mandatory": "MERCHANT_RENEW_MANDATORY",
-    "allow_insecure_http": "MERCHANT_ALLOW_INSECURE_HTTP",
-}
-# what names an account: never inherited from the single-account variables (the windows
-# and lifetime are, unless the account sets its own)
-_PER_ACCOUNT = {
-    f"MERCHANT_{name}{suffix}"
-    for name in ("ENVIRONMENT", "BASE_URL", "API_KEY", "API_SECRET", "ALLOW_INSECURE_HTTP")
-    for suffix in ("", "_FILE")
-}
 
 
-def load_accounts(environ: Mapping[str, str] | None = None) -> dict[str, Settings]:
-    """Every configured account by name; ConfigurationError names what is wrong."""
+def load_accounts(
+    environ: Mapping[str, str] | None = None, *, read_secrets: bool = True
+) -> dict[str, Settings]:
+    """Every configured account by name; ConfigurationError names what is wrong.
+
+    ``read_secrets=False`` checks everything but the secret files' content (beat's check:
+    beat holds no secret).
+    """
     env = os.environ if environ is None else environ
+    fleet = FleetSettings.from_env(env)
     accounts: dict[str, Settings] = {}
-    if env.get("MERCHANT_API_KEY") or env.get("MERCHANT_API_KEY_FILE"):
-        accounts[DEFAULT_ACCOUNT] = Settings.from_env(env)
+    if read_variable("MERCHANT_API_KEY", env):
+        accounts[DEFAULT_ACCOUNT] = Settings.from_env(env, fleet=fleet, read_secret=read_secrets)
     sources = [
-        ("MERCHANT_ACCOUNTS_FILE", _read_accounts_file),
-        ("MERCHANT_ACCOUNTS_SOURCE", _call_accounts_source),
+        ("MERCHANT_ACCOUNTS_FILE", fleet.accounts_file, _read_accounts_file),
+        ("MERCHANT_ACCOUNTS_SOURCE", fleet.accounts_source, _call_accounts_source),
     ]
-    for variable, read in sources:
-        value = env.get(variable)
+    for variable, value, read in sources:
         if not value:
             continue
-        for name, settings in read(value, env).items():
+        for name, settings in read(value, env, fleet).items():
             if name in accounts:
                 raise ConfigurationError(
                     f"{variable}: account {name!r} is also defined elsewhere "
@@ -101,13 +89,12 @@ def load_accounts(environ: Mapping[str, str] | None = None) -> dict[str, Setting
     return accounts
 
 
-def _read_accounts_file(value: str, env: Mapping[str, str]) -> dict[str, Settings]:
+def _read_accounts_file(
+    value: str, env: Mapping[str, str], fleet: FleetSettings
+) -> dict[str, Settings]:
     path = Path(value)
     where = f"MERCHANT_ACCOUNTS_FILE ({path})"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigurationError(f"{where}: cannot read it ({exc.strerror})") from None
+    text = read_text_file("MERCHANT_ACCOUNTS_FILE", path)
     try:
         document: Any = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
@@ -115,10 +102,12 @@ def _read_accounts_file(value: str, env: Mapping[str, str]) -> dict[str, Setting
     entries = document.get("accounts") if isinstance(document, dict) else None
     if not isinstance(entries, dict) or not entries:
         raise ConfigurationError(f"{where}: needs an 'accounts' table with at least one account")
-    return _accounts_from_entries(where, entries, env)
+    return _accounts_from_entries(where, entries, env, fleet)
 
 
-def _call_accounts_source(value: str, env: Mapping[str, str]) -> dict[str, Settings]:
+def _call_accounts_source(
+    value: str, env: Mapping[str, str], fleet: FleetSettings
+) -> dict[str, Settings]:
     """Accounts from ``package.module:function``: a platform's own store of accounts.
 
     The function takes no argument and returns a mapping of account name to either a
@@ -149,15 +138,14 @@ def _call_accounts_source(value: str, env: Mapping[str, str]) -> dict[str, Setti
         raise ConfigurationError(f"{where}: the function raised {type(exc).__name__}") from exc
     if not isinstance(entries, Mapping) or not entries:
         raise ConfigurationError(f"{where}: must return a mapping with at least one account")
-    return _accounts_from_entries(where, entries, env)
+    return _accounts_from_entries(where, entries, env, fleet)
 
 
 def _accounts_from_entries(
-    where: str, entries: Mapping[Any, Any], env: Mapping[str, str]
+    where: str, entries: Mapping[Any, Any], env: Mapping[str, str], fleet: FleetSettings
 ) -> dict[str, Settings]:
     """Validate named entries: each a ``Settings`` or a table of the accounts file's keys,
     what it does not set coming from the MERCHANT_* variables."""
-    base = {k: v for k, v in env.items() if k not in _PER_ACCOUNT}
     accounts: dict[str, Settings] = {}
     for name, entry in entries.items():
         if not (isinstance(name, str) and _NAME.match(name)):
@@ -167,18 +155,8 @@ def _accounts_from_entries(
             continue
         if not isinstance(entry, Mapping):
             raise ConfigurationError(f"{where}: account {name!r} must be a table")
-        unknown = sorted(set(entry) - set(_ACCOUNT_KEYS))
-        if unknown:
-            raise ConfigurationError(
-                f"{where}: account {name!r} has unknown keys {unknown} "
-                f"(allowed: {sorted(_ACCOUNT_KEYS)}; secrets only via api_secret_file)"
-            )
-        variables = {
-            _ACCOUNT_KEYS[k]: str(v).lower() if isinstance(v, bool) else str(v)
-            for k, v in entry.items()
-        }
         try:
-            accounts[name] = Settings.from_env({**base, **variables})
+            accounts[name] = Settings.from_entry(entry, env, fleet)
         except ConfigurationError as exc:
             raise ConfigurationError(f"{where}: account {name!r}: {exc}") from None
     return accounts
@@ -188,8 +166,7 @@ def _check_environments_apart(accounts: Mapping[str, Settings]) -> None:
     """A sandbox account and a production account must not point at the same server."""
     seen: dict[str, tuple[str, str]] = {}
     for name, settings in accounts.items():
-        parts = urlsplit(settings.base_url)
-        origin = f"{parts.scheme}://{parts.netloc}".lower()
+        origin = settings.origin
         other = seen.setdefault(origin, (name, settings.environment))
         if other[1] != settings.environment:
             raise ConfigurationError(
@@ -213,15 +190,13 @@ def client_for(
     Redis pool per server); otherwise the client gets its own.
     """
     session = session or new_session()
+    fleet = settings.fleet
     store = TokenStore(
-        redis_client or redis_topology.redis_for(settings),
+        redis_client or redis_for(fleet),
         TokenStore.namespace_for(
-            settings.key_prefix,
-            settings.environment,
-            settings.api_key,
-            hash_tag=settings.redis_cluster,
+            fleet.key_prefix, settings.environment, settings.api_key, hash_tag=fleet.redis_cluster
         ),
-        codec_for(settings.token_key_file, settings.token_key_previous_file),
+        codec_for(fleet.token_key_file, fleet.token_key_previous_file),
     )
     manager = TokenManager(
         store,
@@ -239,9 +214,19 @@ def client_for(
     )
 
 
+def redis_for(fleet: FleetSettings) -> StoreClient:
+    """The token store's client for the fleet's Redis URL and topology."""
+    return redis_topology.redis_from_url(
+        fleet.redis_url,
+        sentinel_master=fleet.redis_sentinel_master,
+        sentinel_password=fleet.redis_sentinel_password,
+        cluster=fleet.redis_cluster,
+    )
+
+
 def client_from_env(environ: Mapping[str, str] | None = None) -> FleetClient:
     """The client of the only (or ``default``) account the MERCHANT_* variables and
-    MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see docs/operations.md, "Several accounts")."""
+    MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see docs/configuration.md)."""
     return AccountClients.from_env(environ).get()
 
 
@@ -256,8 +241,10 @@ class AccountClients:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> AccountClients:
-        return cls(load_accounts(environ))
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, read_secrets: bool = True
+    ) -> AccountClients:
+        return cls(load_accounts(environ, read_secrets=read_secrets))
 
     def get(self, account: str | None = None) -> FleetClient:
         """The client of ``account`` (the only or ``default`` account when None)."""
@@ -275,7 +262,9 @@ class AccountClients:
             if client is None:
                 session: requests.Session = new_session()  # cookies never cross accounts
                 client = client_for(
-                    settings, redis_client=self._redis_for(settings.redis_url), session=session
+                    settings,
+                    redis_client=self._redis_for(settings.fleet.redis_url),
+                    session=session,
                 )
                 self._clients[name] = client
         return client
@@ -289,8 +278,8 @@ class AccountClients:
         client = self._redis_by_url.get(url)
         if client is None:
             # the accounts of one URL share the topology variables (MERCHANT_REDIS_*)
-            settings = next(s for s in self.accounts.values() if s.redis_url == url)
-            client = self._redis_by_url[url] = redis_topology.redis_for(settings)
+            fleet = next(s.fleet for s in self.accounts.values() if s.fleet.redis_url == url)
+            client = self._redis_by_url[url] = redis_for(fleet)
         return client
 
     def due(self) -> list[str]:
@@ -303,7 +292,7 @@ class AccountClients:
         """``name``'s renewal task has run: beat may send the next one."""
         settings = self.accounts.get(name)
         if settings is not None:
-            release_renewal(settings, self.redis_for(settings.redis_url))
+            release_renewal(settings, self.redis_for(settings.fleet.redis_url))
 
     def default_name(self) -> str:
         if len(self.accounts) == 1:

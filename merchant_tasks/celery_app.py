@@ -3,12 +3,12 @@
 Configuration is layered, each layer overriding the one before:
 
 1. the package defaults below (safe for production: late acknowledgement, prefetch 1,
-   renewal on its own queue, JSON only);
-2. ``celeryconfig.py`` from the working directory, if importable (``deploy/celeryconfig.py``
-   is the container image's, and an example);
+   JSON only, results retried through a Redis restart);
+2. ``celeryconfig.py`` from the working directory, if importable (the repository's top-level
+   ``celeryconfig.py`` is the container image's, and the place to override these defaults);
 3. ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND`` from the environment;
-4. at worker start, the broker's and result backend's connection pools are raised to fit
-   the worker's concurrency (see ``worker_pools``), whatever the pool (-P).
+4. ``install(app)`` (``hosting``), as for any user's app: the tasks, the renewal queue and
+   its route, beat's entry, and the worker-start hooks (pool sizing, stale bindings).
 
 Broker and result backend default to MERCHANT_REDIS_URL (or MERCHANT_REDIS_URL_FILE), the
 token store's Redis: the defaults are built from the validated ``FleetSettings``, so a
@@ -20,30 +20,23 @@ account configured stops at start rather than failing every task.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from celery.signals import celeryd_after_setup, worker_init
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from .exceptions import ConfigurationError
-from .redis_topology import DEFAULT_SENTINEL_MASTER, is_kombu_redis_url, is_sentinel_url
+from .hosting import exit_with, install, started_by_celery_command
+from .redis_topology import is_kombu_redis_url, is_sentinel_url
 from .routing import CALLS_QUEUE as CALLS_QUEUE  # re-exported: the queues' names
 from .routing import RENEWAL_QUEUE as RENEWAL_QUEUE
-from .routing import remove_stale_bindings, task_queues
-from .settings import FleetSettings, read_variable
-from .worker_pools import size_pools_at_worker_start
+from .routing import VISIBILITY_TIMEOUT as VISIBILITY_TIMEOUT
+from .settings import FleetSettings
 
-log = logging.getLogger(__name__)
-
-EXIT_CONFIGURATION = 2  # the exit code of a configuration mistake, as the CLI's
-VISIBILITY_TIMEOUT = 3600  # seconds an unacknowledged message waits before redelivery
 RESULT_EXPIRES = 3600  # results are for the caller waiting on them, not an archive
 RESULT_BACKEND_RETRIES = 20  # Celery backs off between them: about a minute of Redis restart
 # publishing (an enqueue, or a task's own retry) waits out a broker that is away for about
@@ -65,9 +58,7 @@ REDIS_ONLY_TRANSPORT_OPTIONS = frozenset(kombu_redis.SentinelChannel.from_transp
 
 def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     """The settings merchant-tasks relies on; celeryconfig.py may change any of them."""
-    fleet = FleetSettings.from_env(environ)
-    redis_url = fleet.redis_url
-    interval = fleet.renew_interval
+    redis_url = FleetSettings.from_env(environ).redis_url
     return {
         "broker_url": redis_url,
         "result_backend": redis_url,
@@ -84,24 +75,14 @@ def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
         "result_backend_always_retry": True,
         "result_backend_max_retries": RESULT_BACKEND_RETRIES,
         # no call is lost when a worker dies: acknowledge after the task ran, fetch one at a
-        # time, and put the message back when the worker process is killed mid-task
+        # time, and put the message back when the worker process is killed mid-task (set
+        # on merchant-tasks' own tasks by install() too, whatever the app's defaults)
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "task_queues": task_queues(),  # each bound to its own routing key
         "task_default_queue": CALLS_QUEUE,
-        "task_routes": {"merchant_tasks.renew_token": {"queue": RENEWAL_QUEUE}},
-        "beat_schedule": {
-            "renew-merchant-token": {
-                "task": "merchant_tasks.renew_token",
-                "schedule": interval,
-                # a renewal nobody ran before the next tick is replaced by that tick's
-                "options": {"expires": interval, "queue": RENEWAL_QUEUE},
-            }
-        },
         "worker_send_task_events": True,  # Flower's live view
         "task_send_sent_event": True,
-        "imports": ("merchant_tasks.tasks",),
     }
 
 
@@ -141,12 +122,10 @@ def transport_options(
     defaults: dict[str, Any] = {"visibility_timeout": VISIBILITY_TIMEOUT}
     if is_sentinel_url(url):
         # the token store's sentinel settings serve Celery too: one value for both
-        defaults["master_name"] = (
-            read_variable(environ, "MERCHANT_REDIS_SENTINEL_MASTER") or DEFAULT_SENTINEL_MASTER
-        )
-        password = read_variable(environ, "MERCHANT_REDIS_SENTINEL_PASSWORD")
-        if password:
-            defaults["sentinel_kwargs"] = {"password": password}
+        fleet = FleetSettings.from_env(environ)
+        defaults["master_name"] = fleet.redis_sentinel_master
+        if fleet.redis_sentinel_password:
+            defaults["sentinel_kwargs"] = {"password": fleet.redis_sentinel_password}
     return {**defaults, **chosen}
 
 
@@ -177,48 +156,11 @@ def write_config_module(path: Path, config: Mapping[str, Any]) -> None:
     path.chmod(0o600)
 
 
-def _started_by_celery_command() -> bool:
-    """Whether this process is ``celery ...`` (its CLI module is loaded), not a library user."""
-    return "celery.bin.celery" in sys.modules
-
-
-def _exit_with(exc: ConfigurationError) -> None:
-    """A configuration mistake under ``celery ...``: one line on stderr, no traceback."""
-    print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-    raise SystemExit(EXIT_CONFIGURATION)
-
-
-def _check_worker_start(sender: Any = None, **_: Any) -> None:
-    """Before consuming: every account's settings load, and no stale binding remains."""
-    from .accounts import load_accounts  # the worker's own import: the app needs no account
-
-    if getattr(sender, "app", None) is not app:
-        return  # another Celery app's worker in a process that imported this module
-    try:
-        load_accounts()
-    except ConfigurationError as exc:
-        _exit_with(exc)
-    try:
-        remove_stale_bindings(app)
-    except Exception as exc:  # the broker may be down at start: Celery keeps retrying it
-        log.warning("could not check the broker for stale queue bindings: %r", exc)
-
-
-worker_init.connect(_check_worker_start)
-
 app = Celery("merchant_tasks")
 try:
     app.conf.update(load_config())
 except ConfigurationError as exc:
-    if not _started_by_celery_command():
+    if not started_by_celery_command():
         raise
-    _exit_with(exc)
-
-
-def _size_connection_pools(sender: str, instance: Any, **_: Any) -> None:
-    """Fit the pools to this worker's concurrency, before it opens a broker connection."""
-    if instance.app is app:
-        size_pools_at_worker_start(instance)
-
-
-celeryd_after_setup.connect(_size_connection_pools)
+    exit_with(exc)
+install(app)

@@ -7,7 +7,6 @@ Exit codes a script can rely on: 0 success, 1 the API or the token endpoint fail
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,13 @@ from . import __version__
 from .accounts import AccountClients
 from .exceptions import ConfigurationError, MerchantError, StoreUnavailable
 from .extras import require
-from .settings import SANDBOX_DEFAULT_PORT, TOKEN_LIFETIME
+from .settings import (
+    SANDBOX_DEFAULT_PORT,
+    TOKEN_LIFETIME,
+    read_text_file,
+    read_variable,
+    refuse_unknown_names,
+)
 from .status import AccountStatus, account_status, format_status
 
 EXIT_FAILED = 1
@@ -37,12 +42,11 @@ def main() -> None:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Loopback address to bind.")
 @click.option("--port", default=SANDBOX_DEFAULT_PORT, show_default=True, type=int)
-@click.option("--api-key", envvar="MERCHANT_API_KEY", required=True, help="[MERCHANT_API_KEY]")
+@click.option("--api-key", help="[default: MERCHANT_API_KEY]")
 @click.option(
     "--secret-file",
-    envvar="MERCHANT_API_SECRET_FILE",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="File holding the API secret [MERCHANT_API_SECRET_FILE].",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="File holding the API secret [default: MERCHANT_API_SECRET(_FILE)].",
 )
 @click.option(
     "--lifetime", default=float(TOKEN_LIFETIME), show_default=True, help="Token lifetime, seconds."
@@ -67,7 +71,7 @@ def main() -> None:
 def sandbox(
     host: str,
     port: int,
-    api_key: str,
+    api_key: str | None,
     secret_file: Path | None,
     lifetime: float,
     revoke_on_issue: bool,
@@ -92,7 +96,8 @@ def sandbox(
         require("sandbox", "merchant-tasks sandbox")
     from .sandbox import SandboxApp, SandboxConfig, SandboxServer
 
-    secret = _sandbox_secret(secret_file)
+    with _exit_codes():
+        api_key, secret = _sandbox_credentials(api_key, secret_file)
     try:
         config = SandboxConfig(
             api_key=api_key,
@@ -131,6 +136,7 @@ def demo(duration: float, rate: float, lifetime: float, workers: int) -> None:
     """Run the whole system locally: emulator, Redis, a worker and beat, with a live view."""
     with _exit_codes():
         require("demo", "merchant-tasks demo")
+        refuse_unknown_names()  # the demo reads MERCHANT_REDIS_URL
     from .demo import run_demo
 
     summary = run_demo(duration=duration, rate=rate, lifetime=lifetime, workers=workers)
@@ -150,7 +156,7 @@ def status(as_json: bool) -> None:
     Exits 0 when every account has a usable token and no breaker is open, 1 otherwise.
     """
     with _exit_codes(as_json=as_json):
-        statuses = _statuses(AccountClients.from_env())
+        statuses = _statuses(AccountClients.from_env(read_secrets=False))  # Redis only
     if as_json:
         document = {"accounts": [s.as_dict() for s in statuses.values()]}
         click.echo(json.dumps(document, indent=2, sort_keys=True))
@@ -170,7 +176,7 @@ def metrics(host: str, port: int) -> None:
 
     from .metrics import FleetCollector
 
-    fleet = _clients()
+    fleet = _clients(read_secrets=False)  # reads Redis only: needs no secret mounted
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FleetCollector(lambda: _statuses(fleet)))
@@ -225,9 +231,9 @@ def _statuses(fleet: AccountClients) -> dict[str, AccountStatus]:
     }
 
 
-def _clients() -> AccountClients:
+def _clients(read_secrets: bool = True) -> AccountClients:
     with _exit_codes():
-        return AccountClients.from_env()
+        return AccountClients.from_env(read_secrets=read_secrets)
 
 
 @contextmanager
@@ -257,14 +263,20 @@ def _exit_codes(as_json: bool = False) -> Iterator[None]:
         sys.exit(EXIT_FAILED)
 
 
-def _sandbox_secret(secret_file: Path | None) -> str:
-    if secret_file is not None:
-        value = secret_file.read_text(encoding="utf-8").strip()
-    else:
-        value = os.environ.get("MERCHANT_API_SECRET", "").strip()
-    if not value:
-        raise click.UsageError("set MERCHANT_API_SECRET or --secret-file/MERCHANT_API_SECRET_FILE")
-    return value
+def _sandbox_credentials(api_key: str | None, secret_file: Path | None) -> tuple[str, str]:
+    """The emulator's key and secret: the options', else the account variables'."""
+    refuse_unknown_names()
+    api_key = api_key or read_variable("MERCHANT_API_KEY")
+    secret = (
+        read_text_file("--secret-file", secret_file)
+        if secret_file is not None
+        else read_variable("MERCHANT_API_SECRET")
+    )
+    if not (api_key and secret):
+        raise click.UsageError(
+            "set --api-key or MERCHANT_API_KEY, and --secret-file or MERCHANT_API_SECRET(_FILE)"
+        )
+    return api_key, secret
 
 
 if __name__ == "__main__":

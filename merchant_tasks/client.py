@@ -270,6 +270,7 @@ def _check_path(path: str) -> None:
     normalise them, so ``/open-api/v1/..`` would leave the API's root. Their percent-encoded
     forms (``%2e%2e``, also encoded more than once) and encoded slashes or backslashes are
     refused too: RFC 3986 makes ``%2e`` equal to ``.``, and servers and proxies decode them.
+    So are segments some servers read as dot segments (``..;``, see ``_dot_like``).
     """
     route = path.split("?", 1)[0]
     segments = [_fully_decoded(s) for s in route[len(API_PREFIX) :].split("/")]
@@ -277,12 +278,20 @@ def _check_path(path: str) -> None:
         not route.startswith(API_PREFIX)
         or "#" in path
         or "\\" in route
-        or any(segment in (".", "..") or "/" in segment or "\\" in segment for segment in segments)
+        or any(_dot_like(segment) or "/" in segment or "\\" in segment for segment in segments)
         or "" in segments[:-1]
     ):
         raise ValueError(f"path must be under {API_PREFIX} (got {path[:80]!r})")
-    if (API_PREFIX + "/".join(segments)).rstrip("/").lower() == TOKEN_PATH:
+    names = [segment.split(";", 1)[0] for segment in segments]  # as servers that drop ;params
+    if (API_PREFIX + "/".join(names)).rstrip("/").lower() == TOKEN_PATH:
         raise ValueError("the token endpoint is called by the exchange, not by request()")
+
+
+def _dot_like(segment: str) -> bool:
+    """``.`` or ``..``, or what some server reads as one: with path parameters (``..;x``,
+    Tomcat and Spring drop them), with trailing blanks, or any run of dots only."""
+    name = segment.split(";", 1)[0].strip()
+    return bool(name) and set(name) == {"."}
 
 
 def _fully_decoded(segment: str) -> str:

@@ -38,17 +38,11 @@ from celery import Celery
 from .celery_app import isolated_config, package_defaults, write_config_module
 from .local import RedisServer, free_port, redis_answers, running, wait_until
 from .sandbox import SandboxApp, SandboxConfig, SandboxServer
-from .settings import Secret, Settings, child_env
+from .settings import DEFAULT_REDIS_URL, FleetSettings, Secret, Settings, child_env, read_variable
 from .store import TokenStore
 
 DEMO_API_KEY = "demo-app-id"
 CALL_API_TASK = "merchant_tasks.call_api"
-CELERY_URL_VARIABLES = (
-    "CELERY_BROKER_URL",
-    "CELERY_RESULT_BACKEND",
-    "CELERY_BROKER_READ_URL",
-    "CELERY_BROKER_WRITE_URL",
-)
 VIEW_INTERVAL = 0.5  # seconds between two refreshes of the live view
 DRAIN_TIMEOUT = 30.0  # seconds to wait for calls still queued when the duration ends
 
@@ -94,20 +88,22 @@ def run_demo(
             api_key=DEMO_API_KEY,
             secret=Secret(path=secret_file),
             base_url=server.url,
-            redis_url=redis_url,
-            key_prefix=key_prefix,
             token_lifetime=lifetime,
             renew_before=renew_before,
             renew_mandatory=round(lifetime * 0.1, 3),
-            renew_interval=max(1.0, round(lifetime * 0.05, 3)),
+            fleet=FleetSettings(
+                redis_url=redis_url,
+                key_prefix=key_prefix,
+                renew_interval=max(1.0, round(lifetime * 0.05, 3)),
+            ),
         )
         # the children get these settings and nothing else of ours: no MERCHANT_* or CELERY_*
         # variable of this shell (Celery reads its URLs from the environment first)
         env = child_env(settings)
         # and so does this process, where the producer below would otherwise send elsewhere
-        for name in [*CELERY_URL_VARIABLES, "MERCHANT_API_SECRET"]:
-            os.environ.pop(name, None)
-        os.environ.update(settings.to_env())
+        for name in set(os.environ) - set(env):
+            del os.environ[name]
+        os.environ.update(env)
         celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
         stack.enter_context(
             running(
@@ -259,7 +255,7 @@ def _summary_text(summary: DemoSummary) -> str:
 @contextlib.contextmanager
 def _redis_for_demo(workdir: Path) -> Iterator[tuple[str, str]]:
     """MERCHANT_REDIS_URL if it answers, else a private redis-server, else fakeredis."""
-    url = os.environ.get("MERCHANT_REDIS_URL", "redis://localhost:6379/0")
+    url = read_variable("MERCHANT_REDIS_URL") or DEFAULT_REDIS_URL
     try:
         redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
     except redis.RedisError:

@@ -44,7 +44,10 @@ _HASH_SPAN = 2**64  # the renewal point's fraction of the window: 8 bytes of SHA
 def namespace_of(settings: Settings) -> str:
     """The account's key namespace in the token store."""
     return TokenStore.namespace_for(
-        settings.key_prefix, settings.environment, settings.api_key, hash_tag=settings.redis_cluster
+        settings.fleet.key_prefix,
+        settings.environment,
+        settings.api_key,
+        hash_tag=settings.fleet.redis_cluster,
     )
 
 
@@ -56,7 +59,7 @@ def renewal_point(settings: Settings) -> float:
     """
     lowest = min(
         settings.renew_before,
-        settings.renew_mandatory + SPREAD_TICKS * settings.renew_interval,
+        settings.renew_mandatory + SPREAD_TICKS * settings.fleet.renew_interval,
     )
     digest = hashlib.sha256(namespace_of(settings).encode()).digest()
     fraction = int.from_bytes(digest[:8], "big") / _HASH_SPAN
@@ -80,7 +83,7 @@ def due_accounts(
     """
     by_server: dict[str, list[_Entry]] = {}
     for name, settings in accounts.items():
-        by_server.setdefault(settings.redis_url, []).append(
+        by_server.setdefault(settings.fleet.redis_url, []).append(
             _Entry(name, f"{namespace_of(settings)}:token", renewal_point(settings))
         )
     due: list[str] = []
@@ -100,7 +103,7 @@ def claim_renewals(
     """
     by_server: dict[str, list[str]] = {}
     for name in names:
-        by_server.setdefault(accounts[name].redis_url, []).append(name)
+        by_server.setdefault(accounts[name].fleet.redis_url, []).append(name)
     claimed: list[str] = []
     for url, server_names in by_server.items():
         pipe = redis_for(url).pipeline(transaction=False)

@@ -4,12 +4,17 @@ A worker needs only the core (celery with Redis, redis, requests, tenacity, clic
 tools are extras: ``sandbox`` (the emulator: werkzeug), ``metrics`` (prometheus-client),
 ``flower``, ``demo`` (the emulator and an embedded Redis), ``encryption`` (tokens
 sealed at rest), ``gevent`` (the gevent worker pool), ``all``. A tool whose extra is
-missing stops with ``MissingExtra`` naming the pip command, not an ImportError.
+missing stops with ``MissingExtra`` naming the pip command, not an ImportError; so does a
+Celery worker whose pool is gevent, when the pool is named where the app sees it first
+(``worker_pool`` in the configuration, ``-Pgevent``). ``celery ... worker -P gevent`` and
+``--pool gevent`` make Celery import gevent before it loads any app: there Celery's own
+ImportError is all a user sees.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 
 from .exceptions import MissingExtra
 
@@ -22,6 +27,7 @@ EXTRAS = {
     "encryption": ("cryptography",),
     "gevent": ("gevent",),
 }
+POOL_EXTRAS = {"gevent": "gevent"}  # a worker pool (-P) -> the extra that installs it
 
 
 def require(extra: str, what: str) -> None:
@@ -39,3 +45,21 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a broken install counts as missing
         return False
+
+
+def require_worker_pool(argv: Sequence[str], configured: str | None) -> None:
+    """Raise MissingExtra when ``argv`` is ``celery ... worker`` whose pool (its -P, else
+    ``configured``, the app's worker_pool) needs an extra that is missing."""
+    if "worker" not in argv:
+        return
+    pool = configured
+    for i, arg in enumerate(argv):
+        if arg in ("-P", "--pool") and i + 1 < len(argv):
+            pool = argv[i + 1]
+        elif arg.startswith("--pool="):
+            pool = arg.split("=", 1)[1]
+        elif arg.startswith("-P") and len(arg) > 2:
+            pool = arg[2:]
+    extra = POOL_EXTRAS.get(pool or "")
+    if extra is not None:
+        require(extra, f"celery worker -P {pool}")

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .settings import Secret, Settings, child_env
+from .settings import PREFIX, FleetSettings, Secret, Settings, child_env, read_variable
 
 if TYPE_CHECKING:
     from .accounts import FleetClient
@@ -94,7 +94,7 @@ def merchant_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     """The Redis the tests use (see the module docstring)."""
     from .local import RedisServer, redis_answers
 
-    configured = os.environ.get("MERCHANT_TEST_REDIS_URL")
+    configured = read_variable("MERCHANT_TEST_REDIS_URL")
     if configured:
         yield configured
     elif redis_answers(LOCAL_REDIS[1]):
@@ -170,8 +170,7 @@ def merchant_settings(
         api_key=merchant_sandbox.api_key,
         secret=Secret(path=merchant_sandbox.secret_file),
         base_url=merchant_sandbox.url,
-        redis_url=merchant_redis_url,
-        key_prefix=merchant_key_prefix,
+        fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
     )
 
 
@@ -179,7 +178,7 @@ def merchant_settings(
 def merchant_env(merchant_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The test's settings as MERCHANT_* variables, for this test only."""
     for name in list(os.environ):
-        if name.startswith(("MERCHANT_", "CELERY_")):
+        if name.startswith((PREFIX, "CELERY_")):
             monkeypatch.delenv(name)
     env = merchant_settings.to_env()
     for name, value in env.items():
@@ -202,10 +201,13 @@ def merchant_client(merchant_settings: Settings) -> Iterator[FleetClient]:
 def merchant_celery_eager(
     merchant_settings: Settings, merchant_env: dict[str, str]
 ) -> Iterator[Any]:
-    """The Celery app, running tasks in the test's process at once, as the test's account."""
+    """The Celery app ``call_api`` sends through (yours if install() ran on it and it is
+    current, else the package's), running tasks in the test's process at once, as the
+    test's account."""
     from . import tasks
     from .accounts import DEFAULT_ACCOUNT, AccountClients
-    from .celery_app import app
+
+    app = tasks.installed_task("merchant_tasks.call_api").app
 
     saved = {name: app.conf[name] for name in ("task_always_eager", "task_eager_propagates")}
     app.conf.update(task_always_eager=True, task_eager_propagates=True)
@@ -229,7 +231,7 @@ def merchant_worker(
 
     workdir = tmp_path / "merchant-worker"
     workdir.mkdir()
-    config = isolated_config(merchant_settings.redis_url, merchant_key_prefix)
+    config = isolated_config(merchant_settings.fleet.redis_url, merchant_key_prefix)
     write_config_module(workdir / "celeryconfig.py", config)
     node = f"{merchant_key_prefix}@%h"
     log = tmp_path / "merchant-worker.log"

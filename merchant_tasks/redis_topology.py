@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 from urllib.parse import unquote, urlsplit
 
 import redis
@@ -23,9 +23,6 @@ from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
 from .exceptions import ConfigurationError
-
-if TYPE_CHECKING:
-    from .settings import Settings
 
 StoreClient: TypeAlias = "redis.Redis | RedisCluster"
 
@@ -135,13 +132,3 @@ def redis_from_url(
     if cluster:
         return RedisCluster.from_url(url, **timeouts)
     return redis.Redis.from_url(url, health_check_interval=HEALTH_CHECK_INTERVAL, **timeouts)
-
-
-def redis_for(settings: Settings) -> StoreClient:
-    """The token store's client for ``settings`` (its URL and topology)."""
-    return redis_from_url(
-        settings.redis_url,
-        sentinel_master=settings.redis_sentinel_master,
-        sentinel_password=settings.redis_sentinel_password,
-        cluster=settings.redis_cluster,
-    )

@@ -24,16 +24,12 @@ RENEWAL_QUEUE = "merchant-renewal"  # its own queue, so a backlog of calls never
 # (queue, exchange, routing key) bindings that older releases made and that must go
 STALE_BINDINGS = ((RENEWAL_QUEUE, CALLS_QUEUE, CALLS_QUEUE),)
 CONNECT_RETRIES = 2  # at worker start: a broker still down is the consumer's to wait for
+VISIBILITY_TIMEOUT = 3600  # seconds an unacknowledged message waits before redelivery
 
 
 def own_queue(name: str) -> Queue:
     """A queue bound to a direct exchange of its own name with its own name as routing key."""
     return Queue(name, Exchange(name, type="direct"), routing_key=name)
-
-
-def task_queues() -> tuple[Queue, ...]:
-    """The queues a default worker consumes."""
-    return (own_queue(CALLS_QUEUE), own_queue(RENEWAL_QUEUE))
 
 
 def remove_stale_bindings(

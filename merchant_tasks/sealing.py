@@ -1,8 +1,9 @@
 """Tokens sealed at rest: the stored token value encrypted with AES-GCM (optional).
 
 Redis snapshots, AOF files and replicas would otherwise hold the live token in clear. With
-MERCHANT_TOKEN_KEY_FILE set (a file holding 32 random bytes as URL-safe base64, e.g.
-``python -c "import base64, os; print(base64.urlsafe_b64encode(os.urandom(32)).decode())"``)
+MERCHANT_TOKEN_KEY_FILE set (a file only its owner may read, holding 32 random bytes as
+base64, e.g. ``(umask 077; python -c "import base64, os;
+print(base64.urlsafe_b64encode(os.urandom(32)).decode())" > token.key)``)
 the token store keeps only the value sealed, as ``sealed:v1:<base64 of nonce and
 ciphertext>``, with the account's namespace as associated data: a sealed value copied to
 another account's key does not open. The token's times stay readable, so beat's due
@@ -22,7 +23,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import os
+import stat
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,6 +37,7 @@ KEY_BYTES = 32  # AES-256
 NONCE_BYTES = 12  # GCM's standard nonce; random, far below the 2**32 seals a key allows
 KEY_VARIABLE = "MERCHANT_TOKEN_KEY_FILE"
 PREVIOUS_KEY_VARIABLE = "MERCHANT_TOKEN_KEY_PREVIOUS_FILE"
+KEY_FILE_PRIVATE = 0o077  # permission bits of group and others: a key file has none
 
 
 class TokenCodec(Protocol):
@@ -122,20 +127,40 @@ def codec_for(key_file: str | None, previous_file: str | None = None) -> TokenCo
 
 
 def read_key(variable: str, path: str) -> bytes:
-    """The 32-byte key in ``path`` (URL-safe base64); the message never shows the file."""
+    """The 32-byte key in ``path`` (base64, strictly: nothing else in the file); the
+    message never shows the file's content. A file others may read is warned about."""
     try:
-        text = Path(path).read_text(encoding="utf-8").strip()
+        data = Path(path).read_bytes().strip()
+        mode = Path(path).stat().st_mode
     except OSError as exc:
         raise ConfigurationError(f"{variable}: cannot read {path} ({exc.strerror})") from None
     try:
-        key = base64.urlsafe_b64decode(text.encode("ascii"))
-    except (binascii.Error, ValueError, UnicodeEncodeError):
+        key = base64.b64decode(data, altchars=b"-_", validate=True)
+    except (binascii.Error, ValueError):
         key = b""
     if len(key) != KEY_BYTES:
         raise ConfigurationError(
-            f"{variable}: {path} must hold {KEY_BYTES} random bytes as URL-safe base64"
+            f"{variable}: {path} must hold {KEY_BYTES} random bytes as base64, and nothing else"
         )
+    if mode & KEY_FILE_PRIVATE:
+        _warn_open_key_file(variable, path, stat.S_IMODE(mode))
     return key
+
+
+class KeyFileReadableByOthers(UserWarning):
+    """A token key file whose mode lets group or others read it."""
+
+
+@functools.cache
+def _warn_open_key_file(variable: str, path: str, mode: int) -> None:
+    """Once per file and mode in a process, at start: a warning reaches stderr whatever
+    the logging set-up (the package logs to a NullHandler unless the application says)."""
+    warnings.warn(
+        f"{variable}: {path} may be read by group or others (mode {mode:03o}): "
+        f"run chmod 600 {path}",
+        KeyFileReadableByOthers,
+        stacklevel=2,
+    )
 
 
 def _aesgcm() -> tuple[Any, type[Exception]]:

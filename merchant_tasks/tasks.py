@@ -6,6 +6,11 @@ instead of calling the API again; ``renew_token`` finds the accounts due for ren
 sends ``renew_account`` for each, which asks the account's manager to renew if the advisory
 window has begun. None sees a token or the secret in its arguments or result: the token
 stays in Redis and in the worker's memory.
+
+The tasks belong to no app here: ``install(app)`` (``hosting``) registers them on the user's
+Celery app or on the package's own. ``call_api`` and the others below stand for the task of
+the current app when install() ran on it, else of the package's own app (``celery -A
+merchant_tasks``), so ``call_api.delay(...)`` sends through whichever app serves the caller.
 """
 
 from __future__ import annotations
@@ -13,16 +18,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from celery import current_app
+from celery.local import Proxy
 from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 
 from .accounts import AccountClients, FleetClient
-from .celery_app import RENEWAL_QUEUE, VISIBILITY_TIMEOUT, app
 from .completions import RECORD_TTL_FACTOR, CompletionRecords
 from .due import claim_ttl
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected
+from .routing import RENEWAL_QUEUE, VISIBILITY_TIMEOUT
 from .settings import FleetSettings
 
 log = logging.getLogger(__name__)
@@ -32,6 +40,9 @@ TRANSIENT_BACKOFF_FACTOR = 2  # seconds; doubles per retry, full jitter
 COUNTDOWN_MAX = 300  # far below the broker's visibility timeout (3600 s), so no redelivery
 REJECTED_RETRY_PACE = 60  # seconds between retries while the credentials are refused
 IDEMPOTENCY_HEADER = "Idempotency-Key"  # the header most payment APIs read (IETF draft name)
+
+# every task of merchant-tasks by name: its function and Celery options, for install()
+TASKS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
 
 _clients: AccountClients | None = None
 _clients_lock = threading.Lock()
@@ -67,14 +78,36 @@ def _forget_parent_clients(**_: Any) -> None:
     _clients = None
 
 
-def completion_records(api: FleetClient) -> CompletionRecords:
-    """The completion records of ``api``'s account, kept past the broker's visibility timeout."""
-    options = app.conf.broker_transport_options or {}
+def installed_task(name: str) -> Any:
+    """The task ``name`` of the current Celery app if install() ran on it, else of the
+    package's own app."""
+    tasks = current_app.tasks
+    if name in tasks:
+        return tasks[name]
+    from .celery_app import app  # built only when a caller needs it
+
+    return app.tasks[name]
+
+
+def task(name: str, **options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """Record a task for install(); the module's name stands for ``installed_task(name)``."""
+
+    def record(run: Callable[..., Any]) -> Any:
+        TASKS[name] = (run, options)
+        return Proxy(installed_task, (name,), __doc__=run.__doc__)
+
+    return record
+
+
+def completion_records(api: FleetClient, conf: Any) -> CompletionRecords:
+    """The completion records of ``api``'s account, kept past the broker's visibility timeout
+    (from ``conf``, the configuration of the app running the task)."""
+    options = conf.broker_transport_options or {}
     visibility_timeout = float(options.get("visibility_timeout", VISIBILITY_TIMEOUT))
     return CompletionRecords(api.manager.store, RECORD_TTL_FACTOR * visibility_timeout)
 
 
-@app.task(bind=True, name="merchant_tasks.call_api")
+@task("merchant_tasks.call_api", bind=True)
 def call_api(
     self: Any,
     method: str,
@@ -95,7 +128,7 @@ def call_api(
     task_id: str | None = self.request.id
     try:
         api = client(account)
-        records = completion_records(api)
+        records = completion_records(api, self.app.conf)
         earlier = records.earlier_run(task_id) if task_id else None
         if earlier is not None:
             return earlier.result
@@ -127,7 +160,7 @@ def call_api(
     return result
 
 
-@app.task(name="merchant_tasks.renew_token", ignore_result=True)
+@task("merchant_tasks.renew_token", ignore_result=True)
 def renew_token() -> None:
     """Beat's check of every account: one renewal task per account that is due.
 
@@ -148,7 +181,7 @@ def renew_token() -> None:
         renew_account.apply_async((name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings))
 
 
-@app.task(name="merchant_tasks.renew_account", ignore_result=True)
+@task("merchant_tasks.renew_account", ignore_result=True)
 def renew_account(account: str) -> None:
     """Renew ``account``'s token if its advisory window has begun (sent by renew_token)."""
     fleet = clients()

@@ -27,7 +27,7 @@ from celery import Celery
 from merchant_tasks.celery_app import load_config
 from merchant_tasks.local import Child, RedisServer, spawn, stop_all, wait_until
 from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.settings import Secret, Settings, child_env
+from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
 from merchant_tasks.store import TokenStore
 
 PING = "/open-api/v1/ping"
@@ -75,8 +75,7 @@ class Fleet:
             api_key=sandbox.api_key,
             secret=Secret(path=secret_file),
             base_url=sandbox.url,
-            redis_url=redis_url,
-            key_prefix=key_prefix,
+            fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
         )
         self.env = child_env(self.settings)
         self.windows(LIFETIME, RENEW_BEFORE, RENEW_MANDATORY, RENEW_INTERVAL)
@@ -93,7 +92,7 @@ class Fleet:
             token_lifetime=lifetime,
             renew_before=before,
             renew_mandatory=mandatory,
-            renew_interval=interval,
+            fleet=dataclasses.replace(self.settings.fleet, renew_interval=interval),
         )
         self.env.update(self.settings.to_env())
         self.sandbox.app.configure({"lifetime": lifetime})

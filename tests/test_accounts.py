@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 import uuid
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from merchant_tasks.accounts import (
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.settings import ACCOUNT_KEYS
 
 PRODUCTION_KEY = "prod-app-id"
 PRODUCTION_SECRET = "prod-secret-5b9e0c"
@@ -75,7 +77,7 @@ api_secret_file = "{merchant_secret_file}"
     assert accounts["eu-shop"].renew_before == 600
     assert accounts["test-shop"].renew_before == 300
     assert accounts["test-shop"].environment == "sandbox"
-    assert {a.redis_url for a in accounts.values()} == {"redis://127.0.0.1:6390/3"}
+    assert {a.fleet.redis_url for a in accounts.values()} == {"redis://127.0.0.1:6390/3"}
     assert accounts["test-shop"].secret.reveal() == TEST_SECRET
 
 
@@ -108,6 +110,115 @@ def test_a_bad_account_is_an_error_naming_the_file_and_the_account(
         load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
     assert "account 'shop'" in str(caught.value)
     assert "inline" not in str(caught.value)
+
+
+def test_an_accounts_file_entry_takes_every_per_account_key_of_the_table(
+    tmp_path: Path, merchant_secret_file: Path
+) -> None:
+    values = {
+        "environment": '"production"',
+        "base_url": '"http://api.example.test:8080"',
+        "api_key": '"k"',
+        "api_secret_file": f'"{merchant_secret_file}"',
+        "allow_insecure_http": "true",
+        "token_lifetime": "3600",
+        "renew_before": "400",
+        "renew_mandatory": "60",
+        "connect_timeout": "1.5",
+        "read_timeout": "4",
+    }
+    assert set(values) == set(ACCOUNT_KEYS)
+    entry = "\n".join(f"{key} = {value}" for key, value in values.items())
+    path = _write(tmp_path / "accounts.toml", "[accounts.shop]\n" + entry)
+    shop = load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})["shop"]
+    assert (shop.connect_timeout, shop.read_timeout, shop.allow_insecure_http) == (1.5, 4.0, True)
+    assert (shop.token_lifetime, shop.renew_before, shop.renew_mandatory) == (3600, 400, 60)
+
+
+def test_an_empty_api_key_variable_defines_no_default_account(
+    tmp_path: Path, merchant_secret_file: Path
+) -> None:
+    document = {"accounts": {"one": {"api_key": "k", "api_secret_file": str(merchant_secret_file)}}}
+    path = _write(tmp_path / "accounts.json", json.dumps(document))
+    env = {"MERCHANT_API_KEY": "", "MERCHANT_ACCOUNTS_FILE": str(path)}
+    assert list(load_accounts(env)) == ["one"]
+    with pytest.raises(ConfigurationError, match="no account configured"):
+        load_accounts({"MERCHANT_API_KEY": " ", "MERCHANT_API_SECRET": "s"})
+
+
+def test_a_base_url_with_a_password_in_an_accounts_file_is_refused_without_echoing_it(
+    tmp_path: Path, merchant_secret_file: Path
+) -> None:
+    document = {
+        "accounts": {
+            "gw": {
+                "api_key": "k",
+                "api_secret_file": str(merchant_secret_file),
+                "base_url": "https://apiuser:BasicPw99@gateway.example.test",
+            }
+        }
+    }
+    path = _write(tmp_path / "accounts.json", json.dumps(document))
+    with pytest.raises(ConfigurationError, match="must not hold a user or password") as caught:
+        load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
+    assert "BasicPw99" not in str(caught.value)
+    assert "account 'gw'" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "production_url",
+    [
+        "https://API.example.test",
+        "https://api.example.test:443",
+        "https://api.example.test.",
+        "https://api.example.test.:443/v2",
+    ],
+)
+def test_the_environment_guard_compares_canonical_origins(
+    tmp_path: Path, merchant_secret_file: Path, production_url: str
+) -> None:
+    document = {
+        "accounts": {
+            "test": {
+                "api_key": "same",
+                "api_secret_file": str(merchant_secret_file),
+                "base_url": "https://api.example.test",
+            },
+            "live": {
+                "api_key": "same",
+                "api_secret_file": str(merchant_secret_file),
+                "base_url": production_url,
+                "environment": "production",
+            },
+        }
+    }
+    path = _write(tmp_path / "accounts.json", json.dumps(document))
+    with pytest.raises(
+        ConfigurationError, match=re.escape("https://api.example.test:443: a key of one")
+    ):
+        load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
+
+
+def test_servers_apart_by_port_or_scheme_may_serve_both_environments(
+    tmp_path: Path, merchant_secret_file: Path
+) -> None:
+    document = {
+        "accounts": {
+            "test": {
+                "api_key": "k",
+                "api_secret_file": str(merchant_secret_file),
+                "base_url": "https://api.example.test:8443",
+            },
+            "live": {
+                "api_key": "k",
+                "api_secret_file": str(merchant_secret_file),
+                "base_url": "https://api.example.test",
+                "environment": "production",
+            },
+        }
+    }
+    path = _write(tmp_path / "accounts.json", json.dumps(document))
+    assert set(load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})) == {"test", "live"}
 
 
 def test_no_account_at_all_is_an_error() -> None:

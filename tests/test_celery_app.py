@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from merchant_tasks import accounts, celery_app, hosting
 from merchant_tasks.celery_app import (
     PUBLISH_RETRY_POLICY,
     REDIS_ONLY_TRANSPORT_OPTIONS,
@@ -19,7 +22,6 @@ from merchant_tasks.celery_app import (
     load_config,
     package_defaults,
 )
-from merchant_tasks.routing import CALLS_QUEUE, RENEWAL_QUEUE
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 SENTINELS = "sentinel://:master-pw@127.0.0.1:26379/0;sentinel://:master-pw@127.0.0.1:26380/0"
@@ -131,24 +133,11 @@ def test_broker_and_backend_follow_the_redis_url_file(tmp_path: Path) -> None:
     )
 
 
-def test_beat_schedule_follows_the_validated_renew_interval() -> None:
-    config = package_defaults({"MERCHANT_RENEW_INTERVAL": "7.5"})
-    entry = config["beat_schedule"]["renew-merchant-token"]
-    assert entry["schedule"] == entry["options"]["expires"] == 7.5
-
-
 def test_celery_urls_from_the_environment_override_the_defaults() -> None:
     config = load_config(
         {"CELERY_BROKER_URL": "amqp://rabbit//", "CELERY_RESULT_BACKEND": "redis://r/1"}
     )
     assert (config["broker_url"], config["result_backend"]) == ("amqp://rabbit//", "redis://r/1")
-
-
-def test_each_queue_is_bound_to_its_own_exchange_and_routing_key() -> None:
-    queues = {q.name: q for q in package_defaults({})["task_queues"]}
-    assert set(queues) == {CALLS_QUEUE, RENEWAL_QUEUE}
-    for name, queue in queues.items():
-        assert (queue.exchange.name, queue.routing_key) == (name, name)
 
 
 @pytest.mark.parametrize(
@@ -208,3 +197,134 @@ def test_a_worker_without_any_account_stops_at_start_with_the_configuration_mess
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ConfigurationError: no account configured: set MERCHANT_API_KEY")
     assert "ready" not in done.stdout + done.stderr
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_started_from_the_repository_root_the_app_reads_the_top_level_celeryconfig() -> None:
+    code = "import sys, merchant_tasks.celery_app; print(sys.modules['celeryconfig'].__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_clean_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) == ROOT / "celeryconfig.py"
+
+
+def test_the_top_level_celeryconfig_sets_nothing_and_comments_only_real_settings() -> None:
+    from celery.app.defaults import NAMESPACES, flatten
+
+    text = (ROOT / "celeryconfig.py").read_text()
+    namespace: dict[str, object] = {}
+    exec(compile(text, "celeryconfig.py", "exec"), namespace)  # noqa: S102 - our own file
+    assert [k for k in namespace if not k.startswith("__")] == []  # package defaults apply
+    commented = re.findall(r"^# ([a-z_]+) = ", text, re.MULTILINE)
+    assert commented  # it shows what may be overridden
+    assert set(commented) <= {name for name, _ in flatten(NAMESPACES)}
+
+
+def _one_error_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The process stopped with exit 2 and one error line, last on stderr, no traceback
+    (Celery may warn before it, e.g. about running as root)."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert [line for line in lines if line.startswith("error")] == lines[-1:]
+    return lines[-1]
+
+
+WORKER = ("worker", "--pool=solo", "--without-gossip", "--without-mingle")
+
+
+def _beat(tmp_path: Path) -> tuple[str, ...]:
+    return ("beat", "-s", str(tmp_path / "beat-schedule"))
+
+
+def test_an_unknown_variable_stops_worker_and_beat_naming_the_closest_known_one(
+    tmp_path: Path, merchant_redis_url: str
+) -> None:
+    env = _clean_env(MERCHANT_REDIS_URL=merchant_redis_url, MERCHANT_RENEW_INTERVALL="30")
+    for command in (WORKER, _beat(tmp_path)):
+        line = _one_error_line(_celery(tmp_path, env, *command))
+        assert line == (
+            "error: ConfigurationError: unknown variable MERCHANT_RENEW_INTERVALL "
+            "(did you mean MERCHANT_RENEW_INTERVAL?)"
+        )
+
+
+def test_beat_stops_at_start_when_an_accounts_variable_is_wrong(
+    tmp_path: Path, merchant_redis_url: str
+) -> None:
+    env = _clean_env(
+        MERCHANT_REDIS_URL=merchant_redis_url,
+        MERCHANT_API_KEY_FILE="/nope/key",
+        MERCHANT_API_SECRET_FILE="/run/secrets/beat-holds-none",
+    )
+    line = _one_error_line(_celery(tmp_path, env, *_beat(tmp_path)))
+    assert line == "error: ConfigurationError: MERCHANT_API_KEY_FILE: cannot read /nope/key " + (
+        "(No such file or directory)"
+    )
+
+
+def test_worker_and_beat_stop_at_start_on_a_key_file_that_is_not_utf8(
+    tmp_path: Path, merchant_redis_url: str
+) -> None:
+    key_file = tmp_path / "token.key"
+    key_file.write_bytes(b"\xff" + os.urandom(31))  # the raw key instead of its base64
+    key_file.chmod(0o600)
+    env = _clean_env(
+        MERCHANT_REDIS_URL=merchant_redis_url,
+        MERCHANT_API_KEY="k",
+        MERCHANT_API_SECRET="s",
+        MERCHANT_TOKEN_KEY_FILE=str(key_file),
+    )
+    for command in (WORKER, _beat(tmp_path)):
+        line = _one_error_line(_celery(tmp_path, env, *command))
+        assert line.startswith(f"error: ConfigurationError: MERCHANT_TOKEN_KEY_FILE: {key_file}")
+
+
+def test_a_worker_given_a_base_url_with_a_password_stops_and_never_shows_it(
+    tmp_path: Path, merchant_redis_url: str
+) -> None:
+    env = _clean_env(
+        MERCHANT_REDIS_URL=merchant_redis_url,
+        MERCHANT_API_KEY="k",
+        MERCHANT_API_SECRET="s",
+        MERCHANT_BASE_URL="http://apiuser:BasicPw99@127.0.0.1:1",
+    )
+    done = _celery(tmp_path, env, *WORKER)
+    assert "must not hold a user or password" in _one_error_line(done)
+    assert "BasicPw99" not in done.stdout + done.stderr
+
+
+def test_any_exception_loading_the_accounts_at_start_stops_with_its_type_only(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    def fails(**_: object) -> None:
+        raise UnicodeDecodeError("utf-8", b"\xffsecret-bytes", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(accounts, "load_accounts", fails)
+    for check in (hosting._check_accounts, hosting._check_beat_accounts):
+        with pytest.raises(SystemExit) as stopped:
+            check(sender=SimpleNamespace(app=celery_app.app))
+        assert stopped.value.code == 2
+        out, err = capfd.readouterr()
+        assert (out, err) == ("", "error: loading the configuration raised UnicodeDecodeError\n")
+
+
+def test_beat_starts_without_the_secret_file_a_worker_needs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in [n for n in os.environ if n.startswith("MERCHANT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MERCHANT_API_KEY", "k")
+    monkeypatch.setenv("MERCHANT_API_SECRET_FILE", str(tmp_path / "mounted-for-workers-only"))
+    hosting._check_beat_accounts(sender=SimpleNamespace(app=celery_app.app))  # no SystemExit
+    with pytest.raises(SystemExit):
+        hosting._check_accounts(sender=SimpleNamespace(app=celery_app.app))

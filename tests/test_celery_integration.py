@@ -408,8 +408,8 @@ def test_an_api_error_comes_back_from_a_real_worker_with_status_code_and_excerpt
 def test_rejected_credentials_come_back_from_a_real_worker_with_status_and_code(
     fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
-    fleet.env["MERCHANT_REJECTED_RETRY_WINDOW"] = "0"  # fail at once, no slow retries
     fleet.long_windows()
+    fleet.env["MERCHANT_REJECTED_RETRY_WINDOW"] = "0"  # fail at once, no slow retries
     merchant_sandbox.app.reset_secret()
     fleet.start_worker("w", concurrency=1)
     error = fleet.call("GET", PING).get(timeout=READY_TIMEOUT, propagate=False)

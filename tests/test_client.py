@@ -177,7 +177,9 @@ def test_a_path_outside_the_api_is_a_value_error(
     assert len(exchange.calls) == 0
 
 
-@pytest.mark.parametrize("path", [TOKEN_PATH, TOKEN_PATH + "/", TOKEN_PATH + "?grant=x"])
+@pytest.mark.parametrize(
+    "path", [TOKEN_PATH, TOKEN_PATH + "/", TOKEN_PATH + "?grant=x", TOKEN_PATH + ";v=1"]
+)
 def test_the_token_endpoint_cannot_be_called_through_request(
     client: FleetClient, transport: FakeTransport, path: str
 ) -> None:
@@ -211,7 +213,32 @@ def test_a_path_with_dot_segments_cannot_leave_the_api(
 
 
 @pytest.mark.parametrize(
-    "path", ["/open-api/v1/orders/a%20b", "/open-api/v1/orders/%E2%82%AC", "/open-api/v1/x.y/z"]
+    "path",
+    [
+        "/open-api/v1/..;/admin",  # Tomcat and Spring drop ";..." and read ".."
+        "/open-api/v1/..;jsessionid=x/..;/admin",
+        "/open-api/v1/.;/auth/access_token",
+        "/open-api/v1/%2e%2e%3b/admin",  # the same, percent-encoded
+        "/open-api/v1/.. /admin",  # trailing blanks, which some servers trim
+        "/open-api/v1/.../admin",  # dots only, which some servers collapse
+    ],
+)
+def test_a_segment_some_server_reads_as_a_dot_segment_is_refused(
+    client: FleetClient, transport: FakeTransport, path: str
+) -> None:
+    with pytest.raises(ValueError, match="/open-api/v1/"):
+        client.request("GET", path)
+    assert transport.sent == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/open-api/v1/orders/a%20b",
+        "/open-api/v1/orders/%E2%82%AC",
+        "/open-api/v1/x.y/z",
+        "/open-api/v1/x;v=1",
+    ],
 )
 def test_other_percent_encoded_or_dotted_names_are_allowed(
     client: FleetClient, transport: FakeTransport, path: str

@@ -1,25 +1,44 @@
-"""docker-compose.yml without a Docker engine: it parses, its configuration is valid, and
-every command it runs exists in the package with the options it passes."""
+"""docker-compose.yml without a Docker engine: it is valid against the Compose
+specification's JSON schema, its configuration is valid, every command and healthcheck it
+runs exists in the package with the options it passes, and it is hardened as an operator
+reviews it (capabilities, privileges, users able to read their secrets, pinned tags)."""
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import re
+import runpy
+import shlex
+import sys
+import tomllib
+import urllib.error
+import urllib.request
+from http import HTTPStatus
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 from celery.app.utils import find_app
 from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner
 
+from merchant_tasks.celery_app import isolated_config, write_config_module
 from merchant_tasks.cli import main
+from merchant_tasks.local import free_port, running
 from merchant_tasks.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 APP_SERVICES = ["sandbox", "worker", "beat", "flower", "metrics"]
-NEEDS_THE_SECRET = {"sandbox", "worker", "metrics"}  # beat and Flower never read it
+NEEDS_THE_SECRET = {"sandbox", "worker"}  # the worker exchanges it, the emulator checks it
+# the Compose specification's schema (Apache-2.0, see compose-spec/LICENSE), as vendored by
+# check-jsonschema 0.39.0
+COMPOSE_SCHEMA = Path(__file__).resolve().parent / "compose-spec" / "compose-spec.json"
 
 
 def _env_file() -> dict[str, str]:
@@ -44,16 +63,19 @@ def test_app_services_take_configuration_from_the_env_file_and_the_secret_only_w
 ) -> None:
     service = COMPOSE["services"][name]
     assert service["env_file"].endswith("deploy/sandbox.env}")
-    expected = ["merchant_api_secret"] if name in NEEDS_THE_SECRET else None
-    assert service.get("secrets") == expected
+    secrets = service.get("secrets") or []
+    assert ("merchant_api_secret" in secrets) == (name in NEEDS_THE_SECRET)
     assert (ROOT / "deploy" / "sandbox-api-secret").is_file()
     assert "MERCHANT_API_SECRET" not in _env_file()
 
 
-def test_one_image_is_built_once_and_run_by_every_service() -> None:
+def test_one_image_is_built_once_tagged_with_the_packages_version_and_run_by_every_service() -> (
+    None
+):
     services = COMPOSE["services"]
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert [name for name in APP_SERVICES if "build" in services[name]] == ["worker"]
-    assert {services[name]["image"] for name in APP_SERVICES} == {"merchant-tasks:latest"}
+    assert {services[name]["image"] for name in APP_SERVICES} == {f"merchant-tasks:{version}"}
     assert {services[name]["pull_policy"] for name in APP_SERVICES} == {"never"}
 
 
@@ -61,7 +83,13 @@ def test_the_image_context_leaves_out_secrets_and_local_state() -> None:
     ignored = (ROOT / ".dockerignore").read_text().splitlines()
     assert ignored[ignored.index("*") :][:1] == ["*"]  # everything, then the exceptions
     allowed = {line[1:].rstrip("/") for line in ignored if line.startswith("!")}
-    assert allowed == {"pyproject.toml", "README.md", "merchant_tasks", "deploy/celeryconfig.py"}
+    assert allowed == {
+        "pyproject.toml",
+        "README.md",
+        "merchant_tasks",
+        "celeryconfig.py",
+        "deploy/flowerconfig.py",
+    }
     dockerfile = (ROOT / "Dockerfile").read_text()
     copied = {
         part.rstrip("/")
@@ -79,7 +107,7 @@ def test_the_env_file_is_a_valid_configuration(tmp_path: Path) -> None:
     env["MERCHANT_API_SECRET_FILE"] = str(secret)  # where compose mounts it, here
     settings = Settings.from_env(env)
     assert settings.base_url == "http://sandbox:8480"
-    assert settings.redis_url == "redis://redis:6379/0"
+    assert settings.fleet.redis_url == "redis://redis:6379/0"
 
 
 def _command(name: str) -> list[str]:
@@ -115,11 +143,13 @@ def test_celery_commands_find_the_app_and_the_subcommand(name: str) -> None:
             assert option.lstrip("-").split("=")[0] in options, option
 
 
-def test_the_dockerfile_installs_the_package_and_the_celery_configuration() -> None:
+def test_the_image_runs_the_top_level_celeryconfig_and_flowerconfig_from_its_workdir() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "COPY merchant_tasks ./merchant_tasks" in dockerfile
-    assert "celeryconfig.py" in dockerfile
+    assert "WORKDIR /app" in dockerfile
+    assert "COPY celeryconfig.py deploy/flowerconfig.py ./" in dockerfile
     assert "pip install" in dockerfile
+    assert not (ROOT / "deploy" / "celeryconfig.py").exists()
 
 
 @pytest.mark.parametrize("name", ["flower", "metrics"])
@@ -128,8 +158,163 @@ def test_flower_and_metrics_are_only_published_on_loopback(name: str) -> None:
     assert all(str(p).startswith("127.0.0.1:") for p in ports)
 
 
-def test_flower_shows_arguments_and_results_and_opens_its_api_on_loopback_only() -> None:
+def test_flower_asks_for_basic_auth_from_its_secret_file_on_pages_and_api() -> None:
     flower = COMPOSE["services"]["flower"]
-    [columns] = [o for o in flower["command"] if o.startswith("--tasks_columns=")]
-    assert {"args", "kwargs", "result"} <= set(columns.split("=", 1)[1].split(","))
-    assert flower["environment"]["FLOWER_UNAUTHENTICATED_API"] == "true"
+    options = dict(o.lstrip("-").split("=", 1) for o in flower["command"][4:])
+    assert {"args", "kwargs", "result"} <= set(options["tasks_columns"].split(","))
+    assert options["conf"] == "/app/flowerconfig.py"  # where the Dockerfile copies it
+    assert (options["address"], options["port"]) == ("0.0.0.0", "5555")  # noqa: S104
+    assert "FLOWER_UNAUTHENTICATED_API" not in flower.get("environment", {})
+    assert flower["secrets"] == ["flower_basic_auth"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH_FILE"] == "/run/secrets/flower_basic_auth"
+    assert COMPOSE["secrets"]["flower_basic_auth"]["file"].endswith(
+        "deploy/sandbox-flower-basic-auth}"
+    )
+
+
+def _flowerconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str | None) -> Any:
+    path = tmp_path / f"flower-auth-{len(list(tmp_path.iterdir()))}"
+    if text is not None:
+        path.write_text(text, encoding="utf-8")
+    monkeypatch.setenv("FLOWER_BASIC_AUTH_FILE", str(path))
+    return runpy.run_path(str(ROOT / "deploy" / "flowerconfig.py"))["basic_auth"]
+
+
+def test_flowerconfig_reads_user_password_lines_and_stops_flower_without_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _flowerconfig(tmp_path, monkeypatch, "ops:pw-1\n\nauditor:pw:2\n") == [
+        "ops:pw-1",
+        "auditor:pw:2",
+    ]
+    for text, message in [
+        (None, "cannot read"),
+        ("", "must hold user:password lines"),
+        ("ops\n", "must hold user:password lines"),
+        ("ops:\n", "must hold user:password lines"),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            _flowerconfig(tmp_path, monkeypatch, text)
+        assert str(stopped.value).startswith("error: FLOWER_BASIC_AUTH_FILE: "), text
+        assert message in str(stopped.value)
+        assert "pw" not in str(stopped.value)
+
+
+def test_the_compose_file_is_valid_against_the_compose_specification() -> None:
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(COMPOSE)]
+    assert errors == []
+    broken = {**COMPOSE, "services": {"worker": {**COMPOSE["services"]["worker"], "cap_drops": []}}}
+    assert not validator.is_valid(broken)  # the schema does catch a misspelt key
+
+
+@pytest.mark.parametrize("name", ["redis", *APP_SERVICES])
+def test_every_container_drops_all_capabilities_and_gains_no_privilege(name: str) -> None:
+    service = COMPOSE["services"][name]
+    assert service["cap_drop"] == ["ALL"]
+    assert "no-new-privileges:true" in service["security_opt"]
+    assert service["read_only"] is True
+    assert "user" in service  # no root step at start: capabilities are gone
+
+
+def test_images_are_pinned_to_a_full_version() -> None:
+    images = {service["image"] for service in COMPOSE["services"].values()}
+    [base] = re.findall(r"^FROM (\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    for image in [*images, base]:
+        assert re.search(r":\d+\.\d+\.\d+(-[a-z0-9-]+)?$", image), image
+
+
+def _image_user() -> str:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    uid = re.search(r"useradd .*--uid (\d+)", dockerfile)
+    gid = re.search(r"groupadd .*--gid (\d+)", dockerfile)
+    assert uid
+    assert gid
+    assert f"USER {uid[1]}:{gid[1]}" in dockerfile
+    return f"{uid[1]}:{gid[1]}"
+
+
+@pytest.mark.parametrize("name", APP_SERVICES)
+def test_services_run_as_the_images_user_whom_the_secret_files_must_be_readable_by(
+    name: str,
+) -> None:
+    user = _image_user()
+    assert COMPOSE["services"][name]["user"] == user
+    # the compose file tells operators which owner their secret files need (a bind mount
+    # keeps the host's owner and mode)
+    uid, gid = user.split(":")
+    header = (ROOT / "docker-compose.yml").read_text()
+    assert f"install -m 0400 -o {uid} -g {gid} " in header
+    assert f"uid {uid}, gid {gid}" in header
+    for secret in COMPOSE["secrets"].values():  # the sandbox defaults: readable by that user
+        path = ROOT / secret["file"].split(":-", 1)[1].rstrip("}")
+        assert path.stat().st_mode & 0o004, path
+
+
+HEALTHCHECKED = ["redis", "sandbox", "worker", "beat", "flower", "metrics"]
+
+
+@pytest.mark.parametrize("name", HEALTHCHECKED)
+def test_every_service_has_a_healthcheck_that_runs_in_the_image(name: str) -> None:
+    test: list[str] = COMPOSE["services"][name]["healthcheck"]["test"]
+    if test[:2] == ["CMD", "python"]:
+        assert test[2] == "-c"
+        compile(test[3], f"{name} healthcheck", "exec")  # valid Python
+    elif test[0] == "CMD-SHELL":
+        argv = shlex.split(test[1].replace("$$HOSTNAME", "HOST"))
+        assert argv[:5] == ["celery", "-A", "merchant_tasks", "inspect", "ping"]
+        assert find_app("merchant_tasks").main == "merchant_tasks"
+        inspect = celery_cli.commands["inspect"]
+        known = {opt for param in inspect.params for opt in param.opts}
+        assert {a for a in argv[5:] if a.startswith("-")} <= known
+        assert "celery@HOST" in argv  # this container's node, by its default name
+    else:
+        assert test == ["CMD", "redis-cli", "ping"]
+
+
+def _status(url: str, auth: str | None = None) -> int:
+    request = urllib.request.Request(url)  # noqa: S310 - a loopback URL of the test
+    if auth is not None:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return error.code
+    except urllib.error.URLError:
+        return 0  # not listening yet
+
+
+@pytest.mark.integration
+def test_flower_with_the_images_flowerconfig_asks_every_page_and_the_api_for_basic_auth(
+    tmp_path: Path, merchant_redis_url: str, merchant_key_prefix: str
+) -> None:
+    """Flower as the flower service runs it (its --conf, a secret file), on loopback."""
+    auth = tmp_path / "flower-auth"
+    auth.write_text("ops:flower-test-pw\n", encoding="utf-8")
+    write_config_module(
+        tmp_path / "celeryconfig.py", isolated_config(merchant_redis_url, merchant_key_prefix)
+    )
+    port = free_port()
+    command = COMPOSE["services"]["flower"]["command"]
+    argv = [sys.executable, "-m", *command]
+    argv = [a for a in argv if not a.startswith(("--address=", "--port=", "--conf="))]
+    argv += [f"--conf={ROOT / 'deploy' / 'flowerconfig.py'}", "--address=127.0.0.1"]
+    argv += [f"--port={port}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
+    env["FLOWER_BASIC_AUTH_FILE"] = str(auth)
+    base = f"http://127.0.0.1:{port}"
+    with running(
+        "flower",
+        argv,
+        tmp_path / "flower.log",
+        lambda: _status(f"{base}/healthcheck") == HTTPStatus.OK,  # open: for the healthcheck
+        env=env,
+        cwd=tmp_path,
+    ) as flower:
+        for path in ("/", "/tasks", "/api/workers?refresh=false", "/api/tasks"):
+            assert _status(base + path) == HTTPStatus.UNAUTHORIZED, path
+            assert _status(base + path, "ops:wrong") == HTTPStatus.UNAUTHORIZED, path
+            assert _status(base + path, "ops:flower-test-pw") == HTTPStatus.OK, path
+    assert "flower-test-pw" not in flower.log_text()

@@ -28,7 +28,15 @@ from merchant_tasks.due import (
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import free_port
 from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.settings import TOKEN_LIFETIME, Secret, Settings
+from merchant_tasks.settings import (
+    RENEW_BEFORE,
+    RENEW_INTERVAL,
+    RENEW_MANDATORY,
+    TOKEN_LIFETIME,
+    FleetSettings,
+    Secret,
+    Settings,
+)
 from merchant_tasks.token import Token
 
 ACCOUNTS = 1000
@@ -55,13 +63,22 @@ def counting_redis(merchant_redis_url: str, merchant_key_prefix: str) -> Iterato
     client.close()
 
 
-def _account(key_prefix: str, n: int, redis_url: str, **windows: float) -> Settings:
+def _account(
+    key_prefix: str,
+    n: int,
+    redis_url: str,
+    renew_before: float = RENEW_BEFORE,
+    renew_mandatory: float = RENEW_MANDATORY,
+    renew_interval: float = RENEW_INTERVAL,
+) -> Settings:
     return Settings(
         api_key=f"key-{n}",
         secret=Secret("unused"),
-        redis_url=redis_url,
-        key_prefix=key_prefix,
-        **windows,  # type: ignore[arg-type]
+        renew_before=renew_before,
+        renew_mandatory=renew_mandatory,
+        fleet=FleetSettings(
+            redis_url=redis_url, key_prefix=key_prefix, renew_interval=renew_interval
+        ),
     )
 
 
@@ -90,7 +107,7 @@ def test_each_account_renews_at_its_own_fixed_point_inside_the_advisory_window(
     accounts = _fleet(merchant_key_prefix, merchant_redis_url, 400)
     points = [renewal_point(s) for s in accounts.values()]
     first = next(iter(accounts.values()))
-    lowest = first.renew_mandatory + SPREAD_TICKS * first.renew_interval
+    lowest = first.renew_mandatory + SPREAD_TICKS * first.fleet.renew_interval
     assert all(lowest <= p <= first.renew_before for p in points)
     # fixed: the same settings give the same point on every host and after every restart
     assert renewal_point(replace(first)) == points[0]
@@ -154,7 +171,7 @@ def test_tokens_issued_together_fall_due_over_the_window_not_at_once(
     accounts = _fleet(merchant_key_prefix, merchant_redis_url, ACCOUNTS)
     first = next(iter(accounts.values()))
     top = first.renew_before
-    bottom = first.renew_mandatory + SPREAD_TICKS * first.renew_interval
+    bottom = first.renew_mandatory + SPREAD_TICKS * first.fleet.renew_interval
 
     def due_with_time_left(time_left: float) -> int:
         _store_tokens(redis_client, time_left, *accounts.values())
@@ -284,8 +301,7 @@ def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
         api_key=TEST_API_KEY,
         secret=Secret(path=merchant_secret_file),
         base_url=merchant_sandbox.url,
-        redis_url=merchant_redis_url,
-        key_prefix=merchant_key_prefix,
+        fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
     )
     bad = replace(good, api_key="unknown-key")
     serve({"bad": bad, "good": good})

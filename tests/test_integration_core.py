@@ -35,7 +35,7 @@ from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import spawn, wait_all_ready, wait_until
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import FleetSettings, Secret, Settings
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +93,7 @@ def test_processes_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
         "MERCHANT_API_KEY": TEST_API_KEY,
         "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
         "MERCHANT_BASE_URL": merchant_sandbox.url,
-        "MERCHANT_REDIS_URL": merchant_settings.redis_url,
+        "MERCHANT_REDIS_URL": merchant_settings.fleet.redis_url,
         "MERCHANT_KEY_PREFIX": merchant_key_prefix,
         "STORM_READY_KEY": ready_key,
         "STORM_GO_KEY": go_key,
@@ -355,8 +355,7 @@ def test_a_sandbox_key_is_refused_by_an_emulator_playing_production(
         api_key="sandbox-only-key",
         secret=Secret("sandbox-only-secret"),
         base_url=merchant_sandbox.url,
-        redis_url=merchant_redis_url,
-        key_prefix=merchant_key_prefix,
+        fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
     )
     wrong = client_for(production_settings, redis_client=redis_client)
     for _ in range(5):

@@ -101,8 +101,7 @@ def test_exit_codes_tell_configuration_redis_and_api_failures_apart(
 
 
 def test_the_sandbox_refuses_a_network_address_unless_allowed(merchant_env: dict[str, str]) -> None:
-    network = "0.0.0.0"  # noqa: S104  (the address refused)
-    code, _, err = _run({**merchant_env, "MERCHANT_API_SECRET": "s"}, "sandbox", "--host", network)
+    code, _, err = _run(merchant_env, "sandbox", "--host", "0.0.0.0")  # noqa: S104
     assert code == 2
     assert "loopback only" in err
 
@@ -220,3 +219,53 @@ def test_the_sandbox_on_a_busy_port_fails_without_printing_its_banner(tmp_path: 
     assert done.returncode != 0
     assert "merchant API sandbox" not in done.stdout
     assert "in use" in done.stderr
+
+
+def test_status_reads_redis_without_the_secret_which_exchanging_commands_still_need(
+    merchant_env: dict[str, str], tmp_path: Path
+) -> None:
+    """As in the compose file: the exporter's container has no secret mounted."""
+    _run(merchant_env, "call", "GET", "/open-api/v1/ping")  # a token in Redis
+    unmounted = {k: v for k, v in merchant_env.items() if k != "MERCHANT_API_SECRET"}
+    unmounted["MERCHANT_API_SECRET_FILE"] = str(tmp_path / "not-mounted")
+    code, out, err = _run(unmounted, "status", "--json")
+    assert code == 0, err
+    [account] = json.loads(out)["accounts"]
+    assert account["state"] == "fresh"
+    code, _, err = _run(unmounted, "renew", "--force")
+    assert code == EXIT_CONFIGURATION
+    assert "MERCHANT_API_SECRET_FILE: cannot read" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["renew"],
+        ["call", "GET", "/open-api/v1/ping"],
+        ["sandbox", "--port", "1"],
+    ],
+)
+def test_an_unknown_variable_stops_a_command_naming_the_closest_known_one(
+    merchant_env: dict[str, str], args: list[str]
+) -> None:
+    code, out, err = _run({**merchant_env, "MERCHANT_RENEW_INTERVALL": "30"}, *args)
+    assert code == EXIT_CONFIGURATION
+    assert "unknown variable MERCHANT_RENEW_INTERVALL (did you mean MERCHANT_RENEW_INTERVAL?)" in (
+        out + err
+    )
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize(
+    "args", [["status"], ["status", "--json"], ["renew"], ["call", "GET", "/open-api/v1/ping"]]
+)
+def test_a_base_url_with_a_password_is_refused_and_the_password_shown_nowhere(
+    merchant_env: dict[str, str], args: list[str]
+) -> None:
+    gateway = {**merchant_env, "MERCHANT_BASE_URL": "http://apiuser:BasicPw99@127.0.0.1:1"}
+    code, out, err = _run(gateway, *args)
+    assert code == EXIT_CONFIGURATION
+    assert "MERCHANT_BASE_URL must not hold a user or password" in out + err
+    assert "BasicPw99" not in out + err

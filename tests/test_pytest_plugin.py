@@ -1,4 +1,5 @@
-"""The pytest plugin, as an application's test suite uses it: examples/shop, run by pytest."""
+"""The pytest plugin, as an application's test suite uses it: examples/shop and
+examples/django_shop, each run by pytest."""
 
 from __future__ import annotations
 
@@ -11,18 +12,17 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "shop"
-RUN_TIMEOUT = 600.0  # the example's suite starts a real worker on a busy machine
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+RUN_TIMEOUT = 600.0  # an example's suite starts real workers on a busy machine
 
 
-def test_the_example_projects_tests_pass_with_the_plugins_fixtures_alone(
-    merchant_redis_url: str,
-) -> None:
+def run_example_suite(name: str, redis_url: str) -> str:
+    """Run ``examples/<name>``'s tests as its developers would; their output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
-    env["MERCHANT_TEST_REDIS_URL"] = merchant_redis_url
+    env["MERCHANT_TEST_REDIS_URL"] = redis_url
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q"],
-        cwd=EXAMPLE,
+        cwd=EXAMPLES / name,
         env=env,
         capture_output=True,
         text=True,
@@ -30,8 +30,22 @@ def test_the_example_projects_tests_pass_with_the_plugins_fixtures_alone(
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "5 passed" in done.stdout
-    assert not (EXAMPLE / "conftest.py").exists()  # the fixtures come from the plugin
+    return done.stdout
+
+
+def test_the_example_projects_tests_pass_with_the_plugins_fixtures_alone(
+    merchant_redis_url: str,
+) -> None:
+    assert "5 passed" in run_example_suite("shop", merchant_redis_url)
+    assert not (EXAMPLES / "shop" / "conftest.py").exists()  # the fixtures come from the plugin
+
+
+def test_the_django_shops_tests_pass_against_its_own_worker_and_beat(
+    merchant_redis_url: str,
+) -> None:
+    """examples/django_shop: proj/celery.py with install(app) and autodiscover_tasks(); a
+    view charges through ``call_api.delay``; its tests see the payment created once."""
+    assert "3 passed" in run_example_suite("django_shop", merchant_redis_url)
 
 
 def test_the_plugin_is_registered_through_its_entry_point() -> None:

@@ -17,7 +17,7 @@ from merchant_tasks.local import wait_until
 from merchant_tasks.policy import CounterName
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.redis_topology import redis_from_url
-from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.store import LOCK_WAIT_SECONDS
 
 pytestmark = pytest.mark.integration
@@ -71,8 +71,9 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
         api_key=TEST_API_KEY,
         secret=Secret(path=merchant_secret_file),
         base_url=merchant_sandbox.url,
-        redis_url=f"redis://{name}:{password}@{host}",
-        key_prefix=merchant_key_prefix,
+        fleet=FleetSettings(
+            redis_url=f"redis://{name}:{password}@{host}", key_prefix=merchant_key_prefix
+        ),
     )
     client = client_for(settings)
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}

@@ -6,8 +6,12 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
+import shlex
+import stat
 import subprocess
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +25,7 @@ from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sealing import (
     PLAIN_TEXT,
     SEALED_PREFIX,
+    KeyFileReadableByOthers,
     Sealer,
     codec_for,
 )
@@ -35,6 +40,7 @@ NAMESPACE = "mt-test:sandbox:app"
 def _key_file(tmp_path: Path, name: str) -> Path:
     path = tmp_path / name
     path.write_text(base64.urlsafe_b64encode(os.urandom(32)).decode() + "\n")
+    path.chmod(0o600)
     return path
 
 
@@ -88,7 +94,7 @@ def test_a_value_stored_in_clear_is_read_by_a_sealer_and_a_sealed_one_refused_wi
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("too-short", "32 random bytes as URL-safe base64"),
+        ("too-short", "32 random bytes as base64"),
         (base64.urlsafe_b64encode(b"x" * 16).decode(), "32 random bytes"),
         ("", "32 random bytes"),
     ],
@@ -104,6 +110,89 @@ def test_a_bad_key_file_is_a_configuration_error_naming_the_variable(
         codec_for(str(tmp_path / "missing"))
     with pytest.raises(ConfigurationError, match="MERCHANT_TOKEN_KEY_PREVIOUS_FILE"):
         codec_for(None, str(path))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        os.urandom(32),  # the raw key, not base64: not even UTF-8
+        base64.urlsafe_b64encode(os.urandom(32)) + b"\njunk\n",  # a line after the key
+        base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"="),  # padding cut off
+        b"*" + base64.urlsafe_b64encode(os.urandom(32))[1:],  # a character outside base64
+    ],
+    ids=["raw-bytes", "trailing-line", "no-padding", "bad-character"],
+)
+def test_a_key_file_not_strictly_base64_of_32_bytes_is_an_error_naming_the_variable(
+    tmp_path: Path, content: bytes
+) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(content)
+    path.chmod(0o600)
+    with pytest.raises(ConfigurationError, match=r"MERCHANT_TOKEN_KEY_FILE: .*nothing else"):
+        codec_for(str(path))
+
+
+def test_a_key_in_the_standard_base64_alphabet_is_accepted_too(tmp_path: Path) -> None:
+    key = os.urandom(32)
+    path = tmp_path / "key"
+    path.write_text(base64.b64encode(key).decode() + "\n")
+    path.chmod(0o600)
+    sealed = Sealer(key).seal("tok", NAMESPACE)
+    assert codec_for(str(path)).open(sealed, NAMESPACE) == "tok"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_a_key_file_others_may_read_is_warned_about_naming_the_file_and_the_fix(
+    key_file: Path, mode: int
+) -> None:
+    key_file.chmod(mode)
+    expected = (
+        f"MERCHANT_TOKEN_KEY_FILE: {key_file} may be read by group or others "
+        f"(mode {mode:03o}): run chmod 600 {key_file}"
+    )
+    with pytest.warns(KeyFileReadableByOthers, match=re.escape(expected)):
+        Settings.from_env(
+            {
+                "MERCHANT_API_KEY": "k",
+                "MERCHANT_API_SECRET": "s",
+                "MERCHANT_TOKEN_KEY_FILE": str(key_file),
+            }
+        )
+
+
+def test_a_key_file_only_its_owner_reads_raises_no_warning(key_file: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        codec_for(str(key_file))
+
+
+def test_the_key_file_warning_reaches_the_stderr_of_a_command(key_file: Path) -> None:
+    key_file.chmod(0o644)
+    done = subprocess.run(
+        [sys.executable, "-m", "merchant_tasks.cli", "status"],
+        env={
+            "PATH": os.environ.get("PATH", ""),
+            "MERCHANT_API_KEY": "k",
+            "MERCHANT_API_SECRET": "s",
+            "MERCHANT_REDIS_URL": "redis://127.0.0.1:1/0",
+            "MERCHANT_TOKEN_KEY_FILE": str(key_file),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert f"may be read by group or others (mode 644): run chmod 600 {key_file}" in done.stderr
+
+
+def test_the_documented_key_command_makes_a_valid_key_only_its_owner_reads(tmp_path: Path) -> None:
+    page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
+    [command] = re.findall(r"^ *(\(umask 077; python -c .*? > token\.key\))$", page, re.M)
+    command = command.replace("python -c", f"{shlex.quote(sys.executable)} -c")
+    subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True, env={"PATH": "/usr/bin:/bin"})
+    key_file = tmp_path / "token.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert isinstance(codec_for(str(key_file)), Sealer)
 
 
 def test_without_the_cryptography_package_the_error_names_the_extra(
@@ -123,10 +212,10 @@ def test_settings_take_the_key_files_and_check_them_at_start_up(
         "MERCHANT_TOKEN_KEY_FILE": str(key_file),
     }
     settings = Settings.from_env(env)
-    assert settings.token_key_file == str(key_file)
-    assert settings.token_key_previous_file is None
+    assert settings.fleet.token_key_file == str(key_file)
+    assert settings.fleet.token_key_previous_file is None
     assert key_file.read_text().strip() not in repr(settings)
-    assert Settings.from_env({**env, "MERCHANT_TOKEN_KEY_FILE": ""}).token_key_file is None
+    assert Settings.from_env({**env, "MERCHANT_TOKEN_KEY_FILE": ""}).fleet.token_key_file is None
     bad = tmp_path / "bad-key"
     bad.write_text("nope")
     with pytest.raises(ConfigurationError, match="MERCHANT_TOKEN_KEY_FILE"):
@@ -174,8 +263,8 @@ def _run_other_process(settings: Settings, secret_file: Path, key_file: Path | N
         MERCHANT_API_KEY=settings.api_key,
         MERCHANT_API_SECRET_FILE=str(secret_file),
         MERCHANT_BASE_URL=settings.base_url,
-        MERCHANT_REDIS_URL=settings.redis_url,
-        MERCHANT_KEY_PREFIX=settings.key_prefix,
+        MERCHANT_REDIS_URL=settings.fleet.redis_url,
+        MERCHANT_KEY_PREFIX=settings.fleet.key_prefix,
     )
     if key_file is not None:
         env["MERCHANT_TOKEN_KEY_FILE"] = str(key_file)
@@ -204,7 +293,9 @@ def test_a_process_with_another_key_or_none_fails_clearly_and_never_renews_over_
     key_file: Path,
     tmp_path: Path,
 ) -> None:
-    sealed_settings = replace(merchant_settings, token_key_file=str(key_file))
+    sealed_settings = replace(
+        merchant_settings, fleet=replace(merchant_settings.fleet, token_key_file=str(key_file))
+    )
     ours = client_for(sealed_settings, redis_client=redis_client)
     assert ours.request("GET", PING) == {"ok": True}
     stored = redis_client.get(ours.manager.store.token_key)
@@ -227,7 +318,9 @@ def test_a_sealed_fleet_renews_once_and_calls_with_the_opened_token(
     redis_client: redis.Redis,
     key_file: Path,
 ) -> None:
-    sealed = replace(merchant_settings, token_key_file=str(key_file))
+    sealed = replace(
+        merchant_settings, fleet=replace(merchant_settings.fleet, token_key_file=str(key_file))
+    )
     first = client_for(sealed, redis_client=redis_client)
     second = client_for(sealed, redis_client=redis_client)
     assert first.request("GET", PING) == {"ok": True}

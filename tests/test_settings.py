@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import ast
 import base64
 import copy
 import dataclasses
+import logging
 import os
 import pickle
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from merchant_tasks import settings as settings_module
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.redis_topology import parse_sentinel_url
 from merchant_tasks.settings import (
+    ACCOUNT_KEYS,
     CONNECT_TIMEOUT,
     DEFAULT_KEY_PREFIX,
     DEFAULT_REDIS_URL,
+    DOCS_PAGE,
     READ_TIMEOUT,
     RENEW_BEFORE,
     RENEW_INTERVAL,
@@ -24,10 +31,15 @@ from merchant_tasks.settings import (
     SANDBOX_DEFAULT_BASE_URL,
     TOKEN_LIFETIME,
     FleetSettings,
+    Scope,
     Secret,
     Settings,
     child_env,
+    configuration_page,
+    origin,
+    refuse_unknown_names,
 )
+from merchant_tasks.settings import VARIABLES as TABLE
 
 SECRET = "s3cr3t-7c2e9d41b0a6f5e8"
 API_KEY = "app-id-1234"
@@ -52,16 +64,21 @@ def test_defaults_apply_when_only_key_and_secret_are_given(env: dict[str, str]) 
     assert settings.secret.reveal() == SECRET
     assert settings.environment == "sandbox"
     assert settings.base_url == SANDBOX_DEFAULT_BASE_URL
-    assert settings.redis_url == DEFAULT_REDIS_URL
-    assert settings.key_prefix == DEFAULT_KEY_PREFIX
+    assert settings.fleet.redis_url == DEFAULT_REDIS_URL
+    assert settings.fleet.key_prefix == DEFAULT_KEY_PREFIX
     assert settings.token_lifetime == TOKEN_LIFETIME == 7200
     assert settings.renew_before == RENEW_BEFORE == 480
     assert settings.renew_mandatory == RENEW_MANDATORY == 120
-    assert settings.renew_interval == RENEW_INTERVAL == 60
+    assert settings.fleet.renew_interval == RENEW_INTERVAL == 60
     assert settings.connect_timeout == CONNECT_TIMEOUT
     assert settings.read_timeout == READ_TIMEOUT
     assert settings.allow_insecure_http is False
     assert settings.account == f"sandbox:{API_KEY}"
+
+
+def _field(settings: Settings, attribute: str) -> object:
+    """An account's field, or its fleet's."""
+    return getattr(settings if hasattr(settings, attribute) else settings.fleet, attribute)
 
 
 VARIABLES = [
@@ -86,7 +103,7 @@ def test_every_variable_is_read(
 ) -> None:
     env[name] = raw
     settings = Settings.from_env(env)
-    assert getattr(settings, attribute) == (raw if expected is None else expected)
+    assert _field(settings, attribute) == (raw if expected is None else expected)
 
 
 @pytest.mark.parametrize(("name", "raw", "attribute", "expected"), VARIABLES)
@@ -98,7 +115,7 @@ def test_every_variable_may_come_from_its_file_variant(
     env.pop(name, None)
     env[f"{name}_FILE"] = str(path)
     settings = Settings.from_env(env)
-    assert getattr(settings, attribute) == (raw if expected is None else expected)
+    assert _field(settings, attribute) == (raw if expected is None else expected)
 
 
 def test_the_secret_may_come_from_a_file(env: dict[str, str], secret_path: Path) -> None:
@@ -174,7 +191,7 @@ def test_an_empty_number_means_the_default(
     env: dict[str, str], name: str, attribute: str, default: float
 ) -> None:
     env[name] = ""
-    assert getattr(Settings.from_env(env), attribute) == default
+    assert _field(Settings.from_env(env), attribute) == default
 
 
 @pytest.mark.parametrize("name", ["MERCHANT_TOKEN_LIFETIME", "MERCHANT_READ_TIMEOUT"])
@@ -257,7 +274,9 @@ def test_sandbox_accepts_a_plain_http_base_url(env: dict[str, str]) -> None:
     assert Settings.from_env(env).base_url == "http://localhost:8480"
 
 
-@pytest.mark.parametrize("url", ["ftp://api.example.test", "api.example.test", "https://", ""])
+@pytest.mark.parametrize(
+    "url", ["ftp://api.example.test", "api.example.test", "https://", "https://api:x8/"]
+)
 def test_a_base_url_without_http_scheme_and_host_is_an_error(env: dict[str, str], url: str) -> None:
     env["MERCHANT_BASE_URL"] = url
     with pytest.raises(ConfigurationError, match="MERCHANT_BASE_URL"):
@@ -284,7 +303,7 @@ def test_redis_urls_with_redis_rediss_or_unix_scheme_are_accepted(
     env: dict[str, str], url: str
 ) -> None:
     env["MERCHANT_REDIS_URL"] = url
-    assert Settings.from_env(env).redis_url == url
+    assert Settings.from_env(env).fleet.redis_url == url
 
 
 @pytest.mark.parametrize(
@@ -409,9 +428,9 @@ def test_a_sentinel_url_in_celerys_form_is_accepted_with_master_and_sentinel_pas
         }
     )
     settings = Settings.from_env(env)
-    assert settings.redis_url == url
-    assert settings.redis_sentinel_master == "payments"
-    assert settings.redis_sentinel_password == "hunter2-sentinel-pw"
+    assert settings.fleet.redis_url == url
+    assert settings.fleet.redis_sentinel_master == "payments"
+    assert settings.fleet.redis_sentinel_password == "hunter2-sentinel-pw"
     assert "hunter2" not in repr(settings)
     assert "master-pw" not in repr(settings)
     parsed = parse_sentinel_url(url)
@@ -422,7 +441,7 @@ def test_a_sentinel_url_in_celerys_form_is_accepted_with_master_and_sentinel_pas
 
 def test_the_sentinel_master_defaults_to_mymaster(env: dict[str, str]) -> None:
     env["MERCHANT_REDIS_URL"] = "sentinel://s1.example.test:26379"
-    assert Settings.from_env(env).redis_sentinel_master == "mymaster"
+    assert Settings.from_env(env).fleet.redis_sentinel_master == "mymaster"
 
 
 @pytest.mark.parametrize(
@@ -449,7 +468,7 @@ def test_an_invalid_sentinel_url_names_the_variable_and_never_echoes_the_passwor
 
 def test_cluster_mode_needs_a_redis_url_of_a_node(env: dict[str, str]) -> None:
     env.update({"MERCHANT_REDIS_CLUSTER": "1", "MERCHANT_REDIS_URL": "redis://node-1:7000/0"})
-    assert Settings.from_env(env).redis_cluster is True
+    assert Settings.from_env(env).fleet.redis_cluster is True
     for url in ("sentinel://:hunter2-pw@s1:26379", "unix:///run/redis.sock"):
         env["MERCHANT_REDIS_URL"] = url
         with pytest.raises(ConfigurationError, match="MERCHANT_REDIS_URL") as caught:
@@ -460,7 +479,7 @@ def test_cluster_mode_needs_a_redis_url_of_a_node(env: dict[str, str]) -> None:
 # -- to_env: the one way child processes are configured ------------------------------------
 
 
-def _fields_except_secret(settings: Settings) -> dict[str, object]:
+def _fields_except_secret(settings: Settings | FleetSettings) -> dict[str, object]:
     return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)} | {
         "secret": None
     }
@@ -472,29 +491,36 @@ def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> Non
     for name in ("token-key", "previous-token-key"):
         keys.append(secret_path.with_name(name))
         keys[-1].write_text(base64.urlsafe_b64encode(os.urandom(32)).decode())
+        keys[-1].chmod(0o600)
     settings = Settings(
         api_key="other-key",
         secret=Secret(path=secret_path),
         environment="production",
         base_url="http://api.example.test:8080",
-        redis_url="rediss://user:pw@cache.example.test:6380/2",
-        key_prefix="acme",
         token_lifetime=3600.25,
         renew_before=300.5,
         renew_mandatory=30.125,
-        renew_interval=15.0,
         connect_timeout=1.5,
         read_timeout=20.0,
         allow_insecure_http=True,
-        token_key_file=str(keys[0]),
-        token_key_previous_file=str(keys[1]),
-        redis_sentinel_master="payments",
-        redis_sentinel_password="sentinel-pw",
-        redis_cluster=True,
+        fleet=FleetSettings(
+            redis_url="rediss://user:pw@cache.example.test:6380/2",
+            key_prefix="acme",
+            renew_interval=15.0,
+            rejected_retry_window=0.5,
+            token_key_file=str(keys[0]),
+            token_key_previous_file=str(keys[1]),
+            redis_sentinel_master="payments",
+            redis_sentinel_password="sentinel-pw",
+            redis_cluster=True,
+            accounts_file="/etc/merchant/accounts.toml",
+            accounts_source="platform.merchants:accounts",
+        ),
     )
-    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
-    changed = {k for k, v in _fields_except_secret(settings).items() if v != defaults[k]}
-    assert changed - {"secret"} == set(defaults) - {"secret"}
+    for part in (settings, settings.fleet):
+        defaults = {f.name: f.default for f in dataclasses.fields(part)}
+        values = {f: getattr(part, f) for f in defaults if f != "secret"}
+        assert {f for f, v in values.items() if v != defaults[f]} == set(values)
     again = Settings.from_env(settings.to_env())
     assert _fields_except_secret(again) == _fields_except_secret(settings)
     assert again.secret.path == secret_path
@@ -572,8 +598,230 @@ def test_account_settings_take_their_fleet_part_from_fleet_settings(
     path.write_text("redis://cache.example.test:6380/3", encoding="utf-8")
     env |= {"MERCHANT_REDIS_URL_FILE": str(path), "MERCHANT_RENEW_INTERVAL": "7"}
     settings, fleet = Settings.from_env(env), FleetSettings.from_env(env)
-    assert (settings.redis_url, settings.key_prefix, settings.renew_interval) == (
+    assert (settings.fleet.redis_url, settings.fleet.key_prefix, settings.fleet.renew_interval) == (
         fleet.redis_url,
         fleet.key_prefix,
         fleet.renew_interval,
     )
+
+
+# -- the table: reading, to_env, accounts-file keys and the docs page come from it ---------
+
+
+def test_every_settings_field_has_one_row_of_the_table_and_every_row_a_field() -> None:
+    def fields_of(*scopes: Scope) -> list[str]:
+        return sorted(v.field for v in TABLE if v.scope in scopes)
+
+    account = sorted(f.name for f in dataclasses.fields(Settings) if f.name != "fleet")
+    fleet = sorted(f.name for f in dataclasses.fields(FleetSettings))
+    assert fields_of(Scope.ACCOUNT, Scope.OVERRIDABLE) == account
+    assert fields_of(Scope.FLEET) == fleet
+
+
+def test_the_accounts_file_keys_are_the_per_account_rows_and_a_secret_only_as_a_file() -> None:
+    assert sorted(ACCOUNT_KEYS) == [
+        "allow_insecure_http",
+        "api_key",
+        "api_secret_file",
+        "base_url",
+        "connect_timeout",
+        "environment",
+        "read_timeout",
+        "renew_before",
+        "renew_mandatory",
+        "token_lifetime",
+    ]
+
+
+def test_the_configuration_page_shows_the_table_as_generated_from_it() -> None:
+    page = DOCS_PAGE.read_text(encoding="utf-8")
+    assert configuration_page(page) == page, "run write_configuration_page() and commit"
+    for variable in TABLE:
+        assert f"| `{variable.name}`" in page
+
+
+def test_no_module_but_settings_reads_a_merchant_variable() -> None:
+    reads = re.compile(r"""(environ|getenv)\b[^\n]*["']MERCHANT_|envvar=""")
+    package = Path(settings_module.__file__).parent
+    for path in package.glob("*.py"):
+        if path.name != "settings.py":
+            assert not reads.search(path.read_text(encoding="utf-8")), path.name
+
+
+def test_the_package_imports_form_no_cycle() -> None:
+    """Module-level imports between the package's modules (TYPE_CHECKING ones included)."""
+    package = Path(settings_module.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        nodes, graph[path.stem] = list(ast.parse(path.read_text(encoding="utf-8")).body), set()
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, ast.If):
+                nodes += node.body + node.orelse
+            elif isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                graph[path.stem] |= {name.split(".")[0] for name in names}
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join((*path, module))}"
+        if module not in done:
+            for imported in graph.get(module, ()):
+                visit(imported, (*path, module))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
+# -- what the door refuses -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "closest"),
+    [
+        ("MERCHANT_RENEW_INTERVALL", "MERCHANT_RENEW_INTERVAL"),
+        ("MERCHANT_API_SECRET_FIEL", "MERCHANT_API_SECRET_FILE"),
+        ("MERCHANT_REDIS_URI", "MERCHANT_REDIS_URL"),
+    ],
+)
+def test_an_unknown_variable_is_an_error_naming_the_closest_known_one(
+    env: dict[str, str], name: str, closest: str
+) -> None:
+    env[name] = "30"
+    for read in (Settings.from_env, FleetSettings.from_env, refuse_unknown_names):
+        with pytest.raises(ConfigurationError, match=f"{name} \\(did you mean {closest}\\?\\)"):
+            read(env)
+
+
+@pytest.mark.parametrize("name", ["MERCHANT_ID", "MERCHANT_DB_URL", "MERCHANT_WEBHOOK_SECRET"])
+def test_an_applications_own_merchant_variable_is_logged_as_ignored_not_refused(
+    env: dict[str, str], name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    env[name] = "shop-value"
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.settings"):
+        Settings.from_env(env)
+        Settings.from_env(env)
+    ignored = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert ignored == [
+        f"{name} is not a merchant-tasks variable: ignored (see docs/configuration.md)"
+    ]
+    assert "shop-value" not in caplog.text
+
+
+def test_a_file_variant_of_a_variable_that_has_none_is_unknown(env: dict[str, str]) -> None:
+    env["MERCHANT_TOKEN_KEY_FILE_FILE"] = "/run/secrets/key"
+    with pytest.raises(ConfigurationError, match="unknown variable MERCHANT_TOKEN_KEY_FILE_FILE"):
+        Settings.from_env(env)
+
+
+def test_an_empty_variable_is_unset_beside_its_file_variant(tmp_path: Path) -> None:
+    path = tmp_path / "redis-url"
+    path.write_text("redis://cache.example.test:6380/3", encoding="utf-8")
+    fleet = FleetSettings.from_env({"MERCHANT_REDIS_URL": "", "MERCHANT_REDIS_URL_FILE": str(path)})
+    assert fleet.redis_url == "redis://cache.example.test:6380/3"
+    with pytest.raises(ConfigurationError, match="MERCHANT_REDIS_URL_FILE: cannot read /nope"):
+        FleetSettings.from_env({"MERCHANT_REDIS_URL": "", "MERCHANT_REDIS_URL_FILE": "/nope"})
+    assert FleetSettings.from_env({"MERCHANT_REDIS_URL": " ", "MERCHANT_REDIS_URL_FILE": ""}) == (
+        FleetSettings()
+    )
+
+
+def test_an_empty_secret_variable_beside_its_file_is_unset(
+    env: dict[str, str], secret_path: Path
+) -> None:
+    env |= {"MERCHANT_API_SECRET": "", "MERCHANT_API_SECRET_FILE": str(secret_path)}
+    assert Settings.from_env(env).secret.path == secret_path
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://apiuser:BasicPw99@api.example.test",
+        "https://apiuser:BasicPw99@api.example.test:8443/",
+        "https://BasicPw99@api.example.test",
+    ],
+)
+def test_a_base_url_holding_a_user_or_password_is_refused_without_echoing_it(
+    env: dict[str, str], url: str
+) -> None:
+    env["MERCHANT_BASE_URL"] = url
+    with pytest.raises(ConfigurationError, match="must not hold a user or password") as caught:
+        Settings.from_env(env)
+    assert "BasicPw99" not in str(caught.value)
+    with pytest.raises(ConfigurationError) as caught:
+        Settings(api_key=API_KEY, secret=Secret(SECRET), base_url=url)
+    assert "BasicPw99" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://api.example.com",
+        "https://API.Example.com/",
+        "https://api.example.com:443",
+        "https://api.example.com.",
+        "https://api.example.com:443/open-api",
+    ],
+)
+def test_the_origin_is_scheme_lower_case_host_without_trailing_dot_and_effective_port(
+    url: str,
+) -> None:
+    assert origin(url) == "https://api.example.com:443"
+
+
+def test_origins_differ_by_scheme_and_port() -> None:
+    assert origin("http://api.example.com") == "http://api.example.com:80"
+    assert origin("https://api.example.com:8443") == "https://api.example.com:8443"
+
+
+def test_a_file_that_is_not_utf8_is_an_error_naming_the_variable(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    path = tmp_path / "binary"
+    path.write_bytes(os.urandom(8) + b"\xff\xfe")
+    for name in ("MERCHANT_API_SECRET", "MERCHANT_KEY_PREFIX", "MERCHANT_REDIS_URL"):
+        variables = {k: v for k, v in env.items() if k != name} | {f"{name}_FILE": str(path)}
+        with pytest.raises(ConfigurationError, match=rf"{name}_FILE: .* is not UTF-8 text"):
+            Settings.from_env(variables)
+
+
+def test_an_empty_file_is_an_error_naming_the_variable(env: dict[str, str], tmp_path: Path) -> None:
+    path = tmp_path / "empty"
+    path.write_text(" \n", encoding="utf-8")
+    env["MERCHANT_KEY_PREFIX_FILE"] = str(path)
+    with pytest.raises(ConfigurationError, match=r"MERCHANT_KEY_PREFIX_FILE: .* is empty"):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda path: path.unlink(),
+        lambda path: path.write_bytes(b"\xff\xfe\x00binary"),
+        lambda path: path.write_text("", encoding="utf-8"),
+    ],
+    ids=["removed", "not-utf8", "empty"],
+)
+def test_a_secret_file_unreadable_at_a_rotation_keeps_the_last_good_secret_and_says_why(
+    secret_path: Path, caplog: pytest.LogCaptureFixture, damage: Callable[[Path], object]
+) -> None:
+    secret = Secret(path=secret_path)
+    assert secret.reveal() == SECRET
+    damage(secret_path)
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.settings"):
+        assert secret.reveal() == SECRET
+    [record] = caplog.records
+    assert record.getMessage().startswith("MERCHANT_API_SECRET_FILE: ")
+    assert str(secret_path) in record.getMessage()
+    assert record.getMessage().endswith("; keeping the secret read before")
+    secret_path.write_text("rotated-secret-1a2b", encoding="utf-8")
+    assert secret.reveal() == "rotated-secret-1a2b"
+
+
+def test_beat_checks_the_accounts_without_reading_the_secret(env: dict[str, str]) -> None:
+    env = {k: v for k, v in env.items() if k != "MERCHANT_API_SECRET"}
+    env["MERCHANT_API_SECRET_FILE"] = "/run/secrets/not-mounted-here"
+    assert Settings.from_env(env, read_secret=False).api_key == API_KEY
+    with pytest.raises(ConfigurationError, match="MERCHANT_API_SECRET_FILE: cannot read"):
+        Settings.from_env(env)

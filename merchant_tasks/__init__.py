@@ -1,7 +1,9 @@
 """merchant-tasks: one fresh payment-API token per account, shared by a Celery fleet.
 
 Reading order follows the token's life: ``token`` (the value), ``exchange`` (getting one),
-``store`` (keeping it in Redis), ``policy`` (when it is renewed, what a 401 means),
+``redis_commands``, ``store``, ``store_scripts``, ``records`` and ``store_protocol``
+(keeping it in Redis), ``policy`` (when it is renewed), ``refusals`` (what a 401 means),
+``renewal_lock``,
 ``single_flight``, ``wakeup``, ``renewer``, ``breaker``, ``local_copy`` and ``renewal``
 (who renews it, and how the fleet waits), ``client`` (using it), ``accounts`` (wiring
 each account's settings to a client), then the Celery wiring (``routing``,

@@ -7,7 +7,6 @@ opened by the holder of the renewal lock.
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 from collections.abc import Callable
@@ -21,7 +20,9 @@ from .exceptions import (
     TokenExchangeError,
     TokenRejected,
 )
-from .store import BreakerRecord, TokenStore
+from .policy import BreakerKind
+from .records import BreakerRecord, opening_counter
+from .store_protocol import Store
 from .token import Token
 
 log = logging.getLogger(__name__)
@@ -37,20 +38,11 @@ PROBE_INTERVAL = 2.0  # half-open: with no valid token, one caller per interval 
 # not held back by the rest of a pause of up to a minute (the first back-off's length)
 
 
-class BreakerKind(enum.StrEnum):
-    """Why exchanges are paused."""
-
-    REJECTED = "rejected"  # the credentials were refused
-    RATE_LIMITED = "rate_limited"  # 429
-    UNAVAILABLE = "unavailable"  # 5xx, timeouts, unreachable
-    REVOKED = "revoked"  # the forced-renewal budget is spent
-
-
 @dataclass(eq=False)
 class Breaker:
     """Pauses exchanges fleet-wide after failures; ``check`` says whether one may go ahead."""
 
-    store: TokenStore
+    store: Store
     clock: Callable[[], float]
     secret_fingerprint: Callable[[], str]  # of the secret in use: a replaced one may try again
     rng: random.Random
@@ -61,7 +53,7 @@ class Breaker:
         Returns None when an exchange may go ahead: no pause, or a rejected secret since
         replaced.
         """
-        record = self.store.load_breaker()
+        record = self.store.records.load_breaker()
         now = self.clock()
         if record is None or record.until <= now:
             return None  # the record outlives its pause only to remember the failure count
@@ -70,14 +62,14 @@ class Breaker:
             and record.secret_fingerprint != self.secret_fingerprint()
         ):
             return None  # a new secret is in place: try it now
-        if fallback is not None and fallback.expires_at > now:
+        if fallback is not None and fallback.valid_at(now):
             return fallback
         raise self._error(record, max(0.0, record.until - now))
 
     def take_probe(self) -> bool:
         """Half-open: whether this caller may probe the endpoint during an ``unavailable``
         pause (one caller per PROBE_INTERVAL fleet-wide; only when it has no valid token)."""
-        if not self.store.take_probe(PROBE_INTERVAL):
+        if not self.store.records.take_probe(PROBE_INTERVAL):
             return False
         log.info("no valid token during an endpoint pause: probing the endpoint once")
         return True
@@ -95,7 +87,7 @@ class Breaker:
                 BreakerKind.RATE_LIMITED, now + pause + RETRY_AFTER_MARGIN, 1, "", str(exc)
             )
         else:
-            previous = self.store.load_breaker()
+            previous = self.store.records.load_breaker()
             failures = 1
             if previous is not None and previous.kind == BreakerKind.UNAVAILABLE:
                 failures = previous.failures + 1
@@ -103,7 +95,7 @@ class Breaker:
             pause *= 0.5 + self.rng.random() / 2  # jitter, so hosts do not retry in step
             pause = max(pause, getattr(exc, "retry_after", None) or 0.0)
             record = BreakerRecord(BreakerKind.UNAVAILABLE, now + pause, failures, "", str(exc))
-            self.store.take_probe(PROBE_INTERVAL)  # the first probe comes an interval later
+            self.store.records.take_probe(PROBE_INTERVAL)  # the first probe comes an interval later
         self._open(record, now)
 
     def trip_revoked(self, pause: float, detail: str) -> None:
@@ -111,14 +103,23 @@ class Breaker:
         now = self.clock()
         self._open(BreakerRecord(BreakerKind.REVOKED, now + pause, 1, "", detail), now)
 
+    def trip_refused(self, generation: int, failures: int, pause: float, detail: str) -> None:
+        """Pause renewals because token ``generation`` was refused before first use, the
+        ``failures``-th time in a row (``refusals`` decides the pause)."""
+        now = self.clock()
+        record = BreakerRecord(BreakerKind.REFUSED, now + pause, failures, "", detail, generation)
+        self._open(record, now)
+
     def reset(self) -> None:
-        """Close the breaker after a successful exchange."""
-        if self.store.load_breaker() is not None:
-            self.store.close_breaker()
+        """Close the breaker after a successful exchange. A ``refused`` record stays (its
+        pause is over): it counts refusals in a row until the API accepts a token."""
+        record = self.store.records.load_breaker()
+        if record is not None and record.kind != BreakerKind.REFUSED:
+            self.store.records.close_breaker()
 
     def _open(self, record: BreakerRecord, now: float) -> None:
-        self.store.open_breaker(record, now)
-        self.store.count(f"breaker_openings:{record.kind}")
+        self.store.records.open_breaker(record, now)
+        self.store.records.count(opening_counter(record.kind))
         log.warning(
             "token exchanges paused for %.1f s for %s: %s",
             record.until - now,
@@ -133,6 +134,6 @@ class Breaker:
             return CredentialsRejected(message)
         if record.kind == BreakerKind.RATE_LIMITED:
             return ExchangeRateLimited(message, retry_after=left)
-        if record.kind == BreakerKind.REVOKED:
-            return TokenRejected(message)
+        if record.kind in (BreakerKind.REVOKED, BreakerKind.REFUSED):
+            return TokenRejected(message, retry_after=left)
         return TokenEndpointUnavailable(message, retry_after=left)

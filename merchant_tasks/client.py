@@ -39,7 +39,7 @@ from urllib3.exceptions import NewConnectionError
 
 from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
 from .exchange import TOKEN_PATH, error_code, parse_retry_after
-from .policy import refused_after_renewal_message
+from .refusals import refused_after_renewal_message
 from .settings import DEFAULT_TIMEOUTS
 from .token import Token
 

@@ -17,19 +17,18 @@ key that the API understands closes those: ``call_api(..., idempotency_key=...)`
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from .exceptions import StoreUnavailable
-from .store import TokenStore, unavailable_as_error
+from .policy import CounterName
+from .store_protocol import Store
 
 log = logging.getLogger(__name__)
 
 RECORD_TTL_FACTOR = 2  # records live twice the visibility timeout: a lost ack's redelivery
 # comes within one timeout plus kombu's restore sweep (seconds to a few minutes)
-REDELIVERED_COUNTER = "redelivered_completed_calls"  # fleet-wide, in the account's counters
 
 
 @dataclass(frozen=True)
@@ -46,39 +45,32 @@ class CompletionRecords:
     may still come from the process's copy) and the guarantee falls back to at least once.
     """
 
-    def __init__(self, store: TokenStore, ttl: float) -> None:
+    def __init__(self, store: Store, ttl: float) -> None:
         self.store = store
         self.ttl = ttl
 
     def __repr__(self) -> str:
         return f"CompletionRecords(namespace={self.store.namespace!r})"
 
-    def key(self, task_id: str) -> str:
-        return f"{self.store.namespace}:completed:{task_id}"
-
     def earlier_run(self, task_id: str) -> Completed | None:
         """The successful earlier run of ``task_id``, counted as a redelivery, or None."""
         try:
-            with unavailable_as_error():
-                raw = self.store.redis.get(self.key(task_id))
-            if raw is None:
+            record = self.store.records.load_completion(task_id)
+            if record is None:
                 return None
-            self.store.count(REDELIVERED_COUNTER)
+            self.store.records.count(CounterName.REDELIVERED)
         except StoreUnavailable as exc:
             log.warning("no completion record of call %s could be read (%s)", task_id, exc)
             return None
         log.warning(
             "call %s already succeeded: its result is returned, the API not called", task_id
         )
-        return Completed(json.loads(cast(bytes, raw))["result"])
+        return Completed(record["result"])
 
     def record(self, task_id: str, result: Any) -> None:
         """Remember that ``task_id`` succeeded with ``result`` (the API's decoded JSON)."""
         try:
-            with unavailable_as_error():
-                self.store.redis.set(
-                    self.key(task_id), json.dumps({"result": result}), px=int(self.ttl * 1000)
-                )
+            self.store.records.save_completion(task_id, result, self.ttl)
         except StoreUnavailable as exc:
             log.warning(
                 "completion record of call %s not written (%s): a redelivery would call the "

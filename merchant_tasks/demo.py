@@ -104,34 +104,7 @@ def run_demo(
         for name in set(os.environ) - set(env):
             del os.environ[name]
         os.environ.update(env)
-        celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
-        stack.enter_context(
-            running(
-                "worker",
-                [
-                    *celery,
-                    "worker",
-                    "--loglevel=WARNING",
-                    f"--concurrency={workers}",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "-n",
-                    f"demo-{uuid.uuid4().hex[:6]}@%h",
-                ],
-                workdir / "worker.log",
-                env=env,
-                cwd=workdir,
-            )
-        )
-        stack.enter_context(
-            running(
-                "beat",
-                [*celery, "beat", "--loglevel=WARNING", "-s", str(workdir / "beat-schedule")],
-                workdir / "beat.log",
-                env=env,
-                cwd=workdir,
-            )
-        )
+        _start_worker_and_beat(stack, workdir, env, workers)
         store = TokenStore(
             redis.Redis.from_url(redis_url),
             TokenStore.namespace_for(key_prefix, "sandbox", DEMO_API_KEY),
@@ -151,6 +124,18 @@ def run_demo(
         out.write(_summary_text(summary))
         return summary
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
+
+
+def _start_worker_and_beat(
+    stack: contextlib.ExitStack, workdir: Path, env: dict[str, str], workers: int
+) -> None:
+    """The demo's Celery worker and beat, stopped with ``stack``."""
+    celery = [sys.executable, "-m", "celery", "-A", "merchant_tasks"]
+    worker = [*celery, "worker", "--loglevel=WARNING", f"--concurrency={workers}"]
+    worker += ["--without-gossip", "--without-mingle", "-n", f"demo-{uuid.uuid4().hex[:6]}@%h"]
+    stack.enter_context(running("worker", worker, workdir / "worker.log", env=env, cwd=workdir))
+    beat = [*celery, "beat", "--loglevel=WARNING", "-s", str(workdir / "beat-schedule")]
+    stack.enter_context(running("beat", beat, workdir / "beat.log", env=env, cwd=workdir))
 
 
 def _drive(
@@ -174,32 +159,10 @@ def _drive(
     live = out.isatty()
 
     def collect() -> None:
-        for result in [r for r in pending if r.ready()]:
-            pending.remove(result)
-            if result.successful():
-                summary.ok += 1
-            else:
-                summary.failed += 1
-                summary.errors.append(repr(result.result)[:200])
+        _collect(pending, summary)
 
     def view(now: float) -> None:
-        counters = sandbox.counters()
-        fleet = store.counters()
-        token = store.load()
-        clock = store.time()
-        summary.exchanges = counters["exchanges"]["ok"]
-        summary.unauthorized = counters["calls"]["unauthorized"]
-        summary.forced_renewals = fleet.get("exchanges:forced:ok", 0)
-        token_text = (
-            f"gen {token.generation:>3} left {token.time_left(clock):5.1f}s"
-            if token is not None
-            else "no token yet    "
-        )
-        line = (
-            f"t={now:5.1f}s  token {token_text}  exchanges {summary.exchanges:>3}  "
-            f"calls ok {summary.ok:>5} failed {summary.failed:>3} queued {len(pending):>4}  "
-            f"401s {summary.unauthorized:>3} (forced renewals {summary.forced_renewals})"
-        )
+        line = _view_line(summary, sandbox, store, len(pending), now)
         out.write(("\r\x1b[K" + line) if live else line + "\n")
         out.flush()
 
@@ -231,6 +194,39 @@ def _drive(
     view(time.monotonic() - started)
     if live:
         out.write("\n")
+
+
+def _collect(pending: list[Any], summary: DemoSummary) -> None:
+    """Count the results that are in, and forget them."""
+    for result in [r for r in pending if r.ready()]:
+        pending.remove(result)
+        if result.successful():
+            summary.ok += 1
+        else:
+            summary.failed += 1
+            summary.errors.append(repr(result.result)[:200])
+
+
+def _view_line(
+    summary: DemoSummary, sandbox: SandboxApp, store: TokenStore, queued: int, now: float
+) -> str:
+    """One line of the live view (and the summary's figures brought up to date)."""
+    counters = sandbox.counters()
+    token = store.load()
+    clock = store.time()
+    summary.exchanges = counters["exchanges"]["ok"]
+    summary.unauthorized = counters["calls"]["unauthorized"]
+    summary.forced_renewals = store.records.counters().get("renewals:forced:ok", 0)
+    token_text = (
+        f"gen {token.generation:>3} left {token.time_left(clock):5.1f}s"
+        if token is not None
+        else "no token yet    "
+    )
+    return (
+        f"t={now:5.1f}s  token {token_text}  exchanges {summary.exchanges:>3}  "
+        f"calls ok {summary.ok:>5} failed {summary.failed:>3} queued {queued:>4}  "
+        f"401s {summary.unauthorized:>3} (forced renewals {summary.forced_renewals})"
+    )
 
 
 def _summary_text(summary: DemoSummary) -> str:

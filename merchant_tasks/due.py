@@ -26,13 +26,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import cast
 
-from redis.cluster import RedisCluster
-
+from .redis_commands import AccountKeys
 from .redis_topology import StoreClient
 from .settings import Settings
-from .store import TokenStore, unavailable_as_error
+from .store import claim_slots, delete_key, read_values
 from .token import Token
 
 SPREAD_TICKS = 2.0  # the lowest renewal point leaves two beat intervals before the
@@ -43,7 +41,7 @@ _HASH_SPAN = 2**64  # the renewal point's fraction of the window: 8 bytes of SHA
 
 def namespace_of(settings: Settings) -> str:
     """The account's key namespace in the token store."""
-    return TokenStore.namespace_for(
+    return AccountKeys.namespace_for(
         settings.fleet.key_prefix,
         settings.environment,
         settings.api_key,
@@ -84,7 +82,7 @@ def due_accounts(
     by_server: dict[str, list[_Entry]] = {}
     for name, settings in accounts.items():
         by_server.setdefault(settings.fleet.redis_url, []).append(
-            _Entry(name, f"{namespace_of(settings)}:token", renewal_point(settings))
+            _Entry(name, _keys(settings).token, renewal_point(settings))
         )
     due: list[str] = []
     for url, entries in by_server.items():
@@ -106,24 +104,23 @@ def claim_renewals(
         by_server.setdefault(accounts[name].fleet.redis_url, []).append(name)
     claimed: list[str] = []
     for url, server_names in by_server.items():
-        pipe = redis_for(url).pipeline(transaction=False)
-        for name in server_names:
-            settings = accounts[name]
-            pipe.set(claim_key(settings), b"1", nx=True, px=int(claim_ttl(settings) * 1000))
-        with unavailable_as_error():
-            replies = pipe.execute()
+        slots = [(claim_key(accounts[name]), claim_ttl(accounts[name])) for name in server_names]
+        replies = claim_slots(redis_for(url), slots)
         claimed += [name for name, won in zip(server_names, replies, strict=True) if won]
     return claimed
 
 
 def release_renewal(settings: Settings, client: StoreClient) -> None:
     """The renewal task has run: beat may send the next one."""
-    with unavailable_as_error():
-        client.delete(claim_key(settings))
+    delete_key(client, claim_key(settings))
 
 
 def claim_key(settings: Settings) -> str:
-    return f"{namespace_of(settings)}:renewal-sent"
+    return _keys(settings).renewal_sent
+
+
+def _keys(settings: Settings) -> AccountKeys:
+    return AccountKeys.of(namespace_of(settings))
 
 
 def claim_ttl(settings: Settings) -> float:
@@ -133,22 +130,12 @@ def claim_ttl(settings: Settings) -> float:
 
 
 def _due_on_server(client: StoreClient, entries: list[_Entry]) -> list[str]:
-    pipe = client.pipeline(transaction=False)
-    clustered = isinstance(client, RedisCluster)  # its pipelines refuse TIME: read it apart
-    if not clustered:
-        pipe.time()
-    for entry in entries:
-        pipe.get(entry.token_key)
-    with unavailable_as_error():
-        clock = [client.time()] if clustered else []
-        replies = [*clock, *pipe.execute()]
-    seconds, micros = cast(tuple[int, int], replies[0])
-    now = seconds + micros / 1e6
-    due: list[str] = []
-    for entry, raw in zip(entries, replies[1:], strict=True):
-        if raw is None or _time_left(cast(bytes, raw), now) < entry.renewal_point:
-            due.append(entry.name)
-    return due
+    now, values = read_values(client, [entry.token_key for entry in entries])
+    return [
+        entry.name
+        for entry, raw in zip(entries, values, strict=True)
+        if raw is None or _time_left(raw, now) < entry.renewal_point
+    ]
 
 
 def _time_left(raw: bytes, now: float) -> float:

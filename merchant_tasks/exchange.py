@@ -8,14 +8,18 @@ errors carry status codes and the short error code the server gave, nothing else
 from __future__ import annotations
 
 import email.utils
+import json
 import logging
 import math
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import requests
+from urllib3 import HTTPResponse
+from urllib3.exceptions import HTTPError
 
 from .exceptions import (
     ConfigurationError,
@@ -35,6 +39,35 @@ MAX_RETRY_AFTER = 3600.0  # a Retry-After beyond an hour is a server bug; do not
 _BEARER_TOKEN = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
 MAX_TOKEN_LIFETIME = 30 * 86400.0  # a longer lifetime is a unit mix-up (ms?), not a promise
 _ERROR_CODE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")  # only short identifiers are quoted back
+MAX_TOKEN_LENGTH = 8 * 1024  # a longer access_token is not a bearer token we can send
+TOKEN_BODY_LIMIT = 64 * 1024  # a token response is read up to this much, no further
+ERROR_BODY_LIMIT = 4 * 1024  # an error body: enough for its error code and an excerpt
+_READ_CHUNK = 16 * 1024
+_DEADLINE_SLACK = 0.05  # a read that failed this close to the deadline timed out on it
+
+
+class Answered(Protocol):
+    """What ``classify`` reads of an answer: a ``requests.Response`` or an ``Answer``."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    def json(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The token endpoint's answer, read whole within the exchange's deadline."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    body: bytes = field(repr=False)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
 
 
 @dataclass(frozen=True)
@@ -81,6 +114,12 @@ class TokenExchange:
     def __repr__(self) -> str:
         return f"TokenExchange(url={self.url!r}, api_key={self.api_key!r})"
 
+    @property
+    def deadline(self) -> float:
+        """Seconds one exchange may take in all, whatever the server does byte by byte
+        (``requests`` bounds each read only); the renewal lock's lease outlives it."""
+        return self.timeout[0] + self.timeout[1]
+
     def __call__(self) -> IssuedToken:
         """Make one exchange; raise a ``TokenExchangeError`` subclass on any failure."""
         secret = self.secret.reveal()
@@ -93,6 +132,7 @@ class TokenExchange:
                 headers={"accept": "application/json"},
                 timeout=self.timeout,
                 allow_redirects=False,  # a redirect would resend the secret elsewhere
+                stream=True,  # the body is read below, within the deadline
             )
         except requests.Timeout:
             raise TokenEndpointUnavailable(
@@ -102,17 +142,52 @@ class TokenExchange:
             raise TokenEndpointUnavailable(
                 f"token endpoint {self.url} unreachable ({type(exc).__name__})"
             ) from None
-        elapsed = time.monotonic() - started
+        with response:  # closed, not returned to the pool, if not read to the end
+            limit = TOKEN_BODY_LIMIT if 200 <= response.status_code < 300 else ERROR_BODY_LIMIT
+            answer = Answer(
+                response.status_code,
+                response.headers,
+                self._read_body(response, limit, started + self.deadline),
+            )
         log.debug(
             "token exchange for %s answered %s in %.3f s",
             self.api_key,
-            response.status_code,
-            elapsed,
+            answer.status_code,
+            time.monotonic() - started,
         )
-        return classify(response, self.default_lifetime, secret=secret)
+        return classify(answer, self.default_lifetime, secret=secret)
+
+    def _read_body(self, response: requests.Response, limit: int, deadline: float) -> bytes:
+        """The body, up to ``limit`` bytes (one more if longer), read by ``deadline``."""
+        raw = response.raw
+        if not isinstance(raw, HTTPResponse):  # a transport that read the body already
+            return response.content[: limit + 1]
+        body = bytearray()
+        late = TokenEndpointUnavailable(
+            f"token endpoint {self.url} did not finish its answer within {self.deadline:g} s"
+        )
+        try:
+            while len(body) <= limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise late
+                sock = getattr(raw.connection, "sock", None)
+                if sock is not None:  # each read waits at most until the deadline
+                    sock.settimeout(min(left, self.timeout[1]))
+                chunk = raw.read1(min(_READ_CHUNK, limit + 1 - len(body)))
+                if not chunk:
+                    break
+                body += chunk
+        except (HTTPError, OSError) as exc:
+            if time.monotonic() >= deadline - _DEADLINE_SLACK:  # the read waited until it
+                raise late from None
+            raise TokenEndpointUnavailable(
+                f"token endpoint {self.url} broke off its answer ({type(exc).__name__})"
+            ) from None
+        return bytes(body)
 
 
-def classify(response: requests.Response, default_lifetime: float, secret: str = "") -> IssuedToken:
+def classify(response: Answered, default_lifetime: float, secret: str = "") -> IssuedToken:
     """Turn a token endpoint's answer into an ``IssuedToken`` or the matching error.
 
     ``secret`` is only used to make sure nothing quoted from the body contains it.
@@ -152,10 +227,12 @@ def classify(response: requests.Response, default_lifetime: float, secret: str =
     return parse_token(response, default_lifetime, secret)
 
 
-def parse_token(
-    response: requests.Response, default_lifetime: float, secret: str = ""
-) -> IssuedToken:
+def parse_token(response: Answered, default_lifetime: float, secret: str = "") -> IssuedToken:
     """Find ``access_token`` (top level or under ``data``) and ``expires_in`` in a 2xx body."""
+    if isinstance(response, Answer) and len(response.body) > TOKEN_BODY_LIMIT:
+        raise MalformedTokenResponse(
+            f"token endpoint's answer is longer than {TOKEN_BODY_LIMIT // 1024} KiB"
+        )
     try:
         payload: Any = response.json()
     except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
@@ -172,6 +249,10 @@ def parse_token(
     value = container.get("access_token")
     if isinstance(value, str):
         value = value.strip()
+    if isinstance(value, str) and len(value) > MAX_TOKEN_LENGTH:
+        raise MalformedTokenResponse(
+            f"token endpoint's access_token is longer than {MAX_TOKEN_LENGTH // 1024} KiB"
+        )
     if not isinstance(value, str) or not _BEARER_TOKEN.fullmatch(value):
         names = sorted(str(k)[:32] for k in container if _quotable(str(k), secret))
         raise MalformedTokenResponse(
@@ -220,13 +301,13 @@ def _quotable(text: str, secret: str) -> bool:
     return bool(_ERROR_CODE.match(text)) and not (secret and secret in text)
 
 
-def _error_code(response: requests.Response, secret: str) -> str:
+def _error_code(response: Answered, secret: str) -> str:
     """``, key=code`` for a message when the body has a quotable error code, else ``""``."""
     found = error_code(response, secret)
     return f", {found[0]}={found[1]}" if found else ""
 
 
-def error_code(response: requests.Response, secret: str) -> tuple[str, str] | None:
+def error_code(response: Answered, secret: str) -> tuple[str, str] | None:
     """The server's short error code (field name and value), if its body has a plain one.
 
     Free text from the body is never quoted: it could echo what we sent.

@@ -23,24 +23,21 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from .breaker import BreakerKind
 from .exceptions import MerchantError
-from .policy import CounterName, Outcome
+from .policy import BreakerKind, CounterName, Outcome
+from .records import DURATION_BUCKETS, attempt_counter, opening_counter, renewal_counter
 from .status import AccountStatus
-from .store import DURATION_BUCKETS
 from .timing import HISTOGRAMS
 from .token import RenewalReason
 
 PREFIX = "merchant_tasks"
-EXCHANGE_OUTCOMES = tuple(Outcome)  # as the renewal records
-BREAKER_KINDS = tuple(BreakerKind)
 # counters kept in Redis (TokenStore.count) that are not per-exchange: name -> help
-_SIMPLE_COUNTERS: dict[str, str] = {
+_SIMPLE_COUNTERS: dict[CounterName, str] = {
     CounterName.UNAUTHORIZED: "Calls answered 401 that asked the store for a newer token.",
     CounterName.FORCED_RENEWALS: "Forced renewals after a 401 that went on to an exchange.",
     CounterName.LOCK_WAITS: "Renewals that waited for another process holding the lock.",
     CounterName.NEVER_ACCEPTED: "401s on a token the API never accepted (no renewal made).",
-    "redelivered_completed_calls": "Redelivered calls that had already succeeded: answered "
+    CounterName.REDELIVERED: "Redelivered calls that had already succeeded: answered "
     "from their completion record, the API not called again.",
 }
 _LABELS = ["account", "environment"]
@@ -72,9 +69,14 @@ class FleetCollector(Collector):
 
 
 def _families(statuses: Mapping[str, AccountStatus]) -> Iterable[Metric]:
-    exchanges = CounterMetricFamily(
-        f"{PREFIX}_exchanges",
-        "Token exchange attempts by reason and outcome.",
+    renewals = CounterMetricFamily(
+        f"{PREFIX}_renewals",
+        "Renewals by reason and outcome: one each, however many HTTP attempts it made.",
+        labels=[*_LABELS, "reason", "outcome"],
+    )
+    attempts = CounterMetricFamily(
+        f"{PREFIX}_exchange_attempts",
+        "HTTP requests to the token endpoint, by the renewal's reason and their outcome.",
         labels=[*_LABELS, "reason", "outcome"],
     )
     breaker_openings = CounterMetricFamily(
@@ -105,11 +107,12 @@ def _families(statuses: Mapping[str, AccountStatus]) -> Iterable[Metric]:
         account = [name, status.environment]
         counts = status.counters
         for reason in RenewalReason:
-            for outcome in EXCHANGE_OUTCOMES:
-                value = counts.get(f"exchanges:{reason.value}:{outcome}", 0)
-                exchanges.add_metric([*account, reason.value, outcome], value)
-        for kind in BREAKER_KINDS:
-            breaker_openings.add_metric([*account, kind], counts.get(f"breaker_openings:{kind}", 0))
+            for outcome in Outcome:
+                labels = [*account, reason, outcome]
+                renewals.add_metric(labels, counts.get(renewal_counter(reason, outcome), 0))
+                attempts.add_metric(labels, counts.get(attempt_counter(reason, outcome), 0))
+        for kind in BreakerKind:
+            breaker_openings.add_metric([*account, kind], counts.get(opening_counter(kind), 0))
             is_open = status.breaker is not None and status.breaker["kind"] == kind
             breaker_open.add_metric([*account, kind], 1 if is_open else 0)
         for counter, family in simple.items():
@@ -119,7 +122,7 @@ def _families(statuses: Mapping[str, AccountStatus]) -> Iterable[Metric]:
             histogram_family.add_metric(account, buckets, total)
         time_left.add_metric(account, status.time_left or 0.0)
         generation.add_metric(account, status.generation or 0)
-    yield from (exchanges, breaker_openings, *simple.values(), *histograms.values())
+    yield from (renewals, attempts, breaker_openings, *simple.values(), *histograms.values())
     yield from (time_left, generation, breaker_open)
 
 

@@ -1,18 +1,17 @@
 """Renewal: the account's token for callers, renewed once for the whole fleet.
 
 ``TokenManager`` puts the parts together (docs/design.md, "Who does what"):
-``policy.RenewalPolicy`` says when to renew and what a 401 means, ``single_flight``
-makes one caller renew while the others wait, ``renewer.Renewer`` exchanges and stores
-(the exchange is a callable passed in: nothing here speaks HTTP), ``breaker.Breaker``
-pauses exchanges after failures, ``local_copy.LocalCopy`` spares Redis reads. This
-module owns what a 401 leads to within a process: one thread asks the store, its
-siblings wait for its token.
+``policy.RenewalPolicy`` says when to renew, ``refusals.Refusals`` what a 401 means and
+what follows it, ``single_flight`` makes one caller renew while the others wait under
+the fleet's ``renewal_lock``, ``renewer.Renewer`` exchanges and stores (the exchange is a
+callable passed in: nothing here speaks HTTP), ``breaker.Breaker`` pauses exchanges after
+failures, ``local_copy.LocalCopy`` spares Redis reads.
 
 - ``token()`` is the callers' path: the stored token while it has more than the mandatory
   window left; otherwise one caller renews and the others keep the still-valid token or
   wait for the winner's.
 - ``renew()`` is beat's and the operator's path; ``renew(stale_token=t)`` after a 401 is
-  compare-and-swap, and renews only on evidence that ``t`` was revoked.
+  ``Refusals``' to answer.
 - ``accepted(t)`` records, once per generation, that the API accepted ``t``.
 """
 
@@ -21,12 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import random
-import threading
 import time
 import weakref
 from collections.abc import Callable
-
-from redis.exceptions import RedisError
 
 from .breaker import Breaker
 from .exceptions import (
@@ -34,28 +30,41 @@ from .exceptions import (
     StoreUnavailable,
     TokenEndpointUnavailable,
     TokenExchangeError,
-    TokenRejected,
 )
 from .exchange import IssuedToken
 from .local_copy import LOCAL_COPY_TTL, LocalCopy
-from .policy import (
-    CounterName,
-    Refusal,
-    RenewalPolicy,
-    never_accepted_message,
-)
+from .policy import RenewalPolicy
+from .refusals import Refusals
+from .renewal_lock import RenewalLock
 from .renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, Renewer
-from .single_flight import Prelude, SingleFlight, owner, release
+from .single_flight import Prelude, SingleFlight
 from .store import RedisClock, TokenStore
 from .token import RenewalReason, Token, TokenState
 from .wakeup import RenewalSignal
 
 log = logging.getLogger(__name__)
 
-LOCK_MARGIN = 5.0  # seconds of lock TTL beyond the longest renewal we allow ourselves
+LOCK_MARGIN = 5.0  # seconds of lease beyond one exchange's deadline: a dead holder's lock
+# is free within exchange_timeout + LOCK_MARGIN; a live one's is extended by its watchdog
 
 Clock = Callable[[], float]
 Acceptable = Callable[[Token | None], bool]  # whether a token (or none) serves the caller
+
+
+def limits(exchange_timeout: float) -> tuple[float, float, float]:
+    """How long the longest renewal, a wait for another's and the lock's lease last, for
+    one exchange's deadline (``exchange_timeout``, exchange.py)."""
+    # every attempt at its deadline plus the waits between them (a back-off and a
+    # Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
+    renewal = (
+        EXCHANGE_ATTEMPTS * exchange_timeout
+        + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
+        + LOCK_MARGIN
+    )
+    # a caller may arrive just after a holder took the lock and died (the lease runs out),
+    # and then see the next holder take it and need its whole renewal
+    wait = 2 * renewal
+    return renewal, wait, exchange_timeout + LOCK_MARGIN  # the lease outlives an exchange
 
 
 class TokenManager:
@@ -79,50 +88,39 @@ class TokenManager:
     ) -> None:
         self.store = store
         self.policy = RenewalPolicy(renew_before, renew_mandatory)
-        self._clock: Clock = clock or RedisClock(store.time)
+        self.clock: Clock = clock or RedisClock(store.time)  # the store's, shared by every part
         self._sleep = sleep
         self.copy = LocalCopy(local_copy_ttl, monotonic)
-        self.breaker = Breaker(store, self._clock, secret_fingerprint, rng or random.Random())
+        self.breaker = Breaker(store, self.clock, secret_fingerprint, rng or random.Random())
         self.signal = RenewalSignal(store) if wake_ups else None
-        # the lock outlives the longest renewal: every attempt timing out plus the waits
-        # between them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
-        self.lock_ttl = (
-            EXCHANGE_ATTEMPTS * exchange_timeout
-            + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
-            + LOCK_MARGIN
-        )
-        # how long a caller waits for other processes' renewal: it may arrive just after a
-        # holder took the lock and died (the lock expires within lock_ttl), and then see
-        # the next holder take it and need its whole renewal (within lock_ttl again)
-        self.wait_limit = 2 * self.lock_ttl
+        self.renewal_limit, self.wait_limit, lease = limits(exchange_timeout)
+        self.lock = RenewalLock(store, lease)
         # the parts get the callables themselves, not closures over this manager: no
         # reference cycle, so a manager is freed as soon as it is dropped
+        clock = self.clock
         self.renewer = Renewer(
-            store,
-            exchange,
-            self.policy,
-            self.breaker,
-            self.copy,
-            clock=self._clock,
-            sleep=sleep,
+            store, exchange, self.policy, self.breaker, self.copy, clock=clock, sleep=sleep
         )
         self.flight = SingleFlight(
             store,
+            self.lock,
             self.signal,
-            lock_ttl=self.lock_ttl,
-            wait_limit=self.wait_limit,
-            clock=self._clock,
+            self.renewal_limit,
+            self.wait_limit,
+            clock=clock,
             sleep=sleep,
         )
-        self._accepted = 0  # the highest generation this process recorded as accepted
-        self._forcing = 0  # the generation a thread of this process is renewing after a 401
+        self.refusals = Refusals(
+            store, self.copy, self.flight, self.lock, self.breaker, self.signal, self.clock
+        )
         self._remake_locks()
         _MANAGERS.add(self)  # its locks are remade in a forked child
 
     def _remake_locks(self) -> None:
-        self._forcing_changed = threading.Condition()
+        self.refusals.remake_locks()
         self.flight.remake_locks()
         self.copy.remake_lock()
+        self.lock.reset()
 
     def __repr__(self) -> str:
         return f"TokenManager(store={self.store!r})"
@@ -135,15 +133,6 @@ class TokenManager:
     @exchange.setter
     def exchange(self, exchange: Callable[[], IssuedToken]) -> None:
         self.renewer.exchange = exchange
-
-    @property
-    def clock(self) -> Clock:
-        """The store's clock, shared by every part."""
-        return self._clock
-
-    @clock.setter
-    def clock(self, clock: Clock) -> None:
-        self._clock = self.breaker.clock = self.renewer.clock = self.flight.clock = clock
 
     @property
     def sleep(self) -> Callable[[float], None]:
@@ -159,13 +148,15 @@ class TokenManager:
         """A token to call the API with; renews only when under the mandatory window."""
         copy = self.copy.trusted()
         if copy is not None and self.policy.usable(copy, self.clock()):
+            if self.refusals.known_refused(copy):  # its back-off is over: renew it
+                return self.renew(stale_token=copy)
             return copy
         try:
             now = self.clock()
             current = self.store.load()
         except StoreUnavailable:
             last = self.copy.last()
-            if last is not None and last.expires_at > self.clock():
+            if last is not None and last.valid_at(self.clock()):
                 log.warning("token store unavailable; using this process's copy of the token")
                 return last
             raise
@@ -173,8 +164,10 @@ class TokenManager:
             self.signal.start()  # from now on, this process hears of renewals elsewhere
         if self.policy.usable(current, now):
             assert current is not None
+            if self.refusals.known_refused(current):
+                return self.renew(stale_token=current)
             return self.copy.keep(current)
-        usable = current if current is not None and current.expires_at > now else None
+        usable = current if current is not None and current.valid_at(now) else None
         try:
             token = self._renew(
                 RenewalReason.MANDATORY,
@@ -183,7 +176,7 @@ class TokenManager:
                 probe=True,
             )
         except (TokenExchangeError, RenewalTimeout) as exc:
-            if usable is None or usable.expires_at <= self.clock():
+            if usable is None or not usable.valid_at(self.clock()):
                 raise
             log.warning("renewal failed (%s); the current token is still valid: using it", exc)
             return usable
@@ -191,15 +184,7 @@ class TokenManager:
 
     def accepted(self, token: Token) -> None:
         """The API accepted ``token``: record it, once per generation and process."""
-        if token.generation <= self._accepted:
-            return
-        self._accepted = token.generation
-        try:
-            self.store.mark_accepted(token.generation)
-        except (StoreUnavailable, RedisError) as exc:
-            # not retried with every call (each would wait for Redis): this process still
-            # knows, and the other processes using this generation record it too
-            log.warning("could not record that the API accepted a token: %s", type(exc).__name__)
+        self.refusals.accepted(token)
 
     # -- beat, operators, 401s -----------------------------------------------------------
 
@@ -212,7 +197,7 @@ class TokenManager:
         inside the advisory window (beat's scheduled check).
         """
         if stale_token is not None:
-            return self._renew_after_401(stale_token)
+            return self.refusals.renew_after(stale_token, self._renew_forced)
         if force:
             seen = self.store.generation()
             return self._renew(
@@ -224,99 +209,18 @@ class TokenManager:
             None,
         )
 
-    def _renew_after_401(self, stale: Token) -> Token:
-        prelude: Prelude | None = None
-        for _ in range(2):  # a second round if a sibling's renewal failed
-            newer = self._newer_copy(stale) or self._sibling_renewal(stale)
-            if newer is not None:
-                return newer  # a sibling thread got the token that replaces it
-            started = self.copy.now()
-            found, renewer, prelude = self._look_after_401(stale)
-            if found is not None:
-                return found
-            if renewer:  # this thread renews for the process
-                break
-        log.info("token %s was revoked: renewing", stale.fingerprint)
-        try:
-            return self.copy.keep(
-                self._renew(
-                    RenewalReason.FORCED,
-                    lambda t: (
-                        t is not None and t.value != stale.value and t.expires_at > self.clock()
-                    ),
-                    None,
-                    started=started,
-                    prelude=prelude,
-                )
-            )
-        finally:
-            with self._forcing_changed:
-                self._forcing = 0
-                self._forcing_changed.notify_all()
-
-    def _look_after_401(self, stale: Token) -> tuple[Token | None, bool, Prelude | None]:
-        """In this process's turn: a newer token (copy or store), or TokenRejected, or this
-        thread registered as the process's renewer of ``stale``'s generation, with its
-        look at the store and the lock (one round trip) as the renewal's first attempt."""
-        self.flight.take_turn(blocking=True)
-        lock = None
-        try:
-            newer = self._newer_copy(stale)
-            if newer is not None or self._forcing >= stale.generation:
-                return newer, False, None  # no token: a sibling renews; wait for it
-            heard = self.signal.heard if self.signal is not None else 0
-            current, lock, lock_busy = self.store.look_after_401(
-                stale.generation,
-                owner(),
-                self.lock_ttl,
-                CounterName.UNAUTHORIZED,
-                CounterName.LOCK_WAITS,
-                self.wait_limit,
-            )
-            if (
-                current is not None
-                and current.value != stale.value
-                and current.expires_at > self.clock()
-            ):
-                return self.copy.keep(current), False, None  # renewed elsewhere: CAS
-            accepted = self._accepted
-            if accepted < stale.generation:
-                accepted = max(accepted, self.store.accepted_generation())
-            if self.policy.judge_refusal(stale, accepted) == Refusal.NEVER_ACCEPTED:
-                self.store.count(CounterName.NEVER_ACCEPTED)
-                raise TokenRejected(never_accepted_message())
-            with self._forcing_changed:
-                self._forcing = stale.generation
-            prelude = Prelude(lock, heard) if lock is not None or lock_busy else None
-            lock = None  # handed over to the renewal
-            return None, True, prelude
-        finally:
-            if lock is not None:
-                release(lock)
-            self.flight.turn.release()
-
-    def _sibling_renewal(self, stale: Token) -> Token | None:
-        """While another thread of this process renews (or waits for the fleet's renewal
-        of) ``stale``'s generation, wait for its token rather than ask Redis too."""
-        with self._forcing_changed:
-            if self._forcing < stale.generation:
-                return None
-            self._forcing_changed.wait_for(
-                lambda: self._forcing < stale.generation, timeout=self.wait_limit
-            )
-        return self._newer_copy(stale)  # None if it failed: then this thread tries itself
-
-    def _newer_copy(self, stale: Token) -> Token | None:
-        """This process's copy if it is newer than ``stale`` and valid (no Redis read)."""
-        copy = self.copy.last()
-        if (
-            copy is not None
-            and copy.generation > stale.generation
-            and copy.value != stale.value
-            and copy.expires_at > self.clock()
-        ):
-            return copy
-        return None
+    def _renew_forced(
+        self, stale: Token, started: float, prelude: Prelude | None, first: Callable[[], None]
+    ) -> Token:
+        """Renew after a 401 on ``stale`` (``Refusals`` decided it): a token that replaces it."""
+        return self._renew(
+            RenewalReason.FORCED,
+            lambda t: t is not None and t.replaces(stale, self.clock()),
+            None,
+            started=started,
+            prelude=prelude,
+            first=first,
+        )
 
     # -- single flight -------------------------------------------------------------------
 
@@ -329,10 +233,12 @@ class TokenManager:
         started: float | None = None,
         probe: bool = False,
         prelude: Prelude | None = None,
+        first: Callable[[], None] | None = None,
     ) -> Token:
         """A token ``acceptable`` to the caller, exchanging at most once fleet-wide.
 
-        ``prelude``: the caller's own look at the store and the lock, as the first attempt.
+        ``prelude``: the caller's own look at the store and the lock, as the first attempt;
+        ``first``: run under the lock before the exchange (the forced-renewal budget).
         """
         since = self.copy.now() if started is None else started
         probing: list[bool] = []
@@ -352,12 +258,12 @@ class TokenManager:
                     return None
                 raise
 
-        return self.flight.run(
-            look,
-            lambda: self.renewer.renew(reason, probe=bool(probing)),
-            fallback,
-            prelude=prelude,
-        )
+        def renew() -> Token:
+            if first is not None:
+                first()
+            return self.renewer.renew(reason, probe=bool(probing))
+
+        return self.flight.run(look, renew, fallback, prelude=prelude)
 
 
 # A fork copies the locks as they are: one held by a parent's thread would stay held in the

@@ -3,7 +3,7 @@
 Exchange (the callable passed in: nothing here speaks HTTP), retrying a failing endpoint
 a few times; judge the answer against the stored token (docs/design.md, "An answer no
 better than the stored token"); store it, or mark the stored token final; wake the
-fleet's waiters; keep forced renewals within their budget (docs/design.md, "Refusals").
+fleet's waiters. Forced renewals spend their budget first (``refusals``).
 """
 
 from __future__ import annotations
@@ -33,15 +33,11 @@ from .exceptions import (
 from .exchange import IssuedToken
 from .local_copy import LocalCopy
 from .policy import (
-    FORCED_RENEWAL_BUDGET,
-    FORCED_RENEWAL_PERIOD,
-    CounterName,
     Outcome,
     RenewalPolicy,
-    budget_spent_message,
 )
-from .single_flight import owner
-from .store import TokenStore
+from .renewal_lock import process_owner
+from .store_protocol import Store
 from .token import RenewalReason, Token
 
 log = logging.getLogger(__name__)
@@ -56,7 +52,7 @@ ZERO_LIFETIME_RETRY = 1.0  # expires_in is in whole seconds: a token handed back
 class Renewer:
     """Exchanges for a new token and stores it, if it is better than the stored one."""
 
-    store: TokenStore
+    store: Store
     exchange: Callable[[], IssuedToken]
     policy: RenewalPolicy
     breaker: Breaker
@@ -71,18 +67,47 @@ class Renewer:
         one final."""
         expected = self.store.generation()
         current = self.store.load()
-        if current is not None and current.expires_at <= self.clock() < current.kept_until:
+        now = self.clock()
+        if current is not None and not current.valid_at(now) and now < current.kept_until:
             # a final token just expired on our clock may live on the server's for as long
             # as its exchange took: asking before then would be handed it back again
-            self.sleep(max(0.0, current.kept_until - self.clock()))
+            self.sleep(max(0.0, current.kept_until - now))
         issued_at = self.clock()  # before the exchange: the token is at least this old
-        if current is not None and current.expires_at <= issued_at:
+        if current is not None and not current.valid_at(issued_at):
             current = None
-        if reason == RenewalReason.FORCED:
-            self._spend_forced_budget(issued_at)
+        try:
+            issued = self._exchange(reason, current, attempts=1 if probe else EXCHANGE_ATTEMPTS)
+        except TokenExchangeError as exc:
+            self.store.records.record_renewal(reason, outcome_of(exc))
+            self.breaker.trip(exc)
+            raise
+        forced = reason == RenewalReason.FORCED
+        expires_at = issued_at + issued.expires_in
+        if current is not None and self.policy.no_better(issued.value, expires_at, current, forced):
+            self.store.records.record_renewal(reason, Outcome.UNCHANGED)
+            return self._keep_final(current, expected, forced)
+        self.store.records.record_renewal(reason, Outcome.OK)
+        token = Token(
+            value=issued.value,
+            issued_at=issued_at,
+            expires_at=expires_at,
+            generation=expected + 1,
+            renewed_by=process_owner(),
+            reason=reason,
+            lag=max(0.0, self.clock() - issued_at),
+        )
+        return self._store_new(token, expected, issued.expires_in)
 
-        def exchange() -> IssuedToken:
-            issued = self.exchange()
+    def _exchange(self, reason: RenewalReason, current: Token | None, attempts: int) -> IssuedToken:
+        """The exchange, retried while the endpoint fails; each HTTP attempt counted."""
+
+        def attempt() -> IssuedToken:
+            try:
+                issued = self.exchange()
+            except TokenExchangeError as exc:
+                self.store.records.record_attempt(reason, outcome_of(exc), self.clock())
+                raise
+            self.store.records.record_attempt(reason, Outcome.OK, self.clock())
             if issued.expires_in <= 0 and current is None:
                 # its last token, in its last second: a new one comes once that is over
                 raise TokenEndpointUnavailable(
@@ -101,45 +126,28 @@ class Renewer:
             ),
             wait=wait_random_exponential(multiplier=0.5, max=EXCHANGE_RETRY_WAIT_MAX)
             + wait_exception(lambda exc: getattr(exc, "retry_after", None) or 0.0),
-            stop=stop_after_attempt(1 if probe else EXCHANGE_ATTEMPTS),
+            stop=stop_after_attempt(attempts),
             sleep=self.sleep,
             reraise=True,
         )
-        try:
-            issued: IssuedToken = retrying(exchange)
-        except TokenExchangeError as exc:
-            self.store.record_exchange(reason, _outcome(exc), self.clock())
-            self.breaker.trip(exc)
-            raise
-        forced = reason == RenewalReason.FORCED
-        expires_at = issued_at + issued.expires_in
-        if current is not None and self.policy.no_better(issued.value, expires_at, current, forced):
-            self.store.record_exchange(reason, Outcome.UNCHANGED, self.clock())
-            return self._keep_final(current, expected, forced)
-        token = Token(
-            value=issued.value,
-            issued_at=issued_at,
-            expires_at=expires_at,
-            generation=expected + 1,
-            renewed_by=owner(),
-            reason=reason.value,
-            lag=max(0.0, self.clock() - issued_at),
-        )
+        issued: IssuedToken = retrying(attempt)
+        return issued
+
+    def _store_new(self, token: Token, expected: int, lifetime: float) -> Token:
         written, stored_generation = self.store.save(token)
-        self.store.record_exchange(reason, Outcome.OK, self.clock())
         if written:
             self._stored(token)
             log.info(
                 "renewed token for %s: generation %d, %s, valid %.0f s",
                 self.store.namespace,
                 token.generation,
-                reason,
-                issued.expires_in,
+                token.reason,
+                lifetime,
             )
             return token
         if stored_generation == expected:
             raise MalformedTokenResponse(
-                f"token endpoint issued a token valid {issued.expires_in:g} s, "
+                f"token endpoint issued a token valid {lifetime:g} s, "
                 "which expired before it could be stored"
             )
         return self._newer_than_ours(stored_generation)
@@ -183,18 +191,9 @@ class Renewer:
             raise RenewalTimeout("a newer token was stored during a slow exchange and expired")
         return newer
 
-    def _spend_forced_budget(self, now: float) -> None:
-        """Count a forced renewal; past the budget, open the breaker instead."""
-        spent = self.store.forced_in_period(now, FORCED_RENEWAL_PERIOD)
-        if spent >= FORCED_RENEWAL_BUDGET:
-            message = budget_spent_message(spent, FORCED_RENEWAL_PERIOD)
-            self.breaker.trip_revoked(FORCED_RENEWAL_PERIOD, message)
-            raise TokenRejected(message)
-        self.store.log_forced(now)
-        self.store.count(CounterName.FORCED_RENEWALS)
 
-
-def _outcome(exc: TokenExchangeError) -> Outcome:
+def outcome_of(exc: TokenExchangeError) -> Outcome:
+    """How an exchange that raised ``exc`` ended, in the counters' words."""
     if isinstance(exc, CredentialsRejected):
         return Outcome.REJECTED
     if isinstance(exc, ExchangeRateLimited):

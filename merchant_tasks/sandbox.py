@@ -276,11 +276,9 @@ class SandboxApp:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
-        self._tokens: dict[str, _Token] = {}
-        self._exchange_times: deque[float] = deque()  # admitted exchanges in the rate window
-        self._payments: dict[str, dict[str, Any]] = {}
-        self._idempotent: dict[str, tuple[Any, dict[str, Any]]] = {}  # key -> (body, payment)
-        self._counters = self._zero_counters()
+        self._tokens = _Tokens()  # behind self._lock
+        self._payments = _Payments(self._lock)
+        self._counters = _zero_counters()
         self._arrivals: Counter[str] = Counter()  # requests by path, never reset
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
@@ -293,7 +291,7 @@ class SandboxApp:
             response = self._call(request)
         else:
             try:
-                response = self._control(request)
+                response = _control(self, request)
             except _Refusal as refusal:
                 response = refusal.response
         return response(environ, start_response)
@@ -302,7 +300,7 @@ class SandboxApp:
         """Exchange, call and per-endpoint outcomes since the last reset, and live tokens."""
         with self._lock:
             now = self.clock.now()
-            active = sum(not t.revoked and now < t.expires_at for t in self._tokens.values())
+            active = self._tokens.active(now)
             return {**copy.deepcopy(self._counters), "active_tokens": active}
 
     def arrived(self, path: str) -> int:
@@ -313,18 +311,17 @@ class SandboxApp:
 
     def payments(self) -> list[dict[str, Any]]:
         """Every payment created, oldest first."""
-        with self._lock:
-            return copy.deepcopy(list(self._payments.values()))
+        return self._payments.all()
 
     def issued_tokens(self) -> list[str]:
         """Every token ever issued, for leak searches."""
         with self._lock:
-            return list(self._tokens)
+            return list(self._tokens.issued)
 
     def revoke_all(self) -> None:
         """Revoke every token issued so far."""
         with self._lock:
-            self._revoke_all_locked()
+            self._tokens.revoke_all()
 
     def reset_secret(self, new_secret: str | None = None) -> str:
         """Replace the secret and revoke every earlier token, as a dashboard reset does."""
@@ -333,7 +330,7 @@ class SandboxApp:
             raise ValueError("the new secret must be a non-empty string")
         with self._lock:
             self.config.secret = secret
-            self._revoke_all_locked()
+            self._tokens.revoke_all()
         return secret
 
     def configure(self, changes: Mapping[str, Any]) -> None:
@@ -348,17 +345,9 @@ class SandboxApp:
             for name, value in changes.items():
                 setattr(self.config, name, value)
 
-    def _revoke_all_locked(self) -> None:
-        for token in self._tokens.values():
-            token.revoked = True
-
-    @staticmethod
-    def _zero_counters() -> dict[str, Any]:
-        return {
-            "exchanges": dict.fromkeys(EXCHANGE_OUTCOMES, 0),
-            "calls": dict.fromkeys(CALL_OUTCOMES, 0),
-            "endpoints": {},
-        }
+    def reset_counters(self) -> None:
+        with self._lock:
+            self._counters = _zero_counters()
 
     def _snapshot(self) -> SandboxConfig:
         with self._lock:
@@ -377,7 +366,7 @@ class SandboxApp:
 
     def _issue(self, request: Request) -> Response:
         with self._lock:
-            wait = self._admit_exchange(self.config, self.clock.now())
+            wait = self._tokens.admit_exchange(self.config, self.clock.now())
         if wait is not None:
             retry_after = {"Retry-After": str(max(1, math.ceil(wait)))}
             raise _Refusal(429, "rate_limited", "too many token requests", retry_after)
@@ -398,41 +387,20 @@ class SandboxApp:
             if not (appid_ok and secret_ok):
                 raise _Refusal(401, "invalid_client", "unknown appid or wrong secret")
             now = self.clock.now()
-            live = self._live_token_locked(now) if cfg.hand_back_live_token else None
+            live = self._tokens.live(now) if cfg.hand_back_live_token else None
             if live is not None:
-                token, lifetime = live, self._tokens[live].expires_at - now
+                token, lifetime = live, self._tokens.issued[live].expires_at - now
             else:
                 if cfg.revoke_on_issue:
-                    self._revoke_all_locked()
+                    self._tokens.revoke_all()
                 token, lifetime = TOKEN_PREFIX + secrets.token_urlsafe(32), cfg.lifetime
-                self._tokens[token] = _Token(expires_at=now + lifetime)
+                self._tokens.issued[token] = _Token(expires_at=now + lifetime)
             grant: dict[str, Any] = {"access_token": token, "token_type": "Bearer"}
             if cfg.include_expires_in:
                 grant["expires_in"] = int(lifetime)
             if cfg.token_shape == "data":
                 grant = {"code": 0, "message": "ok", "data": grant}
         return _json(200, grant, {"Cache-Control": "no-store"})
-
-    def _live_token_locked(self, now: float) -> str | None:
-        """The last token issued, if it is neither revoked nor expired."""
-        if not self._tokens:
-            return None
-        last = next(reversed(self._tokens))  # dicts keep the order of issue
-        record = self._tokens[last]
-        return last if not record.revoked and now < record.expires_at else None
-
-    def _admit_exchange(self, cfg: SandboxConfig, now: float) -> float | None:
-        """Record an exchange in the sliding window, or return the seconds until a slot frees."""
-        if cfg.rate_limit is None:
-            return None
-        window = self._exchange_times
-        while window and window[0] <= now - cfg.rate_window:
-            window.popleft()
-        if len(window) >= cfg.rate_limit:
-            # The limit may have been lowered at runtime, so more than one may have to age out.
-            return window[-cfg.rate_limit] + cfg.rate_window - now
-        window.append(now)
-        return None
 
     def _inject(self, latency: float, error_rate: float, status: int) -> None:
         """Sleep the configured latency (outside the lock), then maybe fail on purpose."""
@@ -469,7 +437,7 @@ class SandboxApp:
         if scheme.lower() != "bearer" or not token or " " in token:
             raise _unauthorized("missing_token", "send Authorization: Bearer <access token>")
         with self._lock:
-            record = self._tokens.get(token)
+            record = self._tokens.issued.get(token)
             now = self.clock.now()
             refuse_all = self.config.refuse_all_calls
         if refuse_all:
@@ -494,58 +462,119 @@ class SandboxApp:
             body = _json_object(request)
             if "amount" not in body:
                 raise _Refusal(400, "invalid_body", "a payment needs an amount")
-            key = request.headers.get(IDEMPOTENCY_HEADER)
-            with self._lock:
-                if key is not None and key in self._idempotent:
-                    first_body, payment = self._idempotent[key]
-                    if first_body != body:
-                        raise _Refusal(
-                            422, "idempotency_key_reused", "this key came with another body"
-                        )
-                    return _json(201, payment, {"Idempotent-Replayed": "true"})
-                payment_id = f"pay_{len(self._payments) + 1}"
-                payment = {"id": payment_id, "amount": body["amount"], "status": "created"}
-                self._payments[payment_id] = payment
-                if key is not None:
-                    self._idempotent[key] = (body, payment)
-            return _json(201, payment)
-        with self._lock:  # get_payment
-            found = self._payments.get(args["id"])
+            return self._payments.create(body, request.headers.get(IDEMPOTENCY_HEADER))
+        return self._payments.get(args["id"])  # get_payment
+
+
+def _control(app: SandboxApp, request: Request) -> Response:
+    """The /_sandbox/ endpoints that tests and the command line drive the emulator with."""
+    endpoint = _route(_CONTROL_ROUTES, request)[1]
+    if endpoint == "counters":
+        return _json(200, app.counters())
+    if endpoint == "tokens":
+        return _json(200, {"tokens": app.issued_tokens()})
+    if endpoint == "revoke_all":
+        app.revoke_all()
+    elif endpoint == "reset_secret":
+        new_secret = (_json_object(request) if request.get_data() else {}).get("secret")
+        if new_secret is not None and not (isinstance(new_secret, str) and new_secret):
+            raise _Refusal(400, "invalid_body", "secret must be a non-empty string")
+        return _json(200, {"secret": app.reset_secret(new_secret)})
+    elif endpoint == "config":
+        try:
+            app.configure(_json_object(request) if request.method == "POST" else {})
+        except ValueError as exc:
+            raise _Refusal(400, "invalid_config", str(exc)) from None
+        cfg = app._snapshot()
+        return _json(200, {name: getattr(cfg, name) for name in _SETTABLE})
+    elif endpoint == "clock":
+        try:  # nan is refused like any other non-number
+            app.clock.advance(_json_object(request).get("advance", math.nan))
+        except ValueError as exc:
+            raise _Refusal(400, "invalid_body", str(exc)) from None
+        return _json(200, {"now": app.clock.now()})
+    else:  # reset_counters
+        app.reset_counters()
+    return _json(200, {"ok": True})
+
+
+class _Tokens:
+    """Every token issued, and the recent exchanges a rate limit counts (the app locks)."""
+
+    def __init__(self) -> None:
+        self.issued: dict[str, _Token] = {}  # in the order of issue
+        self._exchange_times: deque[float] = deque()  # admitted exchanges in the rate window
+
+    def active(self, now: float) -> int:
+        return sum(not t.revoked and now < t.expires_at for t in self.issued.values())
+
+    def revoke_all(self) -> None:
+        for token in self.issued.values():
+            token.revoked = True
+
+    def live(self, now: float) -> str | None:
+        """The last token issued, if it is neither revoked nor expired."""
+        if not self.issued:
+            return None
+        last = next(reversed(self.issued))  # dicts keep the order of issue
+        record = self.issued[last]
+        return last if not record.revoked and now < record.expires_at else None
+
+    def admit_exchange(self, cfg: SandboxConfig, now: float) -> float | None:
+        """Record an exchange in the sliding window, or return the seconds until a slot frees."""
+        if cfg.rate_limit is None:
+            return None
+        window = self._exchange_times
+        while window and window[0] <= now - cfg.rate_window:
+            window.popleft()
+        if len(window) >= cfg.rate_limit:
+            # The limit may have been lowered at runtime, so more than one may have to age out.
+            return window[-cfg.rate_limit] + cfg.rate_window - now
+        window.append(now)
+        return None
+
+
+def _zero_counters() -> dict[str, Any]:
+    return {
+        "exchanges": dict.fromkeys(EXCHANGE_OUTCOMES, 0),
+        "calls": dict.fromkeys(CALL_OUTCOMES, 0),
+        "endpoints": {},
+    }
+
+
+class _Payments:
+    """The emulator's payments and their idempotency keys, behind the app's lock."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._by_id: dict[str, dict[str, Any]] = {}
+        self._idempotent: dict[str, tuple[Any, dict[str, Any]]] = {}  # key -> (body, payment)
+
+    def all(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(list(self._by_id.values()))
+
+    def create(self, body: dict[str, Any], key: str | None) -> Response:
+        """A new payment, or the first one made with ``key`` (same body only)."""
+        with self._lock:
+            if key is not None and key in self._idempotent:
+                first_body, payment = self._idempotent[key]
+                if first_body != body:
+                    raise _Refusal(422, "idempotency_key_reused", "this key came with another body")
+                return _json(201, payment, {"Idempotent-Replayed": "true"})
+            payment_id = f"pay_{len(self._by_id) + 1}"
+            payment = {"id": payment_id, "amount": body["amount"], "status": "created"}
+            self._by_id[payment_id] = payment
+            if key is not None:
+                self._idempotent[key] = (body, payment)
+        return _json(201, payment)
+
+    def get(self, payment_id: str) -> Response:
+        with self._lock:
+            found = self._by_id.get(payment_id)
         if found is None:
             raise _Refusal(404, "not_found", "no such payment")
         return _json(200, found)
-
-    def _control(self, request: Request) -> Response:
-        """The /_sandbox/ endpoints that tests and the command line drive the emulator with."""
-        endpoint = _route(_CONTROL_ROUTES, request)[1]
-        if endpoint == "counters":
-            return _json(200, self.counters())
-        if endpoint == "tokens":
-            return _json(200, {"tokens": self.issued_tokens()})
-        if endpoint == "revoke_all":
-            self.revoke_all()
-        elif endpoint == "reset_secret":
-            new_secret = (_json_object(request) if request.get_data() else {}).get("secret")
-            if new_secret is not None and not (isinstance(new_secret, str) and new_secret):
-                raise _Refusal(400, "invalid_body", "secret must be a non-empty string")
-            return _json(200, {"secret": self.reset_secret(new_secret)})
-        elif endpoint == "config":
-            try:
-                self.configure(_json_object(request) if request.method == "POST" else {})
-            except ValueError as exc:
-                raise _Refusal(400, "invalid_config", str(exc)) from None
-            cfg = self._snapshot()
-            return _json(200, {name: getattr(cfg, name) for name in _SETTABLE})
-        elif endpoint == "clock":
-            try:  # nan is refused like any other non-number
-                self.clock.advance(_json_object(request).get("advance", math.nan))
-            except ValueError as exc:
-                raise _Refusal(400, "invalid_body", str(exc)) from None
-            return _json(200, {"now": self.clock.now()})
-        else:  # reset_counters
-            with self._lock:
-                self._counters = self._zero_counters()
-        return _json(200, {"ok": True})
 
 
 class _RequestHandler(WSGIRequestHandler):

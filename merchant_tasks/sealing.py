@@ -13,7 +13,9 @@ rotated out: values sealed with it still open, new ones are sealed with the curr
 A process that cannot open the stored value (no key, or another key) raises
 ``TokenUnreadable`` naming MERCHANT_TOKEN_KEY_FILE before any exchange: renewing over the
 token would make hosts with different keys overwrite each other's tokens in a loop. A value
-stored in clear (before sealing was turned on) is still read, and the next renewal seals it.
+stored in clear where a key is configured (before sealing was turned on, or written by
+someone else) is not trusted: it reads as absent (``ValueError``, see ``store``), and the
+next renewal stores a sealed token over it.
 
 AES-GCM comes from the ``cryptography`` package, the ``encryption`` extra:
 ``pip install 'merchant-tasks[encryption]'``.
@@ -90,7 +92,7 @@ class Sealer:
 
     def open(self, stored: str, namespace: str) -> str:
         if not stored.startswith(SEALED_PREFIX):
-            return stored  # stored in clear before sealing was turned on
+            raise ValueError("a token stored in clear where tokens are sealed")
         try:
             blob = base64.urlsafe_b64decode(stored[len(SEALED_PREFIX) :])
         except (binascii.Error, ValueError):

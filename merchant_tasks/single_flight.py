@@ -12,15 +12,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 
-from redis.exceptions import LockError, RedisError
-from redis.lock import Lock
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -31,8 +26,8 @@ from tenacity import (
 )
 
 from .exceptions import RenewalTimeout
-from .policy import CounterName
-from .store import TokenStore
+from .renewal_lock import RenewalLock
+from .store_protocol import Store
 from .token import Token
 from .wakeup import RenewalSignal
 
@@ -48,10 +43,10 @@ Look = Callable[[], Token | None]
 @dataclass(frozen=True)
 class Prelude:
     """A caller's own first look at the store, made in one round trip with the lock attempt
-    (``TokenStore.look_after_401``): the lock it took (None: another holds it, and the wait
-    is counted), and the announcements heard before it looked."""
+    (``TokenStore.look_after_401``): whether it took the lock (False: another holds it,
+    and the wait is counted), and the announcements heard before it looked."""
 
-    lock: Lock | None
+    locked: bool
     heard: int
 
 
@@ -59,11 +54,12 @@ class Prelude:
 class SingleFlight:
     """Runs a renewal once fleet-wide; the others get its token, or keep a valid one."""
 
-    store: TokenStore
+    store: Store
+    lock: RenewalLock
     signal: RenewalSignal | None  # None: no announcements, waits poll the store
-    _: KW_ONLY
-    lock_ttl: float  # seconds the fleet's lock lives: the longest renewal, and a margin
+    renewal_limit: float  # seconds the longest renewal takes: every attempt and wait
     wait_limit: float  # seconds a caller waits for another's renewal
+    _: KW_ONLY
     clock: Callable[[], float]
     sleep: Callable[[float], None]
 
@@ -79,12 +75,12 @@ class SingleFlight:
         """Take this process's turn; without ``blocking``, only if no other thread has it.
 
         A blocking wait lasts at most one attempt of another thread: an exchange and its
-        retries, bounded by the lock TTL (then the caller's own deadline decides)."""
+        retries, bounded by ``renewal_limit`` (then the caller's own deadline decides)."""
         if not blocking:
             return self.turn.acquire(blocking=False)
-        if not self.turn.acquire(timeout=self.lock_ttl):
+        if not self.turn.acquire(timeout=self.renewal_limit):
             raise RenewalTimeout(
-                f"waited {self.lock_ttl:.1f} s for another thread of this process to renew"
+                f"waited {self.renewal_limit:.1f} s for another thread of this process to renew"
             )
         return True
 
@@ -108,15 +104,15 @@ class SingleFlight:
 
         def attempt() -> Token | None:
             stale_generation = self.store.seen_generation
-            has_fallback = fallback is not None and fallback.expires_at > self.clock()
+            has_fallback = fallback is not None and fallback.valid_at(self.clock())
             if not self.take_turn(blocking=not has_fallback):
                 return fallback  # another thread of this process is renewing; keep using it
             try:
                 if pending:
                     first = pending.pop()
                     heard[0] = first.heard
-                    lock = first.lock
-                    if lock is None:
+                    locked = first.locked
+                    if not locked:
                         wait_noted.append(True)  # by the prelude
                 else:
                     heard[0] = self.signal.heard if self.signal is not None else 0
@@ -124,25 +120,29 @@ class SingleFlight:
                     if found is not None:
                         return found
                     stale_generation = self.store.seen_generation  # what look() found
-                    lock = self.store.lock(self.lock_ttl)
-                    if not lock.acquire(token=owner()):
-                        lock = None
-                if lock is not None:
+                    locked = self.lock.acquire()
+                if locked:
                     try:
                         # look again: the holder we waited for may have stored a token, or
                         # failed and paused exchanges (breakers only open under the lock)
                         return look() or renew()
                     finally:
-                        release(lock)
+                        self.lock.release()
             finally:
                 self.turn.release()
-            if fallback is not None and fallback.expires_at > self.clock():
+            if fallback is not None and fallback.valid_at(self.clock()):
                 return fallback
-            if not wait_noted and self.store.note_wait(
-                stale_generation, CounterName.LOCK_WAITS, self.wait_limit
-            ):
+            if not wait_noted and self.store.note_wait(stale_generation, self.wait_limit):
                 wait_noted.append(True)
             return None
+
+        token = self._waiting(heard)(attempt)
+        assert token is not None  # the retry only ends on a token or an error
+        return token
+
+    def _waiting(self, heard: list[int]) -> Retrying:
+        """Attempts until one gives a token: woken by an announcement after ``heard[0]``,
+        or after a bounded poll; RenewalTimeout after ``wait_limit``."""
 
         def wait(seconds: float) -> None:
             if self.signal is not None and self.signal.listening:
@@ -150,7 +150,7 @@ class SingleFlight:
             else:
                 self.sleep(seconds)
 
-        wait_for_holder = Retrying(
+        return Retrying(
             retry=retry_if_result(lambda token: token is None),
             wait=wait_random_exponential(multiplier=POLL_INITIAL, max=POLL_MAX),
             stop=stop_after_delay(self.wait_limit)
@@ -158,27 +158,9 @@ class SingleFlight:
             sleep=wait,
             retry_error_callback=self._holder_too_slow,
         )
-        token = wait_for_holder(attempt)
-        assert token is not None  # the retry only ends on a token or an error
-        return token
 
     def _holder_too_slow(self, state: RetryCallState) -> Token:
         holder = self.store.lock_holder() or "nobody (it expired)"
         raise RenewalTimeout(
             f"waited {state.seconds_since_start:.1f} s for the token renewal held by {holder}"
         )
-
-
-def owner() -> str:
-    """Who renews: host and process, plus a nonce so each lock acquisition is distinct."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def release(lock: Lock) -> None:
-    """Release the renewal lock; one that expired or cannot be reached is only logged."""
-    try:
-        lock.release()
-    except LockError:
-        log.warning("the renewal lock expired before its holder released it")
-    except RedisError as exc:  # the lock's TTL frees it for the next renewal anyway
-        log.warning("could not release the renewal lock: %s", type(exc).__name__)

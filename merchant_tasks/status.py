@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .settings import Settings
-from .store import TokenStore
+from .store_protocol import Store
 from .token import TokenState
 
 HOUR = 3600.0
 DAY = 86400.0
+
+
+class AccountState(enum.StrEnum):
+    """Where an account's stored token stands (a ``TokenState``, or none stored)."""
+
+    FRESH = TokenState.FRESH.value
+    ADVISORY = TokenState.ADVISORY.value
+    MANDATORY = TokenState.MANDATORY.value
+    EXPIRED = TokenState.EXPIRED.value
+    MISSING = "missing"
 
 
 @dataclass(frozen=True)
@@ -21,7 +32,7 @@ class AccountStatus:
     environment: str
     api_key: str
     now: float
-    state: str  # fresh / advisory / mandatory / expired / missing
+    state: AccountState
     generation: int | None = None
     fingerprint: str | None = None  # a short hash: tells tokens apart, reveals nothing
     issued_at: float | None = None
@@ -39,17 +50,17 @@ class AccountStatus:
     @property
     def healthy(self) -> bool:
         """A token is usable outside the mandatory window and no breaker is open."""
-        return self.state in ("fresh", "advisory") and self.breaker is None
+        return self.state in (AccountState.FRESH, AccountState.ADVISORY) and self.breaker is None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def account_status(name: str, settings: Settings, store: TokenStore) -> AccountStatus:
+def account_status(name: str, settings: Settings, store: Store) -> AccountStatus:
     """Read one account's status from its store."""
     now = store.time()
     token = store.load()
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     breaker = None
     if record is not None and record.until > now:
         breaker = {
@@ -63,18 +74,18 @@ def account_status(name: str, settings: Settings, store: TokenStore) -> AccountS
         "environment": settings.environment,
         "api_key": settings.api_key,
         "now": now,
-        "exchanges_last_hour": store.exchanges_since(now - HOUR),
-        "exchanges_last_day": store.exchanges_since(now - DAY),
+        "exchanges_last_hour": store.records.exchanges_since(now - HOUR),
+        "exchanges_last_day": store.records.exchanges_since(now - DAY),
         "breaker": breaker,
         "lock_holder": store.lock_holder(),
-        "counters": store.counters(),
-        "histograms": store.histograms(),
+        "counters": store.records.counters(),
+        "histograms": store.records.histograms(),
     }
     if token is None:
-        return AccountStatus(state="missing", **common)
+        return AccountStatus(state=AccountState.MISSING, **common)
     state = token.state(now, settings.renew_before, settings.renew_mandatory)
     return AccountStatus(
-        state=state.value,
+        state=AccountState(state),
         generation=token.generation,
         fingerprint=token.fingerprint,
         issued_at=token.issued_at,

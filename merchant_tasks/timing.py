@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 
 from .exchange import IssuedToken
-from .store import LOCK_WAIT_SECONDS, TokenStore
+from .store import LOCK_WAIT_SECONDS
+from .store_protocol import Store
 
 EXCHANGE_SECONDS = "exchange_seconds"  # one token exchange attempt, any outcome
 HISTOGRAMS = {
@@ -29,7 +30,7 @@ class TimedExchange:
     def __init__(
         self,
         exchange: Callable[[], IssuedToken],
-        store: TokenStore,
+        store: Store,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.exchange = exchange
@@ -41,7 +42,7 @@ class TimedExchange:
         try:
             return self.exchange()
         finally:
-            self.store.observe(EXCHANGE_SECONDS, self._monotonic() - started)
+            self.store.records.observe(EXCHANGE_SECONDS, self._monotonic() - started)
 
     def __repr__(self) -> str:
         return f"TimedExchange({self.exchange!r})"

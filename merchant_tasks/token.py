@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 
 
@@ -38,7 +39,7 @@ class Token:
     expires_at: float
     generation: int
     renewed_by: str = ""
-    reason: str = ""  # a RenewalReason (a str); "" for tokens stored by older versions
+    reason: RenewalReason | None = None  # None for tokens stored by older versions
     final: bool = False  # the token endpoint hands this token back until it expires:
     # renewing before expiry is futile (docs/design.md, "An answer no better")
     lag: float = 0.0  # seconds the issuing exchange took: the server's expiry is at most
@@ -57,6 +58,17 @@ class Token:
 
     def time_left(self, now: float) -> float:
         return self.expires_at - now
+
+    def valid_at(self, now: float) -> bool:
+        """Whether the token can still be sent at ``now``."""
+        return self.expires_at > now
+
+    def replaces(self, stale: Token, now: float) -> bool:
+        """Whether this token stands in for ``stale``, which the API refused: a later
+        generation, another value, and still valid at ``now``."""
+        return (
+            self.generation > stale.generation and self.value != stale.value and self.valid_at(now)
+        )
 
     def state(self, now: float, renew_before: float, renew_mandatory: float) -> TokenState:
         """FRESH, ADVISORY, MANDATORY or EXPIRED at ``now`` for the given windows.
@@ -90,7 +102,7 @@ class Token:
                 "expires_at": self.expires_at,
                 "generation": self.generation,
                 "renewed_by": self.renewed_by,
-                "reason": self.reason,
+                "reason": self.reason or "",
                 "final": self.final,
                 "lag": self.lag,
             },
@@ -99,17 +111,26 @@ class Token:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Token:
+        """The token in its stored form; ValueError for anything else."""
         data = json.loads(raw)
-        return cls(
-            value=str(data["value"]),
-            issued_at=float(data["issued_at"]),
-            expires_at=float(data["expires_at"]),
-            generation=int(data["generation"]),
-            renewed_by=str(data.get("renewed_by", "")),
-            reason=str(data.get("reason", "")),
-            final=bool(data.get("final", False)),
-            lag=float(data.get("lag", 0.0)),
-        )
+        if not isinstance(data, dict) or not isinstance(data.get("value"), str):
+            raise ValueError("not a stored token")
+        try:
+            token = cls(
+                value=data["value"],
+                issued_at=float(data["issued_at"]),
+                expires_at=float(data["expires_at"]),
+                generation=int(data["generation"]),
+                renewed_by=str(data.get("renewed_by", "")),
+                reason=RenewalReason(data["reason"]) if data.get("reason") else None,
+                final=bool(data.get("final", False)),
+                lag=float(data.get("lag", 0.0)),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a stored token ({type(exc).__name__})") from None
+        if not all(map(math.isfinite, (token.issued_at, token.expires_at, token.lag))):
+            raise ValueError("not a stored token (a time that is not finite)")
+        return token
 
 
 def fingerprint(secret_or_token: str) -> str:

@@ -19,11 +19,11 @@ import time
 import weakref
 from typing import Any
 
-import redis
 from redis.client import PubSub
 
+from .redis_commands import REDIS_ERRORS
 from .redis_topology import StoreClient
-from .store import TokenStore
+from .store import TokenStore, open_subscription
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class RenewalSignal:
 
     def __init__(self, store: TokenStore) -> None:
         self._redis = store.redis
-        self.channel = store.renewed_channel
+        self.channel = store.keys.renewed
         self.heard = 0  # announcements heard so far; waiters wait for it to grow
         self._reset_after_fork()
         _SIGNALS.add(self)
@@ -137,8 +137,7 @@ class _Subscriber:
         """The subscriber thread: takes up new channels each tick, ends when none is left."""
         pubsub: PubSub | None = None
         try:
-            # Redis and RedisCluster both make their own kind of PubSub here
-            pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]
+            pubsub = open_subscription(self._client)
             subscribed: set[str] = set()
             while True:
                 wanted = self._wanted()
@@ -147,12 +146,12 @@ class _Subscriber:
                 if wanted - subscribed:
                     pubsub.subscribe(*(wanted - subscribed))
                 if subscribed - wanted:
-                    pubsub.unsubscribe(*(subscribed - wanted))
+                    pubsub.unsubscribe(*(subscribed - wanted))  # type: ignore[no-untyped-call]
                 subscribed = wanted
                 message: dict[str, Any] | None = pubsub.get_message(timeout=LISTEN_TICK)
                 if message is not None:
                     self._deliver(message)  # holds no signal across ticks: they may end
-        except (redis.RedisError, OSError, ValueError, AttributeError) as exc:
+        except (*REDIS_ERRORS, OSError, ValueError, AttributeError) as exc:
             log.info(
                 "renewal announcements lost (%s); waiters poll until resubscribed",
                 type(exc).__name__,
@@ -160,7 +159,7 @@ class _Subscriber:
             self._stopped()
         finally:
             if pubsub is not None:
-                with contextlib.suppress(redis.RedisError, OSError):
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
                     pubsub.close()
 
     def _stopped(self) -> None:

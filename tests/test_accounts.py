@@ -384,7 +384,10 @@ api_secret_file = "{production_secret}"
     assert stores["default"].namespace != stores["live"].namespace
     assert stores["default"].generation() == 2
     assert stores["live"].generation() == 1
-    assert stores["live"].counters() == {"exchanges:mandatory:ok": 1}
+    assert stores["live"].records.counters() == {
+        "renewals:mandatory:ok": 1,
+        "exchange_attempts:mandatory:ok": 1,
+    }
 
 
 # -- accounts from the platform's own source ---------------------------------------------

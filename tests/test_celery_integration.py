@@ -57,11 +57,11 @@ def _settled_exchanges(fleet: Fleet, sandbox: MerchantSandbox) -> tuple[int, dic
     seen: list[tuple[int, dict[str, int]]] = []
 
     def settled() -> bool:
-        before = store.counters()
+        before = store.records.counters()
         issued = sandbox.exchanges()["ok"]
-        after = store.counters()
+        after = store.records.counters()
         recorded = sum(
-            v for k, v in after.items() if k.startswith("exchanges:") and k.endswith(":ok")
+            v for k, v in after.items() if k.startswith("renewals:") and k.endswith(":ok")
         )
         seen.append((issued, after))
         return before == after and recorded == issued
@@ -100,7 +100,7 @@ def test_beat_renews_in_the_advisory_window_while_calls_flow_without_a_401(
     fleet.start_beat("b")
     fleet.wait_ready()
     # the first token may come from that call, if it ran before beat's first tick
-    first_mandatory = fleet.store().counters().get("exchanges:mandatory:ok", 0)
+    first_mandatory = fleet.store().records.counters().get("renewals:mandatory:ok", 0)
 
     results = fleet.send_calls_until(
         lambda: merchant_sandbox.exchanges()["ok"] >= 3,
@@ -110,9 +110,9 @@ def test_beat_renews_in_the_advisory_window_while_calls_flow_without_a_401(
     fleet.expect_all_ok(results)
 
     _, counters = _settled_exchanges(fleet, merchant_sandbox)
-    assert counters.get("exchanges:scheduled:ok", 0) >= 2, counters
-    assert counters.get("exchanges:mandatory:ok", 0) == first_mandatory, counters
-    assert counters.get("exchanges:forced:ok", 0) == 0, counters
+    assert counters.get("renewals:scheduled:ok", 0) >= 2, counters
+    assert counters.get("renewals:mandatory:ok", 0) == first_mandatory, counters
+    assert counters.get("renewals:forced:ok", 0) == 0, counters
     assert merchant_sandbox.calls()["unauthorized"] == 0
 
 
@@ -133,7 +133,7 @@ def test_a_revoke_all_storm_through_tasks_costs_exactly_one_exchange(
     assert [fleet.get(r) for r in results] == [{"ok": True}] * 40
     assert merchant_sandbox.exchanges()["ok"] == before + 1
     assert merchant_sandbox.calls()["unauthorized"] >= 1  # the storm did meet the revoked token
-    assert fleet.store().counters().get("exchanges:forced:ok", 0) == 1
+    assert fleet.store().records.counters().get("renewals:forced:ok", 0) == 1
 
 
 # -- 4. two beats --------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_two_beats_at_once_do_not_double_the_token_exchanges(
     # consecutive renewals are at least lifetime - renew_before apart, whoever asks
     assert exchanges <= math.ceil(run / (LIFETIME - RENEW_BEFORE)) + 1, (exchanges, run)
     assert exchanges >= 2
-    assert counters.get("exchanges:scheduled:ok", 0) == exchanges, counters
+    assert counters.get("renewals:scheduled:ok", 0) == exchanges, counters
     assert merchant_sandbox.exchanges()["rejected"] == 0
 
 
@@ -185,10 +185,10 @@ def test_beat_renews_each_account_in_its_own_task_and_a_failing_account_delays_n
         TokenStore.namespace_for(fleet.key_prefix, "sandbox", refused_key),
     )
     assert refused.generation() == 0
-    assert refused.counters().get("exchanges:scheduled:rejected", 0) >= 1
-    counters = default.counters()
-    assert counters.get("exchanges:scheduled:ok", 0) >= 2, counters
-    assert counters.get("exchanges:mandatory:ok", 0) == 0, counters
+    assert refused.records.counters().get("renewals:scheduled:rejected", 0) >= 1
+    counters = default.records.counters()
+    assert counters.get("renewals:scheduled:ok", 0) >= 2, counters
+    assert counters.get("renewals:mandatory:ok", 0) == 0, counters
 
 
 # -- 5. beat down --------------------------------------------------------------------------
@@ -206,9 +206,9 @@ def test_with_beat_down_workers_renew_in_the_mandatory_window(
     exchanges = merchant_sandbox.exchanges()["ok"]
     run = time.monotonic() - started
 
-    counters = fleet.store().counters()
-    assert counters.get("exchanges:mandatory:ok", 0) >= 2, counters
-    assert counters.get("exchanges:mandatory:ok", 0) == exchanges, counters
+    counters = fleet.store().records.counters()
+    assert counters.get("renewals:mandatory:ok", 0) >= 2, counters
+    assert counters.get("renewals:mandatory:ok", 0) == exchanges, counters
     assert exchanges <= math.ceil(run / (LIFETIME - RENEW_MANDATORY)) + 1, (exchanges, run)
     assert merchant_sandbox.calls()["unauthorized"] == 0
 
@@ -288,7 +288,7 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
         if merchant_sandbox.calls()["unauthorized"] >= 1:
             break
     assert merchant_sandbox.calls()["unauthorized"] >= 1
-    assert store.counters().get("exchanges:forced:ok", 0) >= 1
+    assert store.records.counters().get("renewals:forced:ok", 0) >= 1
 
     missing = fleet.call("GET", "/open-api/v1/payments/pay_does_not_exist")
     assert isinstance(missing.get(timeout=RESULT_TIMEOUT, propagate=False), ApiError)
@@ -322,7 +322,7 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
         if name == monitor.log.name:
             continue
         texts[name] = text.encode()
-    token_key = store.token_key
+    token_key = store.keys.token
     lines = monitor.log_text().splitlines()
     assert len(lines) > 100, "the monitor saw almost nothing"
     # the one place a token may be: commands writing or reading the token key

@@ -27,7 +27,7 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import TOKEN_PATH
 from merchant_tasks.store import TokenStore
-from merchant_tasks.token import Token, fingerprint
+from merchant_tasks.token import RenewalReason, Token, fingerprint
 
 BASE_URL = "https://api.example.test"
 ORDERS = "/open-api/v1/orders"
@@ -269,7 +269,7 @@ def test_no_request_is_sent_when_no_token_can_be_had(
 # -- 401 ---------------------------------------------------------------------------------
 
 
-def refused_while_another_host_renews(store: TokenStore, reason: str) -> Reply:
+def refused_while_another_host_renews(store: TokenStore, reason: RenewalReason) -> Reply:
     """A 401 answered while another host stores the next generation, ``tok-from-another-host``."""
 
     def reply(request: requests.PreparedRequest) -> requests.Response:
@@ -292,14 +292,16 @@ def test_a_401_on_a_token_accepted_before_renews_once_and_retries_with_the_new_t
     first, second = token_values(exchange)
     assert [sent.bearer for sent in transport.sent] == [first, first, second]
     assert len(exchange.calls) == 2
-    counters = store.counters()
+    counters = store.records.counters()
     assert (counters["unauthorized"], counters["forced_renewals"]) == (1, 1)
 
 
 def test_a_401_uses_a_token_another_process_renewed_meanwhile(
     client: FleetClient, transport: FakeTransport, exchange: FakeExchange, store: TokenStore
 ) -> None:
-    transport.reply(refused_while_another_host_renews(store, "forced"), response(200, {"ok": 1}))
+    transport.reply(
+        refused_while_another_host_renews(store, RenewalReason.FORCED), response(200, {"ok": 1})
+    )
     assert client.request("GET", ORDERS) == {"ok": 1}
     assert transport.sent[1].bearer == "tok-from-another-host"
     assert len(exchange.calls) == 1  # theirs was used: no exchange of our own
@@ -323,7 +325,7 @@ def test_a_401_on_a_token_renewed_elsewhere_just_before_a_revocation_renews_once
 ) -> None:
     """Another process renewed, then every token was revoked: one exchange, no failure."""
     client.request("GET", ORDERS)  # the first token is accepted
-    renewed_elsewhere = refused_while_another_host_renews(store, "scheduled")
+    renewed_elsewhere = refused_while_another_host_renews(store, RenewalReason.SCHEDULED)
     transport.reply(renewed_elsewhere, response(401), response(200, {"ok": 1}))
     assert client.request("GET", ORDERS) == {"ok": 1}
     assert [sent.bearer for sent in transport.sent[2:]] == [

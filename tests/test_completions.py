@@ -9,9 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import dead_redis
-from merchant_tasks.completions import REDELIVERED_COUNTER, CompletionRecords
+from merchant_tasks.completions import CompletionRecords
 from merchant_tasks.metrics import FleetCollector
-from merchant_tasks.status import AccountStatus, format_status
+from merchant_tasks.policy import CounterName
+from merchant_tasks.status import AccountState, AccountStatus, format_status
 from merchant_tasks.store import TokenStore
 
 VISIBILITY_TIMEOUT = 3600.0
@@ -33,7 +34,7 @@ def test_a_recorded_call_is_found_with_its_result_and_the_redelivery_is_counted(
 
     assert earlier is not None
     assert earlier.result == result
-    assert records.store.counters() == {REDELIVERED_COUNTER: 1}
+    assert records.store.records.counters() == {CounterName.REDELIVERED: 1}
 
 
 def test_an_empty_body_is_a_completed_call_too(records: CompletionRecords) -> None:
@@ -46,16 +47,16 @@ def test_an_empty_body_is_a_completed_call_too(records: CompletionRecords) -> No
 def test_a_call_never_recorded_is_not_found_and_not_counted(records: CompletionRecords) -> None:
     records.record("task-1", {"ok": True})
     assert records.earlier_run("task-2") is None
-    assert records.store.counters() == {}
+    assert records.store.records.counters() == {}
 
 
 def test_a_record_lives_twice_the_visibility_timeout_under_the_accounts_namespace(
-    records: CompletionRecords,
+    records: CompletionRecords, redis_store: TokenStore
 ) -> None:
     records.record("task-1", {"ok": True})
-    key = records.key("task-1")
+    key = records.store.keys.completed("task-1")
     assert key == f"{records.store.namespace}:completed:task-1"
-    ttl = records.store.redis.pttl(key)
+    ttl = redis_store.redis.pttl(key)
     assert VISIBILITY_TIMEOUT * 1000 < ttl <= TTL * 1000
 
 
@@ -78,8 +79,8 @@ def test_status_and_metrics_show_the_redelivered_calls_answered_from_their_recor
         environment="sandbox",
         api_key="k",
         now=0.0,
-        state="missing",
-        counters={REDELIVERED_COUNTER: 3},
+        state=AccountState.MISSING,
+        counters={CounterName.REDELIVERED: 3},
     )
     assert "redelivered_completed_calls=3" in format_status(status)
     registry = CollectorRegistry(auto_describe=False)

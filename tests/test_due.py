@@ -161,6 +161,9 @@ def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_n
         "shop-4",
         "shop-5",
     ]
+    redis_client.delete(f"{namespace_of(s[0])}:token")
+    redis_client.hset(f"{namespace_of(s[0])}:token", "a", "b")  # the wrong type: due too
+    assert due_accounts(accounts, lambda url: redis_client)[0] == "shop-0"
 
 
 def test_tokens_issued_together_fall_due_over_the_window_not_at_once(

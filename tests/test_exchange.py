@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import email.utils
+import http.server
 import json
 import logging
 import math
+import select
+import socket
 import string
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from conftest import make_manager
 from fake_http import FakeTransport, Reply, response, session_with
 from merchant_tasks.exceptions import (
     ConfigurationError,
@@ -30,13 +35,18 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import (
     MAX_RETRY_AFTER,
+    MAX_TOKEN_LENGTH,
+    TOKEN_BODY_LIMIT,
     TOKEN_PATH,
     IssuedToken,
     TokenExchange,
     classify,
     parse_retry_after,
 )
+from merchant_tasks.local import wait_until
+from merchant_tasks.local_copy import LOCAL_COPY_TTL
 from merchant_tasks.settings import Secret, Settings
+from merchant_tasks.store import TokenStore
 
 BASE_URL = "https://api.example.test"
 API_KEY = "app-id-1234"
@@ -441,3 +451,121 @@ def test_the_secret_never_reaches_logs_errors_or_repr(
     for record in caplog.records:
         assert SECRET not in record.getMessage()
         assert SECRET not in repr(record.args)
+
+
+# -- sizes and the total deadline ----------------------------------------------------------
+
+
+def test_a_token_longer_than_8_kib_is_a_malformed_response() -> None:
+    long_token = "a" * (MAX_TOKEN_LENGTH + 1)
+    with pytest.raises(MalformedTokenResponse, match="longer than 8 KiB"):
+        exchange_with(ok({"access_token": long_token, "expires_in": 7200}))()
+
+
+def test_a_token_response_longer_than_64_kib_is_a_malformed_response() -> None:
+    body = {"access_token": TOKEN_VALUE, "expires_in": 7200, "padding": "x" * TOKEN_BODY_LIMIT}
+    with pytest.raises(MalformedTokenResponse, match="longer than 64 KiB"):
+        exchange_with(ok(body))()
+
+
+class _Dripping(http.server.BaseHTTPRequestHandler):
+    """Answers the token request with its headers at once, then one body byte at a time."""
+
+    server: _DripServer
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        body = json.dumps({"access_token": TOKEN_VALUE, "expires_in": 7200}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        with self.server.lock:
+            self.server.in_flight += 1
+            self.server.most_in_flight = max(self.server.most_in_flight, self.server.in_flight)
+        try:
+            for byte in body:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                self._wait(self.server.drip)
+            self.server.finished += 1
+        except OSError:  # the client hung up: its deadline passed
+            self.server.hung_up += 1
+        finally:
+            with self.server.lock:
+                self.server.in_flight -= 1
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep, noticing within 10 ms a client that hung up (not only at the next write)."""
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            readable, _, _ = select.select([self.connection], [], [], 0.01)
+            if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                raise ConnectionResetError("the client hung up")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _DripServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, drip: float) -> None:
+        super().__init__(("127.0.0.1", 0), _Dripping)
+        self.drip = drip
+        self.lock = threading.Lock()
+        self.in_flight = self.most_in_flight = self.finished = self.hung_up = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+@pytest.fixture
+def dripping() -> Iterator[_DripServer]:
+    server = _DripServer(drip=0.3)  # ~50 bytes: 15 s for the whole answer
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_endpoint_dripping_its_answer_is_cut_off_at_the_exchanges_deadline(
+    dripping: _DripServer,
+) -> None:
+    """Each byte comes well within the read timeout; the answer as a whole never does.
+    The exchange gives up at its deadline and hangs up, leaving nothing in flight."""
+    exchange = TokenExchange(dripping.url, API_KEY, Secret(SECRET), timeout=(0.5, 1.0))
+    with pytest.raises(TokenEndpointUnavailable, match=r"did not finish its answer within 1.5 s"):
+        exchange()
+    wait_until(lambda: dripping.hung_up == 1, "the server notices the hang-up", timeout=10.0)
+    assert dripping.finished == 0
+
+
+def test_a_dripping_endpoint_never_has_two_exchanges_in_flight(
+    dripping: _DripServer, redis_store: TokenStore
+) -> None:
+    """Four threads need a token at once; the holder's exchange ends at its deadline, long
+    before its lease, so no other process or thread starts a second one meanwhile."""
+    exchange = TokenExchange(dripping.url, API_KEY, Secret(SECRET), timeout=(0.5, 1.0))
+    manager = make_manager(
+        redis_store, exchange, exchange_timeout=exchange.deadline, local_copy_ttl=LOCAL_COPY_TTL
+    )
+    assert manager.lock.lease > exchange.deadline
+    errors: list[str] = []
+
+    def call() -> None:
+        try:
+            manager.token()
+        except MerchantError as exc:
+            errors.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120.0)
+    assert dripping.most_in_flight == 1
+    assert dripping.finished == 0
+    assert set(errors) <= {"TokenEndpointUnavailable", "RenewalTimeout"}, errors

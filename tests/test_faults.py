@@ -60,12 +60,14 @@ from merchant_tasks.exceptions import (
 from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import Child, RedisServer, free_port, spawn, wait_until
 from merchant_tasks.local_copy import LOCAL_COPY_TTL
+from merchant_tasks.policy import BreakerKind
 from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.records import BreakerRecord
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
-from merchant_tasks.store import BreakerRecord, RedisClock, TokenStore
+from merchant_tasks.store import RedisClock, TokenStore
 from merchant_tasks.token import Token, fingerprint
 
 if TYPE_CHECKING:
@@ -510,7 +512,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
             except MerchantError as exc:
                 beat_errors.append(type(exc).__name__)
                 evidence.exception(f"row 2 {fault}: beat", exc)
-            record = store.load_breaker()
+            record = store.records.load_breaker()
             if record is not None:
                 breaker_failures.append(record.failures)
 
@@ -540,14 +542,14 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
     # back-off: one renewal at a time, a pause of at least 1 s after each: over the 6 s
     # from the advisory window to the end, far fewer tries than calls
     assert len(failed) <= 15, attempts
-    counters = store.counters()
+    counters = store.records.counters()
     assert counters.get("breaker_openings:unavailable", 0) >= 1, counters
     renewed_token = store.load()
     assert renewed_token is not None
     assert renewed_token.generation == first.generation + 1
     assert renewed_token.reason in ("scheduled", "mandatory")
     assert renewed_token.issued_at < first.expires_at
-    assert store.load_breaker() is None  # the success closed it
+    assert store.records.load_breaker() is None  # the success closed it
     assert merchant_sandbox.calls()["unauthorized"] == 0
     print(
         f"\nrow 2 ({fault}): {len(loop.of())} calls ok, exchange attempts {Counter(attempts)}, "
@@ -595,7 +597,7 @@ def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passe
     reports = callers.stop()
 
     assert merchant_sandbox.exchanges() == {"ok": 2, "rejected": 0, "rate_limited": 1, "failed": 0}
-    assert client.manager.store.counters().get("breaker_openings:rate_limited") == 1
+    assert client.manager.store.records.counters().get("breaker_openings:rate_limited") == 1
     everyone = [outcomes] + [report_outcomes(r, "0") for r in reports]
     for seen in everyone:
         assert set(seen) == {"ExchangeRateLimited", "ok"}, _runs(seen)
@@ -638,8 +640,8 @@ def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_
 
     wait_until(held_by_victim, "the caller process holding the renewal lock", START_TIMEOUT)
     callers.kill()
-    ttl = redis_client.pttl(store.lock_key) / 1000
-    assert 0 < ttl <= client.manager.lock_ttl
+    ttl = redis_client.pttl(store.keys.lock) / 1000
+    assert 0 < ttl <= client.manager.lock.lease
     merchant_sandbox.app.configure({"token_latency": 0.0})
 
     results: list[str] = []
@@ -663,10 +665,10 @@ def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_
     token = store.load()
     assert token is not None
     assert token.renewed_by.split(":")[1] == str(os.getpid())
-    counters = store.counters()
-    assert counters.get("exchanges:mandatory:ok") == 1, counters  # the killed one never counted
+    counters = store.records.counters()
+    assert counters.get("renewals:mandatory:ok") == 1, counters  # the killed one never counted
     assert counters.get("lock_waits", 0) >= 1, counters
-    print(f"\nrow 6: lock TTL {client.manager.lock_ttl:.1f} s, {ttl:.1f} s left at the kill")
+    print(f"\nrow 6: lock lease {client.manager.lock.lease:.1f} s, {ttl:.1f} s left at the kill")
 
 
 # -- 7. clocks 5 minutes apart -------------------------------------------------------------
@@ -723,8 +725,8 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
         left = previous.expires_at - renewal.issued_at
         assert 0 < left < before, (generation, left)
     assert last - generations[-1] <= 1
-    counters = store.counters()
-    assert counters.get("exchanges:mandatory:ok") == last, counters
+    counters = store.records.counters()
+    assert counters.get("renewals:mandatory:ok") == last, counters
     assert merchant_sandbox.exchanges()["ok"] == last
 
     # control: the same decision on a host's wall clock 5 min ahead exchanges at once
@@ -782,7 +784,7 @@ def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no
     merchant_sandbox.app.reset_secret(new_secret)
     callers.phase("reset")
     wait_until(lambda: callers.each_has("reset", at_least=10), "calls after the reset", 30)
-    breaker = client.manager.store.load_breaker()
+    breaker = client.manager.store.records.load_breaker()
     # a process reads the phase as a call starts: once each has counted a call under the
     # new label, none of its "reset" calls is still running to meet the new secret
     callers.phase("rotated")
@@ -1151,8 +1153,8 @@ def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
     refuse_all_calls), from the start: a key the API does not accept.
 
     Three processes make 15 calls each: every call fails with TokenRejected naming the
-    likely causes, after one request (no retry: the token was never accepted), and the
-    whole fleet makes one exchange.
+    likely causes, the whole fleet makes one exchange, and each process sends the refused
+    token once: then it is known to be refused and calls fail without sending it.
     """
     merchant_sandbox.app.configure({"refuse_all_calls": True})
     callers.start(child_env(merchant_settings), [{"FAULT_MAX_CALLS": "15"}] * 3)
@@ -1166,7 +1168,7 @@ def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
         assert "never accepted" in message
         assert "MERCHANT_ENVIRONMENT" in message
     assert merchant_sandbox.exchanges()["ok"] == 1
-    assert merchant_sandbox.calls()["unauthorized"] == 45  # one request per call
+    assert merchant_sandbox.calls()["unauthorized"] == 3  # one request per process
 
 
 def test_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_more_exchanges(
@@ -1278,7 +1280,9 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
         60.0,
     )
     now = store.time()  # as after many failures in a row: a pause of a minute
-    store.open_breaker(BreakerRecord("unavailable", now + 60.0, 7, "", "HTTP 503"), now)
+    store.records.open_breaker(
+        BreakerRecord(BreakerKind.UNAVAILABLE, now + 60.0, 7, "", "HTTP 503"), now
+    )
     failed_before = merchant_sandbox.exchanges()["failed"]
     merchant_sandbox.app.configure({"token_error_rate": 0.0})
     callers.phase("up")
@@ -1287,7 +1291,7 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
     recovered_in = time.monotonic() - back
     reports = callers.stop()
 
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is None or record.until <= store.time()  # the probe's success closed it
     assert merchant_sandbox.exchanges()["failed"] - failed_before <= 2  # probes, not calls
     for report in reports:
@@ -1349,12 +1353,12 @@ def test_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_li
     account = _windows(merchant_settings, lifetime, before=4.0, mandatory=2.0)
     reports, run = _call_for(callers, account, merchant_secret_file, seconds=2.5 * lifetime)
 
-    counters = _store_of(account, redis_client).counters()
+    counters = _store_of(account, redis_client).records.counters()
     exchanges = merchant_sandbox.exchanges()["ok"]
     print(f"\nrow 25: {exchanges} exchanges in {run:.1f} s, counters {counters}")
     for report in reports:
         assert set(report_outcomes(report, "0")) == {"ok"}, report
-    assert counters.get("exchanges:mandatory:unchanged", 0) >= 1
+    assert counters.get("renewals:mandatory:unchanged", 0) >= 1
     assert exchanges <= 2 * math.ceil(run / lifetime)
 
 
@@ -1487,7 +1491,7 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
         merchant_sandbox.app.revoke_all()
         assert client.request("GET", PING) == {"ok": True}  # 401, forced renewal, retry
         store = client.manager.store
-        assert store.counters().get("exchanges:forced:ok") == 1
+        assert store.records.counters().get("renewals:forced:ok") == 1
         assert store.lock_holder() is None
         with pytest.raises(redis.exceptions.NoPermissionError):
             store.redis.get("celery")
@@ -1572,7 +1576,7 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     merchant_sandbox.app.configure({"token_error_rate": 0.0})
     new_secret = f"leak-search-secret-{uuid.uuid4().hex}"
     evidence.needle("leak search: the new secret", new_secret)
-    merchant_client.manager.store.close_breaker()
+    merchant_client.manager.store.records.close_breaker()
     merchant_sandbox.app.reset_secret(new_secret)
     for _ in range(3):
         attempt(lambda: merchant_client.request("GET", PING))
@@ -1614,7 +1618,7 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     texts += [repr(sealed.manager.store), repr(sealed.manager.store.codec), repr(other)]
     evidence.add(
         "leak search: the sealed token key",
-        redis_value(sealed.manager.store.redis, sealed.manager.store.token_key.encode()),
+        redis_value(sealed.manager.store.redis, sealed.manager.store.keys.token.encode()),
     )
     assert any("MERCHANT_TOKEN_KEY_FILE" in text for text in texts)
     evidence.add("leak search: this process's errors and reprs", "\n".join(texts))

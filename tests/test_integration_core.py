@@ -197,7 +197,7 @@ def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
         slow = threading.Thread(target=lambda: slow_result.append(client.manager.renew(force=True)))
         slow.start()
         assert slow_request_arrived.wait(10)
-        redis_client.delete(store.lock_key)  # as if the slow holder's lock had expired
+        redis_client.delete(store.keys.lock)  # as if the slow holder's lock had expired
         newer = other_process.manager.renew(force=True)
         assert slow.is_alive()  # its exchange is still held
         release.set()
@@ -226,7 +226,7 @@ def test_breaker_stops_hammering_a_reset_secret_and_recovers_after_rotation(
     merchant_secret_file.write_text(new_secret)
     assert merchant_client.request("GET", PING) == {"ok": True}
     assert merchant_sandbox.exchanges()["ok"] == 2
-    assert merchant_client.manager.store.load_breaker() is None
+    assert merchant_client.manager.store.records.load_breaker() is None
 
 
 # -- malformed token responses, from a real server on loopback ---------------------------

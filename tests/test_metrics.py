@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from merchant_tasks.accounts import AccountClients, FleetClient
 from merchant_tasks.local import free_port, running
-from merchant_tasks.metrics import BREAKER_KINDS, EXCHANGE_OUTCOMES, FleetCollector
+from merchant_tasks.metrics import FleetCollector
+from merchant_tasks.policy import BreakerKind, Outcome
 from merchant_tasks.status import account_status
 from merchant_tasks.token import RenewalReason
 
@@ -60,10 +61,11 @@ def test_every_counter_has_a_zero_sample_for_an_account_before_its_first_event(
     samples = _scrape(merchant_env)
     assert samples[("merchant_tasks_up", ())] == 1
     for reason in RenewalReason:
-        for outcome in EXCHANGE_OUTCOMES:
-            key = ("merchant_tasks_exchanges_total", _labels(reason=reason.value, outcome=outcome))
-            assert samples[key] == 0
-    for kind in BREAKER_KINDS:
+        for outcome in Outcome:
+            labels = _labels(reason=reason, outcome=outcome)
+            assert samples[("merchant_tasks_renewals_total", labels)] == 0
+            assert samples[("merchant_tasks_exchange_attempts_total", labels)] == 0
+    for kind in BreakerKind:
         assert samples[("merchant_tasks_breaker_openings_total", _labels(kind=kind))] == 0
     for name in ("unauthorized", "forced_renewals", "lock_waits", "never_accepted_rejected"):
         assert samples[(f"merchant_tasks_{name}_total", _labels())] == 0
@@ -87,9 +89,9 @@ def test_a_renewal_waiting_for_another_holder_of_the_lock_is_in_the_lock_wait_hi
     merchant_env: dict[str, str], merchant_client: FleetClient, redis_client: redis.Redis
 ) -> None:
     store = merchant_client.manager.store
-    assert store.lock(ttl=60.0).acquire(token="another-process")
+    assert store.take_lock("another-host:1:aa:1", "another-host:1:aa:", 60.0)
     # the other process gives up its lock soon; our caller then renews itself
-    letting_go = threading.Timer(0.3, redis_client.delete, args=[store.lock_key])
+    letting_go = threading.Timer(0.3, redis_client.delete, args=[store.keys.lock])
     letting_go.start()
     try:
         assert merchant_client.request("GET", "/open-api/v1/ping") == {"ok": True}

@@ -67,7 +67,7 @@ def test_status_json_reports_token_renewals_breaker_and_counters_but_no_token(
     assert account["exchanges_last_hour"] == account["exchanges_last_day"] == 2
     assert account["breaker"] is None
     assert account["lock_holder"] is None
-    assert account["counters"]["exchanges:forced:ok"] == 1
+    assert account["counters"]["renewals:forced:ok"] == 1
     assert account["counters"]["unauthorized"] == 1
     for token in merchant_sandbox.app.issued_tokens():
         assert token not in out
@@ -141,7 +141,7 @@ def test_one_scrape_sees_the_exchanges_of_every_process(
     }
     labels = (("account", "default"), ("environment", "sandbox"))
     manual = (*labels, ("outcome", "ok"), ("reason", "manual"))
-    assert samples[("merchant_tasks_exchanges_total", tuple(sorted(manual)))] == 2
+    assert samples[("merchant_tasks_renewals_total", tuple(sorted(manual)))] == 2
     assert samples[("merchant_tasks_token_generation", labels)] == 2
     assert samples[("merchant_tasks_token_time_left_seconds", labels)] > 0
     assert samples[("merchant_tasks_breaker_open", (*labels, ("kind", "rejected")))] == 0

@@ -180,8 +180,8 @@ def test_renewal_runs_on_its_own_rabbitmq_queue(
     assert queues[RENEWAL_QUEUE] == 1
     assert queues.get("celery", 0) == 0  # nobody consumes calls; renewals never went there
     assert "merchant_tasks.renew_token" in worker.log_text()
-    counters = fleet.store().counters()
-    assert counters.get("exchanges:scheduled:ok", 0) >= 2, counters
+    counters = fleet.store().records.counters()
+    assert counters.get("renewals:scheduled:ok", 0) >= 2, counters
 
 
 def test_a_worker_sigkilled_mid_task_has_its_call_redelivered_by_rabbitmq(

@@ -20,8 +20,8 @@ from celery_fleet import (
     Fleet,
     running_on,
 )
-from merchant_tasks.completions import REDELIVERED_COUNTER
 from merchant_tasks.local import Child, wait_until
+from merchant_tasks.policy import CounterName
 from merchant_tasks.pytest_plugin import MerchantSandbox
 
 pytestmark = pytest.mark.integration
@@ -50,7 +50,7 @@ def _label(node: str) -> str:
 
 
 def _redelivered(fleet: Fleet) -> int:
-    return fleet.store().counters().get(REDELIVERED_COUNTER, 0)
+    return fleet.store().records.counters().get(CounterName.REDELIVERED, 0)
 
 
 def test_a_call_delivered_again_after_it_succeeded_returns_its_result_without_calling_the_api(

@@ -103,12 +103,12 @@ def keyslot(port: int, key: str) -> int:
 
 def store_keys(store: TokenStore) -> list[str]:
     return [
-        store.token_key,
-        store.generation_key,
-        store.lock_key,
-        store.breaker_key,
-        store.counters_key,
-        store.exchange_log_key,
+        store.keys.token,
+        store.keys.generation,
+        store.keys.lock,
+        store.keys.breaker,
+        store.keys.counters,
+        store.keys.exchange_log,
     ]
 
 
@@ -211,10 +211,10 @@ def test_accounts_on_different_nodes_call_renew_after_401_and_lock_through_the_c
     nodes_used = set()
     for api_key in ACCOUNTS:
         store = fleet.get(api_key).manager.store
-        owner = owners[keyslot(entry, store.token_key)]
+        owner = owners[keyslot(entry, store.keys.token)]
         nodes_used.add(owner)
         on_node = node_client(owner)
-        assert on_node.get(store.generation_key) == b"2"
-        assert on_node.exists(store.token_key, store.counters_key, store.exchange_log_key) == 3
-        assert store.counters()["exchanges:forced:ok"] == 1
+        assert on_node.get(store.keys.generation) == b"2"
+        assert on_node.exists(store.keys.token, store.keys.counters, store.keys.exchange_log) == 3
+        assert store.records.counters()["renewals:forced:ok"] == 1
     assert len(nodes_used) == MASTERS

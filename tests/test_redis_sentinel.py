@@ -358,7 +358,7 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
         f"{len(callers.of())}, outcomes {sorted(set(callers.of()))}; "
         f"tasks: {len(feeder.sent)}, enqueued in the lost moments: {len(maybe_lost)}, "
         f"lost: {lost_tasks}, echo calls executed: {executed}; "
-        f"exchanges: {merchant_sandbox.exchanges()}"
+        f"renewals: {merchant_sandbox.exchanges()}"
     )
 
     # calls that needed Redis meanwhile failed with StoreUnavailable, and with nothing else

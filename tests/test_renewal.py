@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import pytest
 import redis
-from redis.lock import Lock
 
 from conftest import FakeExchange, dead_redis, make_manager
 from merchant_tasks.breaker import (
@@ -35,12 +34,14 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
-from merchant_tasks.policy import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD
+from merchant_tasks.policy import BreakerKind
+from merchant_tasks.records import BreakerRecord
+from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD, REFUSED_BACKOFF
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX
 from merchant_tasks.single_flight import POLL_INITIAL, POLL_MAX
-from merchant_tasks.store import BreakerRecord, TokenStore
-from merchant_tasks.token import Token, fingerprint
+from merchant_tasks.store import TokenStore
+from merchant_tasks.token import RenewalReason, Token, fingerprint
 
 RENEW_BEFORE = 480.0
 RENEW_MANDATORY = 120.0
@@ -115,7 +116,7 @@ def stored(
     left: float = 3600.0,
     *,
     value: str | None = None,
-    reason: str = "scheduled",
+    reason: RenewalReason = RenewalReason.SCHEDULED,
     age: float | None = None,
 ) -> Token:
     """Save, as another process would, a token with ``left`` seconds to live."""
@@ -134,7 +135,7 @@ def stored(
 
 def hold_lock(store: TokenStore) -> None:
     """Another process takes the renewal lock (and never lets go during the test)."""
-    assert store.lock(ttl=60.0).acquire(token=OTHER_HOLDER)
+    assert store.take_lock(f"{OTHER_HOLDER}:1", f"{OTHER_HOLDER}:", 60.0)
 
 
 # -- token(): the callers' path ----------------------------------------------------------
@@ -188,7 +189,10 @@ def test_token_exchanges_when_none_is_stored_and_then_reuses_it(
     assert first.generation == 1
     assert manager.token() == first
     assert len(exchange.calls) == 1
-    assert store.counters() == {"exchanges:mandatory:ok": 1}
+    assert store.records.counters() == {
+        "renewals:mandatory:ok": 1,
+        "exchange_attempts:mandatory:ok": 1,
+    }
 
 
 def test_a_renewal_records_who_renewed_and_releases_the_lock(
@@ -222,7 +226,10 @@ def test_scheduled_renewal_exchanges_inside_the_advisory_window(
     assert token.reason == "scheduled"
     assert token.generation == 2
     assert len(exchange.calls) == 1
-    assert store.counters() == {"exchanges:scheduled:ok": 1}
+    assert store.records.counters() == {
+        "renewals:scheduled:ok": 1,
+        "exchange_attempts:scheduled:ok": 1,
+    }
 
 
 def test_forced_renewal_always_exchanges_once(
@@ -247,22 +254,23 @@ def test_renewal_after_401_returns_the_newer_stored_token_without_exchanging(
     newer = stored(store, clock, left=7200.0)  # someone renewed meanwhile
     assert manager.renew(stale_token=refused) == newer
     assert exchange.calls == []
-    assert store.counters() == {"unauthorized": 1}
+    assert store.records.counters() == {"unauthorized": 1}
 
 
 def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=3600.0, reason="mandatory", age=1.0)
+    refused = stored(store, clock, left=3600.0, reason=RenewalReason.MANDATORY, age=1.0)
     manager.accepted(refused)  # the API accepted it before: a 401 now means revoked
     token = manager.renew(stale_token=refused)
     assert token.value != refused.value
     assert token.reason == "forced"
     assert len(exchange.calls) == 1
-    assert store.counters() == {
+    assert store.records.counters() == {
         "unauthorized": 1,
         "forced_renewals": 1,
-        "exchanges:forced:ok": 1,
+        "renewals:forced:ok": 1,
+        "exchange_attempts:forced:ok": 1,
     }
 
 
@@ -272,19 +280,79 @@ def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
 def test_a_refused_token_the_api_never_accepted_is_token_rejected_without_exchanging(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=7190.0, reason="mandatory", age=10.0)
+    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
     with pytest.raises(TokenRejected, match="other environment") as caught:
         manager.renew(stale_token=refused)
     assert "never accepted" in str(caught.value)
     assert not caught.value.retryable
     assert exchange.calls == []
-    assert store.counters() == {"unauthorized": 1, "never_accepted_rejected": 1}
+    assert caught.value.retry_after == REFUSED_BACKOFF
+    assert store.records.counters() == {
+        "unauthorized": 1,
+        "never_accepted_rejected": 1,
+        "breaker_openings:refused": 1,
+    }
+
+
+def test_a_token_known_refused_is_not_sent_again_until_its_backoff_ends_then_is_renewed(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
+    with pytest.raises(TokenRejected):
+        manager.renew(stale_token=refused)
+    for _ in range(3):  # fail fast: no Redis command, nothing sent
+        with pytest.raises(TokenRejected, match="known to be refused"):
+            manager.token()
+    assert store.records.counters()["unauthorized"] == 1
+    clock.now += REFUSED_BACKOFF
+    renewed = manager.token()
+    assert renewed.replaces(refused, clock.now)
+    assert renewed.reason == RenewalReason.FORCED
+    assert len(exchange.calls) == 1
+
+
+def test_two_revocations_before_first_use_heal_after_one_backoff(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    first = manager.token()
+    manager.accepted(first)
+    second = manager.renew(stale_token=first)  # revoked after use: renewed at once
+    third = manager.renew(stale_token=second)  # revoked before use: renewed once more
+    with pytest.raises(TokenRejected) as caught:  # and the next one too: it waits
+        manager.renew(stale_token=third)
+    assert caught.value.retry_after is not None
+    assert caught.value.retry_after <= 60.0
+    clock.now += caught.value.retry_after
+    healed = manager.token()
+    manager.accepted(healed)
+    assert healed.generation == 4
+    assert len(exchange.calls) == 4
+
+
+def test_a_key_whose_every_token_is_refused_costs_at_most_8_exchanges_in_2_hours(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """Calls every 10 s for two hours, every token refused at its first use."""
+    end = clock.now + 7200.0
+    pauses: list[float] = []
+    while clock.now < end:
+        try:
+            token = manager.token()
+            manager.renew(stale_token=token)  # its first call: 401
+        except TokenRejected as exc:
+            if exc.retry_after and (not pauses or exc.retry_after > pauses[-1] + 10.0):
+                pauses.append(exc.retry_after)
+        clock.now += 10.0
+    print(f"\nwrong key: {len(exchange.calls)} exchanges in 2 h, pauses {pauses}")
+    assert 2 <= len(exchange.calls) <= 8
+    assert pauses[0] <= 60.0
+    assert max(pauses) <= 1800.0
 
 
 def test_a_token_accepted_by_another_process_and_refused_is_renewed_at_once_however_fresh(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=7199.0, reason="forced", age=1.0)
+    refused = stored(store, clock, left=7199.0, reason=RenewalReason.FORCED, age=1.0)
     store.mark_accepted(refused.generation)  # evidence left by another process
     assert manager.renew(stale_token=refused).value == "tok-issued-1"
     assert len(exchange.calls) == 1
@@ -296,7 +364,7 @@ def test_a_token_refused_before_its_first_use_is_renewed_once_if_its_predecessor
     """A revocation landing between an exchange and the first call: renewed once more,
     but the token after it gets no such second chance (no loop)."""
     manager.accepted(stored(store, clock, left=7000.0))
-    revoked_before_use = stored(store, clock, left=7100.0, reason="forced")
+    revoked_before_use = stored(store, clock, left=7100.0, reason=RenewalReason.FORCED)
     renewed = manager.renew(stale_token=revoked_before_use)
     assert len(exchange.calls) == 1
     with pytest.raises(TokenRejected, match="never accepted"):
@@ -340,10 +408,10 @@ def test_forced_renewals_past_the_budget_open_the_breaker_naming_another_exchang
     store.mark_accepted(current.generation)
     with pytest.raises(TokenRejected, match="another system exchanging with the same API key"):
         manager.renew(stale_token=current)
-    with pytest.raises(TokenRejected, match="paused"):  # the breaker holds every other call
+    with pytest.raises(TokenRejected, match="known to be refused"):  # not sent again
         manager.renew(stale_token=current)
     assert len(exchange.calls) == FORCED_RENEWAL_BUDGET
-    assert store.counters()["breaker_openings:revoked"] == 1
+    assert store.records.counters()["breaker_openings:revoked"] == 1
     clock.now += FORCED_RENEWAL_PERIOD  # the budget is spent per period, then refills
     assert manager.renew(stale_token=current).value != current.value
 
@@ -359,7 +427,7 @@ def test_an_exchange_handing_back_the_stored_token_marks_it_final_until_it_expir
     token = manager.token()
     assert token.value == current.value
     assert token.final
-    assert store.counters()["exchanges:mandatory:unchanged"] == 1
+    assert store.records.counters()["renewals:mandatory:unchanged"] == 1
     for _ in range(50):  # every caller and beat until expiry: no further exchange
         clock.now += 1.9
         assert manager.token().value == current.value
@@ -381,7 +449,9 @@ def test_a_final_token_is_renewed_only_once_the_server_surely_let_it_go(
     be as much later as that exchange took (``lag``). The renewal waits for that rather
     than be handed the same token back with 0 s left."""
     now = clock.now
-    final = Token("tok-final", now - 100.0, now + 1.0, 1, "x", "mandatory", final=True, lag=0.3)
+    final = Token(
+        "tok-final", now - 100.0, now + 1.0, 1, "x", RenewalReason.MANDATORY, final=True, lag=0.3
+    )
     assert store.save(final) == (True, 1)
     clock.now += 1.1  # expired on our clock, maybe not yet on the server's
     sleep.advance_clock = True
@@ -432,20 +502,24 @@ def test_a_forced_renewal_handed_back_the_refused_token_is_token_rejected(
 def test_without_a_valid_token_one_caller_probes_the_endpoint_during_an_unavailable_pause(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    store.open_breaker(BreakerRecord("unavailable", clock.now + 60.0, 6, "", "HTTP 503"), clock.now)
+    store.records.open_breaker(
+        BreakerRecord(BreakerKind.UNAVAILABLE, clock.now + 60.0, 6, "", "HTTP 503"), clock.now
+    )
     assert manager.token().value == "tok-issued-1"  # the probe got through and closed it
-    assert store.load_breaker() is None
+    assert store.records.load_breaker() is None
 
 
 def test_a_failed_half_open_probe_is_one_attempt_and_reopens_the_breaker(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    store.open_breaker(BreakerRecord("unavailable", clock.now + 60.0, 6, "", "HTTP 503"), clock.now)
+    store.records.open_breaker(
+        BreakerRecord(BreakerKind.UNAVAILABLE, clock.now + 60.0, 6, "", "HTTP 503"), clock.now
+    )
     exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * EXCHANGE_ATTEMPTS
     with pytest.raises(TokenEndpointUnavailable, match="HTTP 503"):
         manager.token()
     assert len(exchange.calls) == 1
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.failures == 7
     with pytest.raises(TokenEndpointUnavailable, match="paused"):  # next probe: an interval on
@@ -456,8 +530,10 @@ def test_a_failed_half_open_probe_is_one_attempt_and_reopens_the_breaker(
 def test_the_half_open_probe_is_taken_once_per_interval_fleet_wide(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    store.open_breaker(BreakerRecord("unavailable", clock.now + 60.0, 6, "", "HTTP 503"), clock.now)
-    assert store.take_probe(PROBE_INTERVAL)  # another process probes right now
+    store.records.open_breaker(
+        BreakerRecord(BreakerKind.UNAVAILABLE, clock.now + 60.0, 6, "", "HTTP 503"), clock.now
+    )
+    assert store.records.take_probe(PROBE_INTERVAL)  # another process probes right now
     with pytest.raises(TokenEndpointUnavailable, match="paused"):
         manager.token()
     assert exchange.calls == []
@@ -500,7 +576,7 @@ def test_a_caller_without_a_token_waits_for_the_renewal_held_elsewhere(
     assert exchange.calls == []
     assert len(sleep.waits) == 3
     assert all(0 < wait <= POLL_MAX for wait in sleep.waits)
-    assert store.counters() == {"lock_waits": 1}
+    assert store.records.counters() == {"lock_waits": 1}
 
 
 def test_waiting_for_another_process_starts_with_short_polls(
@@ -527,7 +603,7 @@ def test_a_caller_without_a_token_gets_renewal_timeout_when_the_holder_never_wri
     assert caught.value.retryable
     assert exchange.calls == []
     assert len(sleep.waits) == math.ceil(manager.wait_limit / POLL_INITIAL) - 1
-    assert store.counters() == {"lock_waits": 1}
+    assert store.records.counters() == {"lock_waits": 1}
 
 
 def test_a_waiter_outlasts_a_dead_holder_and_the_whole_renewal_of_the_next_one(
@@ -537,14 +613,14 @@ def test_a_waiter_outlasts_a_dead_holder_and_the_whole_renewal_of_the_next_one(
     expires another process takes it first and needs its whole lock TTL. The caller still
     gets that process's token instead of a RenewalTimeout (CI once saw one in fault row 6)."""
     hold_lock(store)
-    one_lock_ttl = math.ceil(manager.lock_ttl / POLL_INITIAL)
+    one_lock_ttl = math.ceil(manager.renewal_limit / POLL_INITIAL)
     next_holder = "third-host:7:cafebabe"
 
     def holders(polls: int) -> None:
         if polls == one_lock_ttl - 5:  # the dead holder's lock expires...
-            store.redis.delete(store.lock_key)
+            store.redis.delete(store.keys.lock)
             # ...and another process wins it before our caller looks again
-            assert store.lock(ttl=60.0).acquire(token=next_holder)
+            assert store.take_lock(f"{next_holder}:1", f"{next_holder}:", 60.0)
         if polls == 2 * one_lock_ttl - 10:
             stored(store, clock, left=LIFETIME)
 
@@ -553,7 +629,7 @@ def test_a_waiter_outlasts_a_dead_holder_and_the_whole_renewal_of_the_next_one(
     assert len(sleep.waits) == 2 * one_lock_ttl - 10
 
 
-def test_the_lock_outlives_the_longest_renewal(
+def test_the_renewal_limit_covers_the_longest_renewal(
     manager: TokenManager, exchange: FakeExchange, sleep: Sleeper
 ) -> None:
     """Every try times out (0.1 s here) and asks for the longest Retry-After still obeyed
@@ -568,7 +644,7 @@ def test_the_lock_outlives_the_longest_renewal(
         EXCHANGE_RETRY_WAIT_MAX <= wait <= 2 * EXCHANGE_RETRY_WAIT_MAX for wait in sleep.waits
     )
     worst = EXCHANGE_ATTEMPTS * 0.1 + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
-    assert manager.lock_ttl > worst
+    assert manager.renewal_limit > worst
 
 
 # -- breaker -----------------------------------------------------------------------------
@@ -587,14 +663,15 @@ def test_rejected_credentials_open_the_breaker_for_that_secret(
         manager.token()
     assert len(exchange.calls) == 1  # never retried
     assert sleep.waits == []
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.kind == "rejected"
     assert record.until == clock.now + REJECTED_BACKOFF
     assert record.secret_fingerprint == fingerprint(secret[0])
     assert secret[0] not in record.detail
-    assert store.counters() == {
-        "exchanges:mandatory:rejected": 1,
+    assert store.records.counters() == {
+        "renewals:mandatory:rejected": 1,
+        "exchange_attempts:mandatory:rejected": 1,
         "breaker_openings:rejected": 1,
     }
     assert store.lock_holder() is None
@@ -625,16 +702,18 @@ def test_a_waiter_that_gets_the_lock_after_a_failed_renewal_obeys_the_breaker_it
     429, paused exchanges and let go. Taking the lock next, the caller must not make a
     second refused exchange (fault rows 3, 8 and 9 count refused exchanges exactly)."""
     hold_lock(store)
-    take_lock = store.lock
+    take_lock = store.take_lock
 
-    def holder_fails_between_our_breaker_look_and_our_lock(ttl: float) -> Lock:
+    def holder_fails_between_our_breaker_look_and_our_lock(
+        value: str, prefix: str, lease: float
+    ) -> bool:
         if sleep.waits:  # the caller has waited once; now, just after it looked...
-            record = BreakerRecord("rate_limited", clock.now + 30.0, 1, "", "HTTP 429")
-            store.open_breaker(record, clock.now)
-            store.redis.delete(store.lock_key)
-        return take_lock(ttl)
+            record = BreakerRecord(BreakerKind.RATE_LIMITED, clock.now + 30.0, 1, "", "HTTP 429")
+            store.records.open_breaker(record, clock.now)
+            store.redis.delete(store.keys.lock)
+        return take_lock(value, prefix, lease)
 
-    monkeypatch.setattr(store, "lock", holder_fails_between_our_breaker_look_and_our_lock)
+    monkeypatch.setattr(store, "take_lock", holder_fails_between_our_breaker_look_and_our_lock)
     with pytest.raises(ExchangeRateLimited, match="paused"):
         manager.token()
     assert exchange.calls == []
@@ -650,7 +729,7 @@ def test_a_new_secret_goes_through_the_rejected_breaker_and_success_closes_it(
     secret[0] = "secret-two-rotated-5f6e7d"
     token = manager.token()
     assert token.value == "tok-issued-2"
-    assert store.load_breaker() is None
+    assert store.records.load_breaker() is None
 
 
 def test_a_new_secret_that_is_rejected_too_reopens_the_breaker_for_it(
@@ -665,7 +744,7 @@ def test_a_new_secret_that_is_rejected_too_reopens_the_breaker_for_it(
     secret[0] = "secret-two-also-wrong-11"
     with pytest.raises(CredentialsRejected):
         manager.token()
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.secret_fingerprint == fingerprint(secret[0])
     assert len(exchange.calls) == 2
@@ -681,11 +760,11 @@ def test_a_rate_limited_exchange_pauses_exchanges_until_retry_after(
     exchange.outcomes = [ExchangeRateLimited("HTTP 429", retry_after=30.0)]
     with pytest.raises(ExchangeRateLimited):
         manager.token()
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert (record.kind, record.until) == ("rate_limited", clock.now + 30.0 + RETRY_AFTER_MARGIN)
     # the record outlives its pause, to count failures in a row
-    assert fake_redis.pttl(store.breaker_key) > 30_000
+    assert fake_redis.pttl(store.keys.breaker) > 30_000
 
     clock.now += 20.0
     with pytest.raises(ExchangeRateLimited) as caught:
@@ -696,8 +775,8 @@ def test_a_rate_limited_exchange_pauses_exchanges_until_retry_after(
     clock.now += 11.0  # past ``until``: the record no longer pauses anything
     assert manager.token().value == "tok-issued-2"
     assert len(exchange.calls) == 2
-    assert store.counters()["exchanges:mandatory:rate_limited"] == 1
-    assert store.counters()["breaker_openings:rate_limited"] == 1
+    assert store.records.counters()["renewals:mandatory:rate_limited"] == 1
+    assert store.records.counters()["breaker_openings:rate_limited"] == 1
 
 
 def test_a_rate_limit_without_retry_after_pauses_for_the_default_backoff(
@@ -706,7 +785,7 @@ def test_a_rate_limit_without_retry_after_pauses_for_the_default_backoff(
     exchange.outcomes = [ExchangeRateLimited("HTTP 429")]
     with pytest.raises(ExchangeRateLimited):
         manager.token()
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.until == clock.now + RATE_LIMITED_BACKOFF + RETRY_AFTER_MARGIN
     assert len(exchange.calls) == 1  # a 429 is not retried while holding the lock
@@ -725,14 +804,15 @@ def test_an_unavailable_endpoint_is_retried_then_pauses_exchanges(
     assert len(exchange.calls) == EXCHANGE_ATTEMPTS
     assert len(sleep.waits) == EXCHANGE_ATTEMPTS - 1
     assert all(0 <= wait <= EXCHANGE_RETRY_WAIT_MAX for wait in sleep.waits)
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert (record.kind, record.failures) == ("unavailable", 1)
     pause = record.until - clock.now
     assert UNAVAILABLE_BACKOFF / 2 <= pause <= UNAVAILABLE_BACKOFF
     assert pause != UNAVAILABLE_BACKOFF  # jittered
-    assert store.counters() == {
-        "exchanges:mandatory:failed": 1,
+    assert store.records.counters() == {
+        "renewals:mandatory:failed": 1,
+        "exchange_attempts:mandatory:failed": EXCHANGE_ATTEMPTS,  # every HTTP attempt
         "breaker_openings:unavailable": 1,
     }
 
@@ -755,7 +835,7 @@ def test_an_endpoint_that_recovers_within_the_attempts_gives_a_token(
     exchange.outcomes = [failure, failure]
     assert manager.token().value == "tok-issued-3"
     assert len(sleep.waits) == 2
-    assert store.load_breaker() is None
+    assert store.records.load_breaker() is None
 
 
 def test_repeated_endpoint_failures_grow_the_jittered_backoff(
@@ -768,12 +848,12 @@ def test_repeated_endpoint_failures_grow_the_jittered_backoff(
     exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * (2 * EXCHANGE_ATTEMPTS)
     with pytest.raises(TokenEndpointUnavailable):
         manager.token()
-    first = store.load_breaker()
+    first = store.records.load_breaker()
     assert first is not None
     clock.now = first.until  # the pause is over; the record remembers the failure
     with pytest.raises(TokenEndpointUnavailable):
         manager.token()
-    second = store.load_breaker()
+    second = store.records.load_breaker()
     assert second is not None
     assert second.failures == 2
     assert second.until - clock.now > UNAVAILABLE_BACKOFF  # doubled, then jittered by half
@@ -793,13 +873,15 @@ def test_a_5xx_retry_after_is_honoured_before_the_next_exchange(
         manager.token()
     gaps = [b - a for a, b in zip(exchange.calls, exchange.calls[1:], strict=False)]
     assert all(gap >= 30.0 for gap in gaps)
-    record = store.load_breaker()
+    record = store.records.load_breaker()
     assert record is not None
     assert record.until >= started + 30.0
 
 
 @pytest.mark.parametrize(
-    "kind", ["rejected", "rate_limited", "unavailable"], ids=lambda kind: f"{kind}-breaker"
+    "kind",
+    [BreakerKind.REJECTED, BreakerKind.RATE_LIMITED, BreakerKind.UNAVAILABLE],
+    ids=lambda kind: f"{kind}-breaker",
 )
 def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
     manager: TokenManager,
@@ -807,12 +889,12 @@ def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
     clock: ManualClock,
     exchange: FakeExchange,
     secret: list[str],
-    kind: str,
+    kind: BreakerKind,
 ) -> None:
     token = stored(store, clock, left=3600.0)
     clock.now += 3600.0 - 60.0  # mandatory window
     record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "paused")
-    store.open_breaker(record, clock.now)
+    store.records.open_breaker(record, clock.now)
     assert manager.token() == token
     assert exchange.calls == []
 
@@ -820,9 +902,9 @@ def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
 @pytest.mark.parametrize(
     ("kind", "error"),
     [
-        ("rejected", CredentialsRejected),
-        ("rate_limited", ExchangeRateLimited),
-        ("unavailable", TokenEndpointUnavailable),
+        (BreakerKind.REJECTED, CredentialsRejected),
+        (BreakerKind.RATE_LIMITED, ExchangeRateLimited),
+        (BreakerKind.UNAVAILABLE, TokenEndpointUnavailable),
     ],
 )
 def test_without_a_valid_token_an_open_breaker_raises_its_error(
@@ -831,12 +913,12 @@ def test_without_a_valid_token_an_open_breaker_raises_its_error(
     clock: ManualClock,
     exchange: FakeExchange,
     secret: list[str],
-    kind: str,
+    kind: BreakerKind,
     error: type[Exception],
 ) -> None:
     record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "why it paused")
-    store.open_breaker(record, clock.now)
-    assert store.take_probe(PROBE_INTERVAL)  # another process is probing (half-open)
+    store.records.open_breaker(record, clock.now)
+    assert store.records.take_probe(PROBE_INTERVAL)  # another process is probing (half-open)
     with pytest.raises(error, match="paused for 30 s more: why it paused"):
         manager.token()
     assert exchange.calls == []
@@ -861,7 +943,7 @@ def test_a_failed_renewal_in_the_mandatory_window_still_returns_the_valid_token(
     clock.now += 3600.0 - 60.0
     exchange.outcomes = [failure] * EXCHANGE_ATTEMPTS
     assert manager.token() == token
-    assert store.load_breaker() is not None
+    assert store.records.load_breaker() is not None
 
 
 # -- races and outages -------------------------------------------------------------------
@@ -947,7 +1029,7 @@ def test_the_copy_serves_calls_without_reading_redis_until_it_is_due_for_a_read(
 ) -> None:
     token = stored(store, clock, left=3600.0)
     assert copying_manager.token() == token
-    fake_redis.delete(store.token_key)  # a read now would find nothing
+    fake_redis.delete(store.keys.token)  # a read now would find nothing
     clock.now += 0.5
     assert copying_manager.token() == token
     newer = stored(store, clock, left=3600.0, value="tok-newer")
@@ -1033,7 +1115,7 @@ def test_threads_of_one_process_wait_for_its_renewal_in_turn_without_polling_red
     assert sleep.waits == []  # nobody polled the Redis lock
     # one 401 per process reaches Redis; its siblings take the copy it kept (a storm's
     # Redis commands do not grow with the threads)
-    assert store.counters()["unauthorized"] == 1
+    assert store.records.counters()["unauthorized"] == 1
 
 
 def test_a_thread_with_a_valid_token_does_not_queue_behind_another_threads_renewal(

@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import shows
+from conftest import make_manager, shows
 from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import ConfigurationError, TokenUnreadable
+from merchant_tasks.exchange import IssuedToken
+from merchant_tasks.local_copy import LOCAL_COPY_TTL
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sealing import (
     PLAIN_TEXT,
@@ -31,7 +33,7 @@ from merchant_tasks.sealing import (
 )
 from merchant_tasks.settings import Settings
 from merchant_tasks.store import TokenStore
-from merchant_tasks.token import Token
+from merchant_tasks.token import RenewalReason, Token
 
 PING = "/open-api/v1/ping"
 NAMESPACE = "mt-test:sandbox:app"
@@ -82,11 +84,12 @@ def test_during_a_rotation_the_previous_key_still_opens_and_the_new_one_seals(
         old.open(sealed_after, NAMESPACE)
 
 
-def test_a_value_stored_in_clear_is_read_by_a_sealer_and_a_sealed_one_refused_without_key(
+def test_a_value_stored_in_clear_is_refused_by_a_sealer_and_a_sealed_one_without_key(
     key_file: Path,
 ) -> None:
     sealer = Sealer.from_files(str(key_file))
-    assert sealer.open("clear-token", NAMESPACE) == "clear-token"
+    with pytest.raises(ValueError, match="in clear"):  # the store reads it as absent
+        sealer.open("clear-token", NAMESPACE)
     with pytest.raises(TokenUnreadable, match="set MERCHANT_TOKEN_KEY_FILE"):
         PLAIN_TEXT.open(sealer.seal("t", NAMESPACE), NAMESPACE)
 
@@ -227,15 +230,40 @@ def test_the_store_keeps_the_value_sealed_and_the_times_readable(
 ) -> None:
     namespace = f"{merchant_key_prefix}:sandbox:app"
     store = TokenStore(redis_client, namespace, Sealer.from_files(str(key_file)))
-    token = Token("live-token-value", 1000.0, 2e10, 1, "me", "manual")
+    token = Token("live-token-value", 1000.0, 2e10, 1, "me", RenewalReason.MANUAL)
     assert store.save(token) == (True, 1)
-    raw = redis_client.get(store.token_key)
+    raw = redis_client.get(store.keys.token)
     assert isinstance(raw, bytes)
     assert not shows("live-token-value", raw)
     assert json.loads(raw)["expires_at"] == 2e10  # beat's due check needs no key
     assert store.load() == token
     with pytest.raises(TokenUnreadable):
         TokenStore(redis_client, namespace).load()
+
+
+def test_a_clear_token_where_tokens_are_sealed_reads_as_absent_and_is_renewed_sealed(
+    redis_client: redis.Redis,
+    merchant_key_prefix: str,
+    key_file: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Someone wrote a token in clear into a sealed fleet's key: it is not trusted (it
+    could be anyone's), it is renewed over, and the new value is sealed."""
+    namespace = f"{merchant_key_prefix}:sandbox:app"
+    store = TokenStore(redis_client, namespace, Sealer.from_files(str(key_file)))
+    planted = Token("planted-clear-token", 1000.0, 2e10, 1, "someone", RenewalReason.MANUAL)
+    assert TokenStore(redis_client, namespace).save(planted) == (True, 1)
+    assert store.load() is None
+    assert store.load() is None
+    assert caplog.text.count(f"{namespace}:token holds what merchant-tasks never writes") == 1
+    successor = IssuedToken("sealed-successor", 3600.0)
+    manager = make_manager(
+        store, lambda: successor, exchange_timeout=1.0, local_copy_ttl=LOCAL_COPY_TTL
+    )
+    assert manager.token().value == "sealed-successor"
+    raw = redis_client.get(store.keys.token)
+    assert isinstance(raw, bytes)
+    assert not shows("sealed-successor", raw)
 
 
 # -- two processes, two keys ---------------------------------------------------------------
@@ -298,14 +326,14 @@ def test_a_process_with_another_key_or_none_fails_clearly_and_never_renews_over_
     )
     ours = client_for(sealed_settings, redis_client=redis_client)
     assert ours.request("GET", PING) == {"ok": True}
-    stored = redis_client.get(ours.manager.store.token_key)
+    stored = redis_client.get(ours.manager.store.keys.token)
     assert merchant_sandbox.exchanges()["ok"] == 1
 
     _run_other_process(merchant_settings, merchant_secret_file, _key_file(tmp_path, "another-key"))
     _run_other_process(merchant_settings, merchant_secret_file, None)
 
     assert merchant_sandbox.exchanges()["ok"] == 1  # neither made an exchange
-    assert redis_client.get(ours.manager.store.token_key) == stored
+    assert redis_client.get(ours.manager.store.keys.token) == stored
     ours.manager.copy.forget()  # read Redis again: the fleet's token is still ours
     assert ours.request("GET", PING) == {"ok": True}
     assert merchant_sandbox.exchanges()["ok"] == 1

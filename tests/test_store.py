@@ -10,14 +10,10 @@ import redis
 
 from conftest import UNIT_NAMESPACE, dead_redis
 from merchant_tasks.exceptions import StoreUnavailable
-from merchant_tasks.store import (
-    BREAKER_MEMORY,
-    LOCK_WAIT_SECONDS,
-    BreakerRecord,
-    RedisClock,
-    TokenStore,
-)
-from merchant_tasks.token import Token
+from merchant_tasks.policy import BreakerKind, CounterName, Outcome
+from merchant_tasks.records import BREAKER_MEMORY, BreakerRecord
+from merchant_tasks.store import LOCK_WAIT_SECONDS, RedisClock, TokenStore
+from merchant_tasks.token import RenewalReason, Token
 
 
 def make_token(generation: int, left: float = 3600.0, value: str | None = None) -> Token:
@@ -29,7 +25,7 @@ def make_token(generation: int, left: float = 3600.0, value: str | None = None) 
         expires_at=now + left,
         generation=generation,
         renewed_by="host-a:123:abcd1234",
-        reason="scheduled",
+        reason=RenewalReason.SCHEDULED,
     )
 
 
@@ -38,11 +34,11 @@ def make_token(generation: int, left: float = 3600.0, value: str | None = None) 
 
 def test_keys_are_namespaced_by_environment_and_api_key(store: TokenStore) -> None:
     assert UNIT_NAMESPACE == "mt-test:sandbox:app-id-1234"
-    assert store.token_key == f"{UNIT_NAMESPACE}:token"
-    assert store.generation_key == f"{UNIT_NAMESPACE}:generation"
-    assert store.lock_key == f"{UNIT_NAMESPACE}:lock"
-    assert store.breaker_key == f"{UNIT_NAMESPACE}:breaker"
-    assert store.counters_key == f"{UNIT_NAMESPACE}:counters"
+    assert store.keys.token == f"{UNIT_NAMESPACE}:token"
+    assert store.keys.generation == f"{UNIT_NAMESPACE}:generation"
+    assert store.keys.lock == f"{UNIT_NAMESPACE}:lock"
+    assert store.keys.breaker == f"{UNIT_NAMESPACE}:breaker"
+    assert store.keys.counters == f"{UNIT_NAMESPACE}:counters"
     assert repr(store) == f"TokenStore(namespace={UNIT_NAMESPACE!r})"
 
 
@@ -60,13 +56,13 @@ def test_a_saved_token_loads_back_unchanged(store: TokenStore) -> None:
 
 def test_the_token_key_expires_with_the_token(store: TokenStore, fake_redis: redis.Redis) -> None:
     store.save(make_token(1, left=300.0))
-    ttl_ms = fake_redis.pttl(store.token_key)
+    ttl_ms = fake_redis.pttl(store.keys.token)
     assert 299_000 <= ttl_ms <= 300_000
 
 
 def test_the_generation_key_does_not_expire(store: TokenStore, fake_redis: redis.Redis) -> None:
     store.save(make_token(1, left=300.0))
-    assert fake_redis.ttl(store.generation_key) == -1
+    assert fake_redis.ttl(store.keys.generation) == -1
 
 
 def test_a_save_naming_a_stale_generation_is_refused_and_returns_the_current_one(
@@ -104,7 +100,7 @@ def test_the_generation_survives_the_token_key_expiring(
     store: TokenStore, fake_redis: redis.Redis
 ) -> None:
     store.save(make_token(1))
-    fake_redis.delete(store.token_key)  # what the key's TTL does when the token expires
+    fake_redis.delete(store.keys.token)  # what the key's TTL does when the token expires
     assert store.load() is None
     assert store.generation() == 1
     assert store.save(make_token(1, value="tok-replayed")) == (False, 1)
@@ -140,13 +136,35 @@ def test_the_lock_names_its_holder_and_is_exclusive(
     store: TokenStore, fake_redis: redis.Redis
 ) -> None:
     assert store.lock_holder() is None
-    lock = store.lock(ttl=10.0)
-    assert lock.acquire(token="host-a:123:abcd1234")
-    assert store.lock_holder() == "host-a:123:abcd1234"
-    assert 9_000 <= fake_redis.pttl(store.lock_key) <= 10_000
-    assert not store.lock(ttl=10.0).acquire(token="host-b:456:ef012345")
-    lock.release()
+    assert store.take_lock("host-a:123:abcd1234:1", "host-a:123:abcd1234:", 10.0)
+    assert store.lock_holder() == "host-a:123:abcd1234:1"
+    assert 9_000 <= fake_redis.pttl(store.keys.lock) <= 10_000
+    assert not store.take_lock("host-b:456:ef012345:1", "host-b:456:ef012345:", 10.0)
+    assert not store.release_lock("host-a:123:abcd1234:2")  # another holding's value
+    assert store.release_lock("host-a:123:abcd1234:1")
     assert store.lock_holder() is None
+
+
+def test_a_lock_naming_this_process_is_taken_over_by_its_next_holding(
+    store: TokenStore,
+) -> None:
+    """A lock command that ran late (its caller gave up) names the process: not a holder."""
+    assert store.take_lock("host-a:1:aa:1", "host-a:1:aa:", 10.0)
+    assert store.take_lock("host-a:1:aa:2", "host-a:1:aa:", 10.0)
+    assert not store.extend_lock("host-a:1:aa:1", 10.0)  # the late holding lost it
+    assert store.extend_lock("host-a:1:aa:2", 10.0)
+    assert store.lock_holder() == "host-a:1:aa:2"
+
+
+def test_a_lock_value_without_a_ttl_is_garbage_and_is_taken(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    fake_redis.set(store.keys.lock, "garbage")
+    assert store.take_lock("host-a:1:aa:1", "host-a:1:aa:", 10.0)
+    fake_redis.delete(store.keys.lock)
+    fake_redis.hset(store.keys.lock, "x", "1")
+    assert store.lock_holder() is None
+    assert store.take_lock("host-a:1:aa:2", "host-a:1:aa:", 10.0)
 
 
 def test_the_look_after_a_401_counts_it_and_takes_the_lock_when_the_refused_token_is_stored(
@@ -154,13 +172,10 @@ def test_the_look_after_a_401_counts_it_and_takes_the_lock_when_the_refused_toke
 ) -> None:
     refused = make_token(1)
     assert store.save(refused) == (True, 1)
-    current, lock, busy = store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits", 30.0)
-    assert (current, busy) == (refused, False)
-    assert lock is not None
-    assert store.lock_holder() == "host-a:1:aa"
-    lock.release()  # the lock handed over releases as redis-py's own would
-    assert store.lock_holder() is None
-    assert store.counters() == {"401s": 1}
+    assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0) == (refused, 1)
+    assert store.lock_holder() == "host-a:1:aa:1"
+    assert store.release_lock("host-a:1:aa:1")
+    assert store.records.counters() == {CounterName.UNAUTHORIZED: 1}
 
 
 def test_the_look_after_a_401_leaves_the_lock_when_a_newer_token_is_stored(
@@ -169,26 +184,22 @@ def test_the_look_after_a_401_leaves_the_lock_when_a_newer_token_is_stored(
     store.save(make_token(1))
     newer = make_token(2)
     store.save(newer)
-    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits", 30.0) == (
-        newer,
-        None,
-        False,
-    )
+    assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0) == (newer, 0)
     assert store.lock_holder() is None
 
 
 def test_the_look_after_a_401_counts_a_wait_when_another_holds_the_lock(
     store: TokenStore,
 ) -> None:
-    assert store.lock(ttl=10.0).acquire(token="host-b:2:bb")
-    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits", 30.0) == (None, None, True)
-    assert store.lock_holder() == "host-b:2:bb"
-    assert store.counters() == {"401s": 1, "waits": 1}
+    assert store.take_lock("host-b:2:bb:1", "host-b:2:bb:", 10.0)
+    assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0) == (None, -1)
+    assert store.lock_holder() == "host-b:2:bb:1"
+    assert store.records.counters() == {CounterName.UNAUTHORIZED: 1, CounterName.LOCK_WAITS: 1}
 
 
 def _lock_waits(store: TokenStore) -> tuple[int, int]:
     """How many waits the lock-wait histogram holds, and their sum in microseconds."""
-    fields = store.histograms()
+    fields = store.records.histograms()
     count = sum(v for k, v in fields.items() if k.startswith(f"{LOCK_WAIT_SECONDS}:le:"))
     return count, fields.get(f"{LOCK_WAIT_SECONDS}:sum_us", 0)
 
@@ -197,16 +208,16 @@ def test_a_noted_wait_is_recorded_by_the_write_that_ends_it(
     store: TokenStore, fake_redis: redis.Redis
 ) -> None:
     store.save(make_token(1))
-    assert store.lock(ttl=10.0).acquire(token="host-b:2:bb")
-    assert store.look_after_401(1, "host-a:1:aa", 10.0, "401s", "waits", 30.0)[2]
-    assert store.note_wait(1, "waits", 30.0)  # a second process, waiting the other way
+    assert store.take_lock("host-b:2:bb:1", "host-b:2:bb:", 10.0)
+    assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0)[1] == -1
+    assert store.note_wait(1, 30.0)  # a second process, waiting the other way
     assert _lock_waits(store) == (0, 0)  # nothing recorded while they wait
     store.save(make_token(2))
     count, sum_us = _lock_waits(store)
     assert count == 2
     assert 0 <= sum_us < 30_000_000
-    assert not fake_redis.exists(store.waits_key)
-    assert store.counters()["waits"] == 2
+    assert not fake_redis.exists(store.keys.waits)
+    assert store.records.counters()[CounterName.LOCK_WAITS] == 2
     store.save(make_token(3))
     assert _lock_waits(store)[0] == 2  # each wait is recorded once
 
@@ -215,10 +226,10 @@ def test_a_wait_that_outlasted_its_limit_is_not_recorded(
     store: TokenStore, fake_redis: redis.Redis
 ) -> None:
     store.save(make_token(1))
-    fake_redis.rpush(store.waits_key, "1000000000:5")  # began long ago; its caller gave up
+    fake_redis.rpush(store.keys.waits, "1000000000:5")  # began long ago; its caller gave up
     store.save(make_token(2))
     assert _lock_waits(store) == (0, 0)
-    assert not fake_redis.exists(store.waits_key)
+    assert not fake_redis.exists(store.keys.waits)
 
 
 def test_no_wait_is_noted_once_a_newer_generation_is_stored(
@@ -226,13 +237,13 @@ def test_no_wait_is_noted_once_a_newer_generation_is_stored(
 ) -> None:
     store.save(make_token(1))
     store.save(make_token(2))
-    assert not store.note_wait(1, "waits", 30.0)  # the renewal ended before the wait
-    assert store.counters() == {}
-    assert not fake_redis.exists(store.waits_key)
-    assert store.note_wait(2, "waits", 30.0)
-    assert 0 < fake_redis.pttl(store.waits_key) <= 30_000
-    fake_redis.delete(store.token_key)  # expired: a process that saw nothing still waits
-    assert store.note_wait(0, "waits", 30.0)
+    assert not store.note_wait(1, 30.0)  # the renewal ended before the wait
+    assert store.records.counters() == {}
+    assert not fake_redis.exists(store.keys.waits)
+    assert store.note_wait(2, 30.0)
+    assert 0 < fake_redis.pttl(store.keys.waits) <= 30_000
+    fake_redis.delete(store.keys.token)  # expired: a process that saw nothing still waits
+    assert store.note_wait(0, 30.0)
 
 
 def test_acceptance_only_ever_rises(store: TokenStore) -> None:
@@ -244,44 +255,48 @@ def test_acceptance_only_ever_rises(store: TokenStore) -> None:
 
 def test_forced_renewals_are_counted_per_period(store: TokenStore) -> None:
     for at in (100.0, 150.0, 170.0):
-        store.log_forced(at)
-    assert store.forced_in_period(175.0, 60.0) == 2
-    assert store.forced_in_period(231.0, 60.0) == 0
+        store.records.log_forced(at)
+    assert store.records.forced_in_period(175.0, 60.0) == 2
+    assert store.records.forced_in_period(231.0, 60.0) == 0
 
 
 def test_the_probe_slot_is_given_once_per_interval(store: TokenStore) -> None:
-    assert store.take_probe(10.0)
-    assert not store.take_probe(10.0)
+    assert store.records.take_probe(10.0)
+    assert not store.records.take_probe(10.0)
 
 
 def test_no_breaker_is_open_at_first(store: TokenStore) -> None:
-    assert store.load_breaker() is None
+    assert store.records.load_breaker() is None
 
 
 def test_a_breaker_is_kept_a_while_past_until_and_closes(
     store: TokenStore, fake_redis: redis.Redis
 ) -> None:
-    record = BreakerRecord("rejected", until=1030.0, failures=2, secret_fingerprint="abc123")
-    store.open_breaker(record, now=1000.0)
-    assert store.load_breaker() == record
+    record = BreakerRecord(
+        BreakerKind.REJECTED, until=1030.0, failures=2, secret_fingerprint="abc123"
+    )
+    store.records.open_breaker(record, now=1000.0)
+    assert store.records.load_breaker() == record
     expected_ms = (30 + BREAKER_MEMORY) * 1000
-    assert expected_ms - 1000 <= fake_redis.pttl(store.breaker_key) <= expected_ms
-    store.close_breaker()
-    assert store.load_breaker() is None
+    assert expected_ms - 1000 <= fake_redis.pttl(store.keys.breaker) <= expected_ms
+    store.records.close_breaker()
+    assert store.records.load_breaker() is None
 
 
 def test_a_breaker_long_over_is_stored_with_the_shortest_ttl(
     store: TokenStore, fake_redis: redis.Redis
 ) -> None:
-    store.open_breaker(BreakerRecord("rate_limited", until=0.0), now=1000.0 + BREAKER_MEMORY)
-    assert fake_redis.pttl(store.breaker_key) <= 1
+    store.records.open_breaker(
+        BreakerRecord(BreakerKind.RATE_LIMITED, until=0.0), now=1000.0 + BREAKER_MEMORY
+    )
+    assert fake_redis.pttl(store.keys.breaker) <= 1
 
 
 def test_counters_add_up_per_event(store: TokenStore) -> None:
-    assert store.counters() == {}
-    store.count("exchanges:scheduled:ok", "lock_waits")
-    store.count("lock_waits")
-    assert store.counters() == {"exchanges:scheduled:ok": 1, "lock_waits": 2}
+    assert store.records.counters() == {}
+    store.records.count("renewals:scheduled:ok", "lock_waits")
+    store.records.count("lock_waits")
+    assert store.records.counters() == {"renewals:scheduled:ok": 1, "lock_waits": 2}
 
 
 # -- Redis down --------------------------------------------------------------------------
@@ -292,18 +307,26 @@ OPERATIONS: dict[str, Callable[[TokenStore], object]] = {
     "time": lambda s: s.time(),
     "generation": lambda s: s.generation(),
     "lock_holder": lambda s: s.lock_holder(),
-    "load_breaker": lambda s: s.load_breaker(),
-    "open_breaker": lambda s: s.open_breaker(BreakerRecord("unavailable", 2.0), 1.0),
-    "close_breaker": lambda s: s.close_breaker(),
-    "count": lambda s: s.count("x"),
-    "counters": lambda s: s.counters(),
-    "look_after_401": lambda s: s.look_after_401(1, "o", 1.0, "a", "b", 1.0),
-    "note_wait": lambda s: s.note_wait(1, "a", 1.0),
+    "load_breaker": lambda s: s.records.load_breaker(),
+    "open_breaker": lambda s: s.records.open_breaker(
+        BreakerRecord(BreakerKind.UNAVAILABLE, 2.0), 1.0
+    ),
+    "close_breaker": lambda s: s.records.close_breaker(),
+    "count": lambda s: s.records.count("x"),
+    "counters": lambda s: s.records.counters(),
+    "look_after_401": lambda s: s.look_after_401(1, "o:1", "o:", 1.0, 1.0),
+    "note_wait": lambda s: s.note_wait(1, 1.0),
+    "take_lock": lambda s: s.take_lock("o:1", "o:", 1.0),
+    "extend_lock": lambda s: s.extend_lock("o:1", 1.0),
+    "release_lock": lambda s: s.release_lock("o:1"),
+    "record_attempt": lambda s: s.records.record_attempt(RenewalReason.MANUAL, Outcome.OK, 1.0),
+    "exchanges_since": lambda s: s.records.exchanges_since(1.0),
+    "load_completion": lambda s: s.records.load_completion("t"),
     "mark_accepted": lambda s: s.mark_accepted(1),
     "accepted_generation": lambda s: s.accepted_generation(),
-    "forced_in_period": lambda s: s.forced_in_period(1.0, 1.0),
-    "log_forced": lambda s: s.log_forced(1.0),
-    "take_probe": lambda s: s.take_probe(1.0),
+    "forced_in_period": lambda s: s.records.forced_in_period(1.0, 1.0),
+    "log_forced": lambda s: s.records.log_forced(1.0),
+    "take_probe": lambda s: s.records.take_probe(1.0),
 }
 
 
@@ -417,8 +440,8 @@ def test_the_clock_over_a_dead_store_raises_store_unavailable() -> None:
 
 def lose_writes_back_to(fake_redis: redis.Redis, store: TokenStore, token: Token) -> None:
     """What a failover to a replica that missed the last writes leaves: ``token`` again."""
-    fake_redis.set(store.token_key, token.to_json())
-    fake_redis.set(store.generation_key, token.generation)
+    fake_redis.set(store.keys.token, token.to_json())
+    fake_redis.set(store.keys.generation, token.generation)
 
 
 def test_a_token_older_than_one_this_process_saw_stored_is_not_used_again(

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from merchant_tasks.token import Token, TokenState, fingerprint
+from merchant_tasks.token import RenewalReason, Token, TokenState, fingerprint
 
 RENEW_BEFORE = 480.0
 RENEW_MANDATORY = 120.0
@@ -25,7 +25,7 @@ def make_token(left: float = 3600.0, value: str = VALUE) -> Token:
         expires_at=NOW + left,
         generation=3,
         renewed_by="host-a:123:abcd1234",
-        reason="scheduled",
+        reason=RenewalReason.SCHEDULED,
     )
 
 
@@ -74,7 +74,7 @@ def test_to_json_and_from_json_round_trip() -> None:
 def test_from_json_accepts_a_record_without_who_and_why() -> None:
     raw = json.dumps({"value": VALUE, "issued_at": 1.0, "expires_at": 2.0, "generation": 1})
     token = Token.from_json(raw)
-    assert (token.renewed_by, token.reason) == ("", "")
+    assert (token.renewed_by, token.reason) == ("", None)
 
 
 @given(
@@ -83,11 +83,16 @@ def test_from_json_accepts_a_record_without_who_and_why() -> None:
     lifetime=st.floats(min_value=0.001, max_value=1e9),
     generation=st.integers(min_value=1, max_value=2**53),
     renewed_by=st.text(),
-    reason=st.text(),
+    reason=st.sampled_from([None, *RenewalReason]),
 )
 @hypothesis_settings(database=None, deadline=None)
 def test_any_token_survives_its_stored_form(
-    value: str, issued_at: float, lifetime: float, generation: int, renewed_by: str, reason: str
+    value: str,
+    issued_at: float,
+    lifetime: float,
+    generation: int,
+    renewed_by: str,
+    reason: RenewalReason | None,
 ) -> None:
     token = Token(value, issued_at, issued_at + lifetime, generation, renewed_by, reason)
     assert Token.from_json(token.to_json()) == token

@@ -14,7 +14,7 @@ from conftest import dead_redis, make_manager
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
 from merchant_tasks.store import TokenStore
-from merchant_tasks.token import Token
+from merchant_tasks.token import RenewalReason, Token
 from merchant_tasks.wakeup import RenewalSignal
 
 pytestmark = pytest.mark.integration
@@ -122,7 +122,7 @@ def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling
         store_b, _never_issues, exchange_timeout=1.0, sleep=sleeps_b.append, wake_ups=True
     )
     now = store_a.time()
-    revoked = Token("tok-revoked", now - 10, now + 3600, 1, "x", "scheduled")
+    revoked = Token("tok-revoked", now - 10, now + 3600, 1, "x", RenewalReason.SCHEDULED)
     assert store_a.save(revoked) == (True, 1)
     store_a.mark_accepted(1)
     for manager in (a, b):
@@ -138,4 +138,4 @@ def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling
     renewer.join(10.0)
     assert renewed[0].value == token_b.value == "tok-renewed-by-a"
     assert sleeps_b == []  # woken, not polling
-    assert store_a.counters()["lock_waits"] == 1
+    assert store_a.records.counters()["lock_waits"] == 1

@@ -24,7 +24,7 @@ from celery_fleet import (
     Fleet,
 )
 from merchant_tasks.celery_app import CALLS_QUEUE, VISIBILITY_TIMEOUT, package_defaults
-from merchant_tasks.completions import REDELIVERED_COUNTER
+from merchant_tasks.policy import CounterName
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig
 from merchant_tasks.worker_pools import CONSUMER_CONNECTIONS, size_pools, worker_concurrency
@@ -160,9 +160,9 @@ def _assert_each_payment_once_one_exchange_no_failed_ack(
     assert sandbox.app.revoked
     assert sandbox.calls()["unauthorized"] >= 1  # the storm did meet the revoked token
     assert sandbox.exchanges()["ok"] == 2  # the first token, and one for the storm
-    counters = fleet.store().counters()
-    assert counters.get("exchanges:forced:ok", 0) == 1
-    assert counters.get(REDELIVERED_COUNTER, 0) == 0  # no call came back while running
+    counters = fleet.store().records.counters()
+    assert counters.get("renewals:forced:ok", 0) == 1
+    assert counters.get(CounterName.REDELIVERED, 0) == 0  # no call came back while running
 
     broker = fleet.store().redis
     fleet.stop()  # a warm shutdown: a message whose ack failed is put back on the queue now

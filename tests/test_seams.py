@@ -1,0 +1,432 @@
+"""The seams of the renewal core, each against real parts: a private redis-server that the
+test stalls (SIGSTOP), turns read-only or out of memory, or fills with garbage; the
+emulator as the token endpoint; a real Celery worker. docs/reliability.md, "Seams", maps
+each row to its test. Assertions are on outcomes and counts; the one duration compared
+(recovery after a stall) is compared with the lock's lease, the wait the fault used to cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry, generate_latest
+
+from merchant_tasks.accounts import AccountClients, FleetClient, client_for
+from merchant_tasks.celery_app import isolated_config, load_config, write_config_module
+from merchant_tasks.cli import main
+from merchant_tasks.exceptions import MerchantError, StoreUnavailable
+from merchant_tasks.exchange import IssuedToken
+from merchant_tasks.local import RedisServer, free_port, spawn, wait_until
+from merchant_tasks.metrics import FleetCollector
+from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET, REFUSED_BACKOFF
+from merchant_tasks.renewal_lock import RenewalLock
+from merchant_tasks.settings import Settings, child_env
+from merchant_tasks.status import account_status
+from merchant_tasks.store import TokenStore
+from merchant_tasks.token import Token
+
+pytestmark = pytest.mark.integration
+
+PING = "/open-api/v1/ping"
+PAYMENTS = "/open-api/v1/payments"
+STALL = 7.5  # seconds Redis is stopped: longer than the client's socket timeout (5 s)
+WORKER_START = 60.0  # seconds for a worker to answer a ping on a busy machine
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture
+def fast_settings(merchant_settings: Settings, private_redis: RedisServer) -> Settings:
+    """The test's account on the private Redis, with 1 s / 2 s HTTP timeouts (lease 8 s)."""
+    fleet = dataclasses.replace(merchant_settings.fleet, redis_url=private_redis.url)
+    return dataclasses.replace(
+        merchant_settings, fleet=fleet, connect_timeout=1.0, read_timeout=2.0
+    )
+
+
+@pytest.fixture
+def fast_client(fast_settings: Settings) -> Iterator[FleetClient]:
+    client = client_for(fast_settings)
+    yield client
+    client.session.close()
+
+
+def _pid(server: RedisServer) -> int:
+    assert server.child is not None
+    return server.child.process.pid
+
+
+class Calling:
+    """Threads calling PING in a loop, every outcome kept with its (monotonic) time."""
+
+    def __init__(self, client: FleetClient, threads: int) -> None:
+        self.client = client
+        self.outcomes: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop) for _ in range(threads)]
+
+    def __enter__(self) -> Calling:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60.0)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.client.request("GET", PING)
+                outcome = "ok"
+            except MerchantError as exc:
+                outcome = type(exc).__name__
+            with self._lock:
+                self.outcomes.append((time.monotonic(), outcome))
+            if outcome != "ok":
+                time.sleep(0.05)
+
+    def first_success_after(self, moment: float) -> float | None:
+        with self._lock:
+            return min((t for t, o in self.outcomes if o == "ok" and t > moment), default=None)
+
+
+# -- the lock ------------------------------------------------------------------------------
+
+
+def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
+    fast_client: FleetClient, merchant_sandbox: MerchantSandbox, private_redis: RedisServer
+) -> None:
+    """Redis stops (SIGSTOP) for 7.5 s while 8 threads call, and a revoke-all lands: the
+    401 script waits in the stopped Redis, its caller gives up (StoreUnavailable), then
+    Redis runs it and the lock names this process's lock. The next attempt takes that lock
+    over instead of waiting out its lease: calls succeed again at once."""
+    lock = fast_client.manager.lock
+    admin = redis.Redis(port=private_redis.port)
+    assert fast_client.request("GET", PING) == {"ok": True}
+    with Calling(fast_client, threads=8) as calling:
+        time.sleep(0.5)
+        os.kill(_pid(private_redis), signal.SIGSTOP)
+        try:
+            merchant_sandbox.app.revoke_all()
+            time.sleep(STALL)
+        finally:
+            os.kill(_pid(private_redis), signal.SIGCONT)
+        resumed = time.monotonic()
+        holder = admin.get(fast_client.manager.store.keys.lock)
+        wait_until(
+            lambda: calling.first_success_after(resumed) is not None,
+            "a call succeeds after Redis resumed",
+            timeout=60.0,
+        )
+        recovered = calling.first_success_after(resumed)
+        time.sleep(1.0)
+    assert recovered is not None
+    errors = Counter(outcome for _, outcome in calling.outcomes if outcome != "ok")
+    print(
+        f"\nstall: recovered {recovered - resumed:.2f} s after Redis resumed (lease "
+        f"{lock.lease:.0f} s); lock at resume: {holder!r}; errors {dict(errors)}"
+    )
+    assert set(errors) <= {"StoreUnavailable"}, errors
+    assert recovered - resumed < lock.lease  # the late lock no longer holds callers back
+    assert (
+        merchant_sandbox.exchanges()["ok"] == 2
+    )  # the first token and one renewal after the revoke
+
+
+def test_a_holder_keeps_its_lease_alive_and_a_dead_holders_lease_runs_out(
+    redis_store: TokenStore,
+) -> None:
+    lease = 0.6
+    holder, other = RenewalLock(redis_store, lease), RenewalLock(redis_store, lease)
+    assert holder.acquire()
+    time.sleep(4 * lease)  # the watchdog extends it meanwhile
+    assert not other.acquire()
+    holder.release()
+    assert other.acquire()
+    other.release()
+    # a holder that dies extends nothing: its lease runs out
+    assert redis_store.take_lock("dead-host:1:aa:bb:1", "dead-host:1:aa:bb:", lease)
+    assert not holder.acquire()
+    wait_until(holder.acquire, "the dead holder's lease ran out", timeout=10 * lease)
+    holder.release()
+    assert redis_store.lock_holder() is None
+
+
+# -- Redis refusing writes -----------------------------------------------------------------
+
+
+def _refuse_writes(admin: redis.Redis, fault: str) -> Callable[[], object]:
+    """Make the private Redis refuse writes as ``fault`` says; returns the undo."""
+    if fault == "read_only":  # the URL now reaches a replica, as in a failover
+        admin.replicaof("127.0.0.1", str(free_port()))
+        return lambda: admin.replicaof("NO", "ONE")
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", "1")
+    return lambda: admin.config_set("maxmemory", "0")
+
+
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [("read_only", "read-only replica"), ("out_of_memory", "out of memory")],
+)
+def test_a_redis_refusing_writes_is_a_typed_store_error_and_calls_recover_after(
+    fast_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
+    private_redis: RedisServer,
+    fault: str,
+    said: str,
+) -> None:
+    admin = redis.Redis(port=private_redis.port)
+    assert fast_client.request("GET", PING) == {"ok": True}
+    undo = _refuse_writes(admin, fault)
+    try:
+        assert fast_client.request("GET", PING) == {"ok": True}  # reads still serve calls
+        merchant_sandbox.app.revoke_all()  # now a call needs a write (the 401 script)
+        with pytest.raises(StoreUnavailable, match=said) as caught:
+            fast_client.request("GET", PING)
+        assert caught.value.retryable
+        assert "MERCHANT_REDIS_URL" in str(caught.value)
+    finally:
+        undo()
+    assert fast_client.request("GET", PING) == {"ok": True}
+    assert merchant_sandbox.exchanges()["ok"] == 2
+
+
+def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
+    fast_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    private_redis: RedisServer,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
+    tmp_path: Path,
+) -> None:
+    """The token store's URL reaches a read-only replica for ~6 s (a failover) while calls
+    are queued, some already past the API: every call completes once, none twice (a
+    completion record that cannot be written does not make a call run again)."""
+    workdir = tmp_path / "worker"
+    workdir.mkdir()
+    config = isolated_config(
+        merchant_redis_url, merchant_key_prefix
+    )  # the broker stays on the shared Redis
+    write_config_module(workdir / "celeryconfig.py", config)
+    argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", "worker"]
+    argv += ["-n", f"{merchant_key_prefix}@%h", "--pool=threads", "--concurrency=4"]
+    argv += ["--without-gossip", "--without-mingle", "--loglevel=INFO"]
+    worker = spawn(
+        "worker", argv, tmp_path / "worker.log", env=child_env(fast_settings), cwd=workdir
+    )
+    app = Celery("seams-test-client", set_as_current=False)
+    app.conf.update({**load_config(fast_settings.to_env()), **config, "imports": ()})
+    admin = redis.Redis(port=private_redis.port)
+    try:
+        worker.wait_ready(lambda: bool(app.control.ping(timeout=0.5)), timeout=WORKER_START)
+        first = [
+            app.send_task("merchant_tasks.call_api", ("POST", PAYMENTS, {"amount": i}))
+            for i in range(5)
+        ]
+        undo = _refuse_writes(admin, "read_only")
+        try:
+            merchant_sandbox.app.revoke_all()
+            more = [
+                app.send_task("merchant_tasks.call_api", ("POST", PAYMENTS, {"amount": 100 + i}))
+                for i in range(10)
+            ]
+            time.sleep(6.0)
+        finally:
+            undo()
+        results = [result.get(timeout=180) for result in [*first, *more]]
+    finally:
+        worker.stop()
+        app.close()
+    amounts = sorted(payment["amount"] for payment in merchant_sandbox.app.payments())
+    assert sorted(result["amount"] for result in results) == amounts
+    assert amounts == [*range(5), *range(100, 110)]  # each call once: none lost, none twice
+    assert "StoreUnavailable" in worker.log_text()  # the window was met, and retried
+
+
+# -- corrupt values --------------------------------------------------------------------------
+
+HASH = object()  # a hash where a string belongs (WRONGTYPE)
+CORRUPTIONS: list[tuple[str, object]] = [
+    ("token", HASH),
+    ("token", b"\x00garbage"),
+    ("token", b'{"value": "x"}'),
+    ("token", b"[1, 2]"),
+    ("generation", b"abc"),
+    ("generation", HASH),
+    ("breaker", b"garbage"),
+    ("breaker", b'{"kind": "nonsense", "until": 1e20}'),
+    ("accepted", b"abc"),
+    ("lock", b"garbage without a ttl"),
+    ("counters", b"a string"),
+    ("histograms", b"a string"),
+    ("exchange_log", b"a string"),
+    ("waits", b"a string"),
+    ("forced", b"a string"),
+    ("probe", b"held for ever"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "garbage"), CORRUPTIONS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CORRUPTIONS)]
+)
+def test_a_corrupt_value_in_any_key_reads_as_absent_and_the_next_write_replaces_it(
+    merchant_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
+    redis_client: redis.Redis,
+    merchant_env: dict[str, str],
+    name: str,
+    garbage: object,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    key = getattr(merchant_client.manager.store.keys, name)
+    redis_client.delete(key)
+    if garbage is HASH:
+        redis_client.hset(key, "field", "value")
+    else:
+        redis_client.set(key, garbage)  # type: ignore[arg-type]
+    merchant_client.manager.copy.forget()
+    merchant_sandbox.app.revoke_all()
+    assert merchant_client.request("GET", PING) == {"ok": True}  # through the 401 scripts
+    env = {"MERCHANT_API_SECRET": None, **merchant_env}
+    status = CliRunner().invoke(main, ["status", "--json"], env=env)
+    assert status.exception is None or isinstance(status.exception, SystemExit)
+    [account] = json.loads(status.stdout)["accounts"]
+    assert account["state"] == "fresh", account
+    renew = CliRunner().invoke(main, ["renew", "--force"], env=env)
+    assert renew.exit_code == 0, renew.stdout + renew.stderr
+    clients = AccountClients.from_env({k: v for k, v in env.items() if v is not None})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(
+        FleetCollector(
+            lambda: {
+                n: account_status(n, s, clients.get(n).manager.store)
+                for n, s in clients.accounts.items()
+            }
+        )
+    )
+    assert b"merchant_tasks_up 1.0" in generate_latest(registry)
+    assert redis_client.type(key) in (b"none", _written_type(name))
+    stored = redis_client.get(merchant_client.manager.store.keys.token)
+    assert stored is not None
+    assert Token.from_json(stored).generation >= 2
+    if name in ("token", "generation", "breaker"):  # (the others are read by scripts)
+        assert f"{key} holds what merchant-tasks never writes" in caplog.text
+
+
+def _written_type(name: str) -> bytes:
+    kinds = {"counters": b"hash", "histograms": b"hash", "waits": b"list"}
+    return kinds.get(name, b"zset" if name in ("exchange_log", "forced") else b"string")
+
+
+def test_status_json_is_an_error_document_when_redis_cannot_be_read(
+    merchant_env: dict[str, str], private_redis: RedisServer
+) -> None:
+    env = {"MERCHANT_API_SECRET": None, **merchant_env, "MERCHANT_REDIS_URL": private_redis.url}
+    os.kill(_pid(private_redis), signal.SIGSTOP)
+    try:
+        result = CliRunner().invoke(main, ["status", "--json"], env=env)
+    finally:
+        os.kill(_pid(private_redis), signal.SIGCONT)
+    document: dict[str, Any] = json.loads(result.stdout)
+    assert document["error"]["type"] == "StoreUnavailable"
+    assert result.exit_code != 0
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_times(
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
+) -> None:
+    """16 threads call while every token is revoked twice a second for 10 s. Each forced
+    renewal meets at most one 401 per thread (the requests in flight when the revocation
+    lands); once the budget is spent the stored token is known refused, and calls fail
+    fast without sending it: no more 401s than threads x (budget + 1)."""
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    before = merchant_sandbox.calls().get("unauthorized", 0)
+    with Calling(merchant_client, threads=16) as calling:
+        for _ in range(20):
+            time.sleep(0.5)
+            merchant_sandbox.app.revoke_all()
+    refused = merchant_sandbox.calls().get("unauthorized", 0) - before
+    outcomes = Counter(outcome for _, outcome in calling.outcomes)
+    print(f"\nrevocations: {refused} requests got 401; outcomes {dict(outcomes)}")
+    assert set(outcomes) <= {"ok", "TokenRejected"}, outcomes
+    assert refused <= 16 * (FORCED_RENEWAL_BUDGET + 1)
+
+
+def test_status_reports_an_account_whose_tokens_are_refused_as_failing(
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
+) -> None:
+    merchant_sandbox.app.configure({"refuse_all_calls": True})  # the key works, the API refuses it
+    env = {"MERCHANT_API_SECRET": None, **merchant_env}
+    call = CliRunner().invoke(main, ["call", "GET", PING], env=env)
+    assert call.exit_code != 0
+    assert "never accepted" in call.stderr
+    status = CliRunner().invoke(main, ["status", "--json"], env=env)
+    [account] = json.loads(status.stdout)["accounts"]
+    assert account["breaker"]["kind"] == "refused"
+    assert status.exit_code != 0
+    assert merchant_sandbox.exchanges()["ok"] == 1
+
+
+def test_two_revocations_before_first_use_heal_within_90_seconds(
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
+) -> None:
+    """A call's token is revoked (it had been used), and so are the next two tokens, each
+    right after it is issued: the second is refused before any use and its predecessor
+    never was accepted either. Calls fail fast for the back-off (60 s), then succeed again:
+    before, the account stayed broken for the token's whole life (2 h)."""
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    exchange = merchant_client.manager.exchange
+    revoking = [2]
+
+    def revoked_on_issue() -> IssuedToken:
+        issued = exchange()
+        if revoking[0]:
+            revoking[0] -= 1
+            merchant_sandbox.app.revoke_all()  # the new token too, before anyone uses it
+        return issued
+
+    merchant_client.manager.exchange = revoked_on_issue
+    merchant_sandbox.app.revoke_all()
+    started = time.monotonic()
+    outcomes: Counter[str] = Counter()
+    while True:
+        try:
+            merchant_client.request("GET", PING)
+            break
+        except MerchantError as exc:
+            outcomes[type(exc).__name__] += 1
+        assert time.monotonic() - started < 3 * REFUSED_BACKOFF, outcomes  # stuck, as before
+        time.sleep(0.5)
+    healed = time.monotonic() - started
+    print(f"\ntwo revocations before first use: healed after {healed:.1f} s; {dict(outcomes)}")
+    assert set(outcomes) == {"TokenRejected"}  # failing fast meanwhile, then healed
+    assert (
+        merchant_sandbox.exchanges()["ok"] == 4
+    )  # the first token, two revoked on issue, the healer

@@ -25,6 +25,7 @@ from celery import Celery
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
+from merchant_tasks import refusals
 from merchant_tasks.accounts import AccountClients, FleetClient, client_for
 from merchant_tasks.celery_app import isolated_config, load_config, write_config_module
 from merchant_tasks.cli import main
@@ -33,7 +34,7 @@ from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import RedisServer, free_port, spawn, wait_until
 from merchant_tasks.metrics import FleetCollector
 from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET, REFUSED_BACKOFF
+from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET
 from merchant_tasks.renewal_lock import RenewalLock
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.status import account_status
@@ -394,13 +395,18 @@ def test_status_reports_an_account_whose_tokens_are_refused_as_failing(
     assert merchant_sandbox.exchanges()["ok"] == 1
 
 
-def test_two_revocations_before_first_use_heal_within_90_seconds(
-    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
+def test_two_revocations_before_first_use_heal_after_one_backoff(
+    merchant_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A call's token is revoked (it had been used), and so are the next two tokens, each
     right after it is issued: the second is refused before any use and its predecessor
-    never was accepted either. Calls fail fast for the back-off (60 s), then succeed again:
-    before, the account stayed broken for the token's whole life (2 h)."""
+    never was accepted either. Calls fail fast for the back-off, then succeed again: before,
+    the account stayed broken for the token's whole life (2 h). The back-off is cut to
+    3 s here; test_renewal proves the real 60 s one on an injected clock."""
+    backoff = 3.0
+    monkeypatch.setattr(refusals, "REFUSED_BACKOFF", backoff)
     assert merchant_client.request("GET", PING) == {"ok": True}
     exchange = merchant_client.manager.exchange
     revoking = [2]
@@ -422,8 +428,8 @@ def test_two_revocations_before_first_use_heal_within_90_seconds(
             break
         except MerchantError as exc:
             outcomes[type(exc).__name__] += 1
-        assert time.monotonic() - started < 3 * REFUSED_BACKOFF, outcomes  # stuck, as before
-        time.sleep(0.5)
+        assert time.monotonic() - started < 10 * backoff, outcomes  # stuck, as before
+        time.sleep(0.2)
     healed = time.monotonic() - started
     print(f"\ntwo revocations before first use: healed after {healed:.1f} s; {dict(outcomes)}")
     assert set(outcomes) == {"TokenRejected"}  # failing fast meanwhile, then healed

@@ -32,13 +32,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from celery_fleet import CALL_API, PING, READY_TIMEOUT, running_fleet
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from celery_fleet import CALL_API, PING, READY_TIMEOUT, Fleet
+from conftest import TEST_SECRET
 from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import CredentialsRejected
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
 from merchant_tasks.policy import CounterName
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.telemetry import (
     ACCOUNT,
@@ -113,16 +114,16 @@ def sdk() -> Telemetry:
 
 
 @pytest.fixture
-def traced(sdk: Telemetry, sandbox: Sandbox) -> Iterator[Telemetry]:
+def traced(sdk: Telemetry, merchant_sandbox: MerchantSandbox) -> Iterator[Telemetry]:
     """The SDK, its spans cleared; afterwards, its spans searched for secrets."""
     sdk.exporter.clear()
     yield sdk
     exported = [span.to_json() for span in sdk.exporter.get_finished_spans()]
-    assert_no_secret_in("\n".join(exported), sandbox)
+    assert_no_secret_in("\n".join(exported), merchant_sandbox)
 
 
-def assert_no_secret_in(text: str, sandbox: Sandbox) -> None:
-    for secret in (TEST_SECRET, WRONG_SECRET, *sandbox.app.issued_tokens()):
+def assert_no_secret_in(text: str, merchant_sandbox: MerchantSandbox) -> None:
+    for secret in (TEST_SECRET, WRONG_SECRET, *merchant_sandbox.app.issued_tokens()):
         assert secret not in text
     assert "bearer" not in text.lower()
     assert "authorization" not in text.lower()
@@ -140,11 +141,14 @@ def traceparent_of(span: ReadableSpan) -> str:
 
 
 def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
-    traced: Telemetry, settings: Settings, redis_client: redis.Redis, sandbox: Sandbox
+    traced: Telemetry,
+    merchant_settings: Settings,
+    redis_client: redis.Redis,
+    merchant_sandbox: MerchantSandbox,
 ) -> None:
-    client = client_for(settings, redis_client=redis_client, name="storm")
+    client = client_for(merchant_settings, redis_client=redis_client, name="storm")
     client.request("GET", PING)
-    sandbox.app.revoke_all()
+    merchant_sandbox.app.revoke_all()
     traced.exporter.clear()
     # the exchange waits until every thread has met the refused token (a 401, or a sibling
     # renewing it), so that no thread can start late with the new token
@@ -173,7 +177,7 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
         results = list(pool.map(call, range(THREADS)))
 
     assert results == [{"ok": True}] * THREADS
-    assert sandbox.exchanges()["ok"] == 2  # the first token, then one for the storm
+    assert merchant_sandbox.exchanges()["ok"] == 2  # the first token, then one for the storm
     (renewal,) = traced.spans(RENEWAL_SPAN)
     (exchanged,) = traced.spans(EXCHANGE_SPAN)
     requests = traced.spans(REQUEST_SPAN)
@@ -224,14 +228,17 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
 
 
 def test_a_refused_request_links_to_the_renewal_another_process_stored(
-    traced: Telemetry, settings: Settings, redis_client: redis.Redis, sandbox: Sandbox
+    traced: Telemetry,
+    merchant_settings: Settings,
+    redis_client: redis.Redis,
+    merchant_sandbox: MerchantSandbox,
 ) -> None:
-    renewing = client_for(settings, redis_client=redis_client, name="renewing")
-    other = client_for(settings, redis_client=redis_client, name="other")  # its own copy
+    renewing = client_for(merchant_settings, redis_client=redis_client, name="renewing")
+    other = client_for(merchant_settings, redis_client=redis_client, name="other")  # its own copy
     other.manager.copy.ttl = 600.0  # it keeps sending the revoked token: it meets the 401
     renewing.request("GET", PING)
     other.request("GET", PING)
-    sandbox.app.revoke_all()
+    merchant_sandbox.app.revoke_all()
     traced.exporter.clear()
 
     renewing.request("GET", PING)  # 401: renews under its request
@@ -250,14 +257,17 @@ def test_a_refused_request_links_to_the_renewal_another_process_stored(
 
 
 def test_a_process_that_waited_for_another_renewal_shows_its_wait_and_links_to_it(
-    traced: Telemetry, settings: Settings, redis_client: redis.Redis, sandbox: Sandbox
+    traced: Telemetry,
+    merchant_settings: Settings,
+    redis_client: redis.Redis,
+    merchant_sandbox: MerchantSandbox,
 ) -> None:
-    renewing = client_for(settings, redis_client=redis_client, name="renewing")
-    waiting = client_for(settings, redis_client=redis_client, name="waiting")
+    renewing = client_for(merchant_settings, redis_client=redis_client, name="renewing")
+    waiting = client_for(merchant_settings, redis_client=redis_client, name="waiting")
     waiting.manager.copy.ttl = 600.0  # it sends the revoked token and meets the 401 itself
     renewing.request("GET", PING)
     waiting.request("GET", PING)
-    sandbox.app.revoke_all()
+    merchant_sandbox.app.revoke_all()
     traced.exporter.clear()
     store = renewing.manager.store
     exchange = renewing.manager.exchange
@@ -304,19 +314,19 @@ def parent_id(span: ReadableSpan) -> int:
 
 def test_refused_credentials_show_on_the_spans_and_meters_by_type_only(
     traced: Telemetry,
-    sandbox: Sandbox,
-    redis_url: str,
-    key_prefix: str,
+    merchant_sandbox: MerchantSandbox,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
     redis_client: redis.Redis,
     tmp_path: Path,
 ) -> None:
     wrong = tmp_path / "wrong-secret"
     wrong.write_text(WRONG_SECRET + "\n")
     settings = Settings(
-        api_key=TEST_API_KEY,
+        api_key=merchant_sandbox.api_key,
         secret=Secret(path=wrong),
-        base_url=sandbox.url,
-        fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
+        base_url=merchant_sandbox.url,
+        fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
     )
     client = client_for(settings, redis_client=redis_client, name="wrong")
 
@@ -371,32 +381,31 @@ def test_a_process_that_traces_nothing_gets_the_shared_no_op(process: str) -> No
 
 
 def test_one_trace_from_the_enqueue_through_the_worker_to_the_request_and_its_renewal(
-    traced: Telemetry, tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path
+    traced: Telemetry, fleet: Fleet, merchant_sandbox: MerchantSandbox, tmp_path: Path
 ) -> None:
     spans_file = tmp_path / "worker-spans.jsonl"
+    fleet.long_windows()
+    fleet.app_module = "traced_worker"
+    fleet.env[SPANS_FILE] = str(spans_file)
+    tests = str(Path(__file__).parent)
+    fleet.env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (tests, os.environ.get("PYTHONPATH", "")) if p
+    )
+    fleet.start_worker("traced", concurrency=1)
+
+    def worker_spans() -> dict[str, dict[str, Any]]:
+        lines = spans_file.read_text().splitlines() if spans_file.exists() else []
+        return {span["name"]: span for span in map(json.loads, lines)}
+
     instrumentor = CeleryInstrumentor()  # type: ignore[no-untyped-call]
     instrumentor.instrument()
     try:
-        with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
-            fleet.long_windows()
-            fleet.app_module = "traced_worker"
-            fleet.env[SPANS_FILE] = str(spans_file)
-            tests = str(Path(__file__).parent)
-            fleet.env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (tests, os.environ.get("PYTHONPATH", "")) if p
-            )
-            fleet.start_worker("traced", concurrency=1)
-            call_api = fleet.app.signature(CALL_API)  # the test never imports the tasks
-            assert fleet.get(call_api.delay("GET", PING), READY_TIMEOUT) == {"ok": True}
-
-            def worker_spans() -> dict[str, dict[str, Any]]:
-                lines = spans_file.read_text().splitlines() if spans_file.exists() else []
-                return {span["name"]: span for span in map(json.loads, lines)}
-
-            # the task's span ends after its result is stored
-            wait_until(lambda: f"run/{CALL_API}" in worker_spans(), "the task's span", 30.0)
+        call_api = fleet.app.signature(CALL_API)  # the test never imports the tasks
+        assert fleet.get(call_api.delay("GET", PING), READY_TIMEOUT) == {"ok": True}
     finally:
         instrumentor.uninstrument()
+    # the task's span ends after its result is stored
+    wait_until(lambda: f"run/{CALL_API}" in worker_spans(), "the task's span", 30.0)
 
     (enqueued,) = traced.spans(f"apply_async/{CALL_API}")
     spans = worker_spans()
@@ -411,4 +420,4 @@ def test_one_trace_from_the_enqueue_through_the_worker_to_the_request_and_its_re
     assert request["attributes"][HTTP_STATUS] == 200
     assert renewal["attributes"][REASON] == "mandatory"
     assert renewal["attributes"][OUTCOME] == "ok"
-    assert_no_secret_in(spans_file.read_text(), sandbox)
+    assert_no_secret_in(spans_file.read_text(), merchant_sandbox)

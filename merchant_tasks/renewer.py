@@ -163,12 +163,7 @@ class Renewer:
             )
         if current.final:
             return current
-        final = dataclasses.replace(
-            current,
-            generation=expected + 1,
-            final=True,
-            traceparent=telemetry.renewal_traceparent(),
-        )
+        final = dataclasses.replace(current, generation=expected + 1, final=True)
         written, stored_generation = self.store.save(final)
         if not written:
             return self._newer_than_ours(stored_generation)

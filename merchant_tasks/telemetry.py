@@ -172,6 +172,9 @@ class _Span:
             self._related.add(traceparent)
             self._span.add_link(context)
 
+    def recording(self) -> bool:
+        return bool(self._span.is_recording())
+
     def traceparent(self) -> str:
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(
@@ -217,9 +220,9 @@ def link_renewal(traceparent: str) -> None:
 
 def renewal_traceparent() -> str:
     """The current renewal span's ``traceparent``, stored with the token it makes ("" when
-    nothing is traced)."""
+    nothing is traced, or the sampler dropped it: no link could lead anywhere)."""
     renewal = _RENEWAL.get()
-    return renewal.traceparent() if renewal is not None else ""
+    return renewal.traceparent() if renewal is not None and renewal.recording() else ""
 
 
 _cached_tracer: tuple[object, Any] | None = None

@@ -32,6 +32,7 @@ from .exceptions import (
     TokenExchangeError,
 )
 from .exchange import IssuedToken
+from .exchange_rate import PERMIT_WAIT, ExchangeRate
 from .local_copy import LOCAL_COPY_TTL, LocalCopy
 from .policy import RenewalPolicy
 from .refusals import Refusals
@@ -54,10 +55,10 @@ Acceptable = Callable[[Token | None], bool]  # whether a token (or none) serves 
 def limits(exchange_timeout: float) -> tuple[float, float, float]:
     """How long the longest renewal, a wait for another's and the lock's lease last, for
     one exchange's deadline (``exchange_timeout``, exchange.py)."""
-    # every attempt at its deadline plus the waits between them (a back-off and a
-    # Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
+    # every attempt at its deadline after its wait for a permit, plus the waits between
+    # them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
     renewal = (
-        EXCHANGE_ATTEMPTS * exchange_timeout
+        EXCHANGE_ATTEMPTS * (exchange_timeout + PERMIT_WAIT)
         + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
         + LOCK_MARGIN
     )
@@ -85,6 +86,7 @@ class TokenManager:
         local_copy_ttl: float = LOCAL_COPY_TTL,
         monotonic: Clock = time.monotonic,
         wake_ups: bool = True,
+        rate: ExchangeRate | None = None,
     ) -> None:
         self.store = store
         self.policy = RenewalPolicy(renew_before, renew_mandatory)
@@ -99,7 +101,14 @@ class TokenManager:
         # reference cycle, so a manager is freed as soon as it is dropped
         clock = self.clock
         self.renewer = Renewer(
-            store, exchange, self.policy, self.breaker, self.copy, clock=clock, sleep=sleep
+            store,
+            exchange,
+            self.policy,
+            self.breaker,
+            self.copy,
+            clock=clock,
+            sleep=sleep,
+            rate=rate,
         )
         self.flight = SingleFlight(
             store,

@@ -24,6 +24,7 @@ from .breaker import Breaker
 from .exceptions import (
     CredentialsRejected,
     ExchangeRateLimited,
+    ExchangesThrottled,
     MalformedTokenResponse,
     RenewalTimeout,
     TokenEndpointUnavailable,
@@ -31,6 +32,7 @@ from .exceptions import (
     TokenRejected,
 )
 from .exchange import IssuedToken
+from .exchange_rate import ExchangeRate, Priority
 from .local_copy import LocalCopy
 from .policy import (
     Outcome,
@@ -60,6 +62,7 @@ class Renewer:
     _: dataclasses.KW_ONLY
     clock: Callable[[], float]
     sleep: Callable[[float], None]
+    rate: ExchangeRate | None = None  # the host's fleet-wide permits; None: unlimited
 
     def renew(self, reason: RenewalReason, *, probe: bool = False) -> Token:
         """Exchange (retrying a failing endpoint a few times, once for a half-open probe)
@@ -77,6 +80,8 @@ class Renewer:
             current = None
         try:
             issued = self._exchange(reason, current, attempts=1 if probe else EXCHANGE_ATTEMPTS)
+        except ExchangesThrottled:
+            raise  # the host's fleet-wide rate, not this account's endpoint: no pause
         except TokenExchangeError as exc:
             self.store.records.record_renewal(reason, outcome_of(exc))
             self.breaker.trip(exc)
@@ -102,10 +107,15 @@ class Renewer:
         """The exchange, retried while the endpoint fails; each HTTP attempt counted."""
 
         def attempt() -> IssuedToken:
+            if self.rate is not None:
+                urgent = reason != RenewalReason.SCHEDULED
+                self.rate.take(Priority.CALLER if urgent else Priority.BACKGROUND)
             try:
                 issued = self.exchange()
             except TokenExchangeError as exc:
                 self.store.records.record_attempt(reason, outcome_of(exc), self.clock())
+                if isinstance(exc, ExchangeRateLimited) and self.rate is not None:
+                    self.rate.rate_limited()
                 raise
             self.store.records.record_attempt(reason, Outcome.OK, self.clock())
             if issued.expires_in <= 0 and current is None:
@@ -121,6 +131,7 @@ class Renewer:
             retry=retry_if_exception(
                 lambda exc: (
                     isinstance(exc, TokenEndpointUnavailable | MalformedTokenResponse)
+                    and not isinstance(exc, ExchangesThrottled)
                     and (getattr(exc, "retry_after", None) or 0) <= EXCHANGE_RETRY_WAIT_MAX
                 )
             ),

@@ -95,6 +95,7 @@ class TokenManager:
         self.copy = LocalCopy(local_copy_ttl, monotonic)
         self.breaker = Breaker(store, self.clock, secret_fingerprint, rng or random.Random())
         self.signal = RenewalSignal(store) if wake_ups else None
+        self.rate = rate  # the token endpoint host's fleet-wide permits (exchange_rate.py)
         self.renewal_limit, self.wait_limit, lease = limits(exchange_timeout)
         self.lock = RenewalLock(store, lease)
         # the parts get the callables themselves, not closures over this manager: no

@@ -17,9 +17,13 @@ from typing import Any
 
 import pytest
 import redis
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from merchant_tasks import exchange_rate
 from merchant_tasks.accounts import client_for, exchange_rate_for
+from merchant_tasks.cli import main
 from merchant_tasks.exceptions import (
     ExchangeRateLimited,
     ExchangesThrottled,
@@ -28,9 +32,11 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange_rate import ExchangeRate, Priority
 from merchant_tasks.local import RedisServer, free_port, spawn, wait_all_ready
+from merchant_tasks.metrics import FleetCollector
 from merchant_tasks.redis_commands import AccountKeys, AccountRedis
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
+from merchant_tasks.status import AccountStatus, account_status
 from merchant_tasks.store import TokenStore
 
 CAP = 5.0  # exchanges per second in the process tests: far below what the loops would send
@@ -312,3 +318,40 @@ def test_callers_go_before_beat(
         caller, beat = (output[server.url] for output in outputs)
         assert beat.get("ExchangesThrottled", 0) > 0
         assert caller.get("ExchangesThrottled", 0) == 0
+
+
+# -- what operators see ---------------------------------------------------------------------
+
+
+def test_status_and_metrics_show_the_hosts_rate_and_permits_waited_for(
+    merchant_settings: Settings, merchant_sandbox: Any, merchant_env: dict[str, str]
+) -> None:
+    merchant_sandbox.app.configure({"rate_limit": 1, "rate_window": 60.0})
+    client = client_for(merchant_settings)
+    client.manager.renew(force=True)
+    with pytest.raises(ExchangeRateLimited):
+        client.manager.renew(force=True)
+    result = CliRunner().invoke(main, ["status", "--json"])
+    (account,) = json.loads(result.stdout)["accounts"]
+    host = merchant_settings.origin.split("://")[1]
+    assert account["exchange_rate"]["host"] == host
+    assert account["exchange_rate"]["rate"] == 5.0  # the default 10, halved
+    assert account["exchange_rate"]["counts"]["cuts"] == 1
+    text = CliRunner().invoke(main, ["status"]).stdout
+    assert f"5/s to {host} (cap 10, lowered after a 429)" in text
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(lambda: {"default": account_status_of(merchant_settings)}))
+    samples = {
+        (s.name, tuple(s.labels.items())): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert samples[("merchant_tasks_exchange_rate", (("host", host),))] == 5.0
+    assert samples[("merchant_tasks_exchange_rate_cap", (("host", host),))] == 10.0
+    assert samples[("merchant_tasks_exchange_rate_halvings_total", (("host", host),))] == 1
+
+
+def account_status_of(settings: Settings) -> AccountStatus:
+    manager = client_for(settings).manager
+    return account_status("default", settings, manager.store, manager.rate)

@@ -217,6 +217,7 @@ return 0
 # while RESERVED permits stay for callers, else they are told when to ask again. The rate
 # is the cap until a 429 halves it (at most once per spacing, down to the lowest rate);
 # after the hold it grows back by one step per interval.
+# Only commands the README's ACL user has (HGETALL, HSET, HINCRBY, PEXPIRE, TIME, TYPE, DEL).
 # Returns {1 granted (wait ms before sending) / 0 ask again after ms / -1 no permit within
 # the asker's wait, wait ms, rate, permits in the bucket}.
 TAKE_EXCHANGE_PERMIT = (
@@ -226,8 +227,9 @@ local key, mode, cap = KEYS[1], ARGV[1], tonumber(ARGV[2])
 fit(key, 'hash')
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local state = redis.call('HMGET', key, 'tokens', 'at', 'cut_rate', 'cut_at')
-local cut_rate, cut_at = tonumber(state[3]), tonumber(state[4])
+local fields, state = redis.call('HGETALL', key), {}
+for i = 1, #fields, 2 do state[fields[i]] = fields[i + 1] end
+local cut_rate, cut_at = tonumber(state['cut_rate']), tonumber(state['cut_at'])
 local rate = cap
 if cut_rate and cut_at then
   local grown = now_ms - cut_at - tonumber(ARGV[5])
@@ -239,7 +241,7 @@ if cut_rate and cut_at then
 end
 local reserved = tonumber(ARGV[4])
 local size = math.max(reserved + 1, rate * tonumber(ARGV[3]))
-local tokens, at = tonumber(state[1]), tonumber(state[2])
+local tokens, at = tonumber(state['tokens']), tonumber(state['at'])
 if not tokens or not at then tokens, at = size, now_ms end
 tokens = math.min(size, tokens + math.max(0, now_ms - at) * rate / 1000)
 if mode == 'peek' then return {1, 0, tostring(rate), tostring(tokens)} end
@@ -276,7 +278,7 @@ if result == 1 and mode ~= 'cut' and wait_ms + waited_ms > 0 then
   incr(key, 'waited', 1)
   incr(key, 'waited_ms', wait_ms + waited_ms)
 end
-if rate >= cap and cut_at then redis.call('HDEL', key, 'cut_rate', 'cut_at') end
+if rate >= cap and cut_at then redis.call('HSET', key, 'cut_rate', '', 'cut_at', '') end
 redis.call('HSET', key, 'tokens', string.format('%.6f', tokens), 'at', now_ms)
 redis.call('PEXPIRE', key, ARGV[12])
 return {result, wait_ms, tostring(rate), tostring(tokens)}

@@ -133,7 +133,7 @@ def test_a_429_halves_the_rate_once_then_it_grows_back_step_by_step(
     halved_ago(control, rate.key, exchange_rate.RATE_HOLD + 60 * exchange_rate.RATE_STEP_INTERVAL)
     assert rate.state().rate == 10.0
     rate.take(Priority.CALLER)  # the first permit at the cap forgets the halving
-    assert control.hget(rate.key, "cut_rate") is None
+    assert control.hget(rate.key, "cut_rate") == b""
 
 
 def test_halvings_stop_at_the_floor(control: redis.Redis, merchant_key_prefix: str) -> None:

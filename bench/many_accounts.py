@@ -134,13 +134,7 @@ class AccountsCheck(AccountsScenario):
         pool = redis.ConnectionPool.from_url(bench.redis_url, connection_class=_CountingConnection)
         counting = redis.Redis(connection_pool=pool)
         try:
-            seconds, micros = counting.time()
-            now = seconds + micros / 1e6
-            pipe = counting.pipeline(transaction=False)
-            for settings in accounts.values():  # every token fresh: nothing is due
-                token = Token("bench-token", now, now + settings.token_lifetime, 1)
-                pipe.set(f"{namespace_of(settings)}:token", token.to_json(), ex=3600)
-            pipe.execute()
+            _store_fresh_tokens(counting, list(accounts.values()))  # nothing is due
 
             def new_check() -> None:
                 if due_accounts(accounts, lambda url: counting):
@@ -505,5 +499,145 @@ def _client(bench: Bench, url: str, key_file: Path | None) -> FleetClient:
     return client_for(settings)
 
 
+# -- 8. ten thousand accounts ----------------------------------------------------------------
+
+
+TEN_THOUSAND = 10_000
+
+
+class TenThousandAccounts(AccountsScenario):
+    """Beat's check of 10,000 accounts, and a real worker configured with them."""
+
+    name: ClassVar[str] = "10k accounts"
+
+    def measure(self, bench: Bench) -> Result:
+        from celery import Celery
+
+        bench.control.configure(lifetime=7200.0, revoke_on_issue=False, key_family=True)
+        prefix = f"bench-10k-{uuid.uuid4().hex[:8]}"
+        env = bench.env(
+            BENCH_ACCOUNTS=str(TEN_THOUSAND),
+            BENCH_API_KEY=bench.env()["MERCHANT_API_KEY"],
+            MERCHANT_KEY_PREFIX=prefix,
+            MERCHANT_ACCOUNTS_SOURCE="many_accounts:accounts_source",
+            PYTHONPATH=os.pathsep.join(
+                p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p
+            ),
+        )
+        del env["MERCHANT_API_KEY"]
+        base = Settings.from_env({**env, "MERCHANT_API_KEY": env["BENCH_API_KEY"]})
+        accounts = {shop(n): account(base, n) for n in range(TEN_THOUSAND)}
+        called = shop(TEN_THOUSAND - 1)  # no token: the worker's call exchanges for it
+        pool = redis.ConnectionPool.from_url(bench.redis_url, connection_class=_CountingConnection)
+        counting = redis.Redis(connection_pool=pool)
+        workdir = bench.workdir / "10k"
+        workdir.mkdir()
+        try:
+            _store_fresh_tokens(counting, [s for name, s in accounts.items() if name != called])
+
+            def check() -> None:
+                if due_accounts(accounts, lambda url: counting) != [called]:
+                    raise ScenarioError("the check found other accounts due than the one")
+
+            samples = [_timed(check) for _ in range(CHECK_REPEATS)]
+            worker = bench.spawn(
+                "10k-worker",
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "merchant_tasks",
+                    "worker",
+                    "--pool=prefork",
+                    "--concurrency=2",
+                    "--loglevel=WARNING",
+                    "--without-gossip",
+                    "--without-mingle",
+                    "--without-heartbeat",
+                    "-n",
+                    f"bench-10k-{uuid.uuid4().hex[:6]}@%h",
+                ],
+                env=env,
+                cwd=workdir,
+            )
+            producer = Celery(
+                "bench-10k", broker=bench.redis_url, backend=bench.redis_url, set_as_current=False
+            )
+            producer.conf.update(task_serializer="json", result_serializer="json")
+            t0 = time.perf_counter()
+            answer = producer.send_task(
+                "merchant_tasks.call_api", args=["GET", PING], kwargs={"account": called}
+            ).get(timeout=120)
+            call_s = time.perf_counter() - t0
+            rss_mb = _largest_rss_mb(worker.process.pid)
+            worker.stop()
+            producer.close()
+        finally:
+            keys = list(counting.scan_iter(match=f"{prefix}:*", count=1000))
+            for start in range(0, len(keys), 1000):
+                counting.delete(*keys[start : start + 1000])
+            counting.close()
+        check_ms = median([ms for ms, _ in samples])
+        trips = max(trips for _, trips in samples)
+        return Result(
+            title=f"8. Ten thousand accounts: beat's check (median of {CHECK_REPEATS}), and a "
+            "worker (prefork, 2 children) configured with them serving one call",
+            table=Table(
+                ["", "value"],
+                [
+                    ["beat's check of 10,000 accounts (ms)", f"{check_ms:.1f}"],
+                    ["its Redis round trips", str(trips)],
+                    ["worker: largest process RSS after one call (MB)", f"{rss_mb:.1f}"],
+                    ["the call (first token of its account, s)", f"{call_s:.2f}"],
+                ],
+            ),
+            json={
+                "accounts_10k_check_ms": round(check_ms, 1),
+                "accounts_10k_check_roundtrips": trips,
+                "accounts_10k_worker_rss_mb": round(rss_mb, 1),
+                "accounts_10k_call_s": round(call_s, 2),
+                "accounts_10k_call_ok": answer == {"ok": True},
+            },
+            goals=[
+                Goal(
+                    "beat's check of 10,000 accounts: round trips", "<= 10", str(trips), trips <= 10
+                ),
+                Goal(
+                    "beat's check of 10,000 accounts: ms",
+                    "< 500",
+                    f"{check_ms:.0f}",
+                    check_ms < 500,
+                ),
+            ],
+        )
+
+
+def _store_fresh_tokens(client: redis.Redis, accounts: list[Settings]) -> None:
+    """A fresh token for each of ``accounts``, so that beat's check finds them not due."""
+    seconds, micros = client.time()
+    now = seconds + micros / 1e6
+    pipe = client.pipeline(transaction=False)
+    for settings in accounts:
+        token = Token("bench-token", now, now + settings.token_lifetime, 1)
+        pipe.set(f"{namespace_of(settings)}:token", token.to_json(), ex=3600)
+    pipe.execute()
+
+
+def _largest_rss_mb(session: int) -> float:
+    """The largest resident set (MB) among the processes of a child's session (Linux)."""
+    largest = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[3]) == session:  # the session id, after state, ppid, pgrp
+            status = (stat.parent / "status").read_text()
+            line = next(x for x in status.splitlines() if x.startswith("VmRSS:"))
+            largest = max(largest, int(line.split()[1]))
+    return largest / 1024
+
+
 def scenarios(plan: AccountsPlan) -> list[Scenario]:
-    return [AccountsCheck(plan), ColdStart(plan), Sealing(plan)]
+    return [AccountsCheck(plan), ColdStart(plan), Sealing(plan), TenThousandAccounts(plan)]

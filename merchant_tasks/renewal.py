@@ -248,7 +248,8 @@ class TokenManager:
         """A token ``acceptable`` to the caller, exchanging at most once fleet-wide.
 
         ``prelude``: the caller's own look at the store and the lock, as the first attempt;
-        ``first``: run under the lock before the exchange (the forced-renewal budget).
+        ``first``: run under the lock once the exchange has its permit (the forced-renewal
+        budget).
         """
         since = self.copy.now() if started is None else started
         probing: list[bool] = []
@@ -269,9 +270,7 @@ class TokenManager:
                 raise
 
         def renew() -> Token:
-            if first is not None:
-                first()
-            return self.renewer.renew(reason, probe=bool(probing))
+            return self.renewer.renew(reason, probe=bool(probing), first=first)
 
         return self.flight.run(look, renew, fallback, prelude=prelude)
 

@@ -355,3 +355,20 @@ def test_status_and_metrics_show_the_hosts_rate_and_permits_waited_for(
 def account_status_of(settings: Settings) -> AccountStatus:
     manager = client_for(settings).manager
     return account_status("default", settings, manager.store, manager.rate)
+
+
+def test_a_forced_renewal_refused_a_permit_spends_none_of_the_forced_budget(
+    merchant_settings: Settings, merchant_sandbox: Any
+) -> None:
+    fleet = replace(merchant_settings.fleet, max_exchanges_per_second=0.1)  # a bucket of 2
+    client = client_for(replace(merchant_settings, fleet=fleet))
+    client.request("GET", "/open-api/v1/ping")  # the first token: permit 1
+    merchant_sandbox.app.revoke_all()
+    client.request("GET", "/open-api/v1/ping")  # a forced renewal: permit 2
+    merchant_sandbox.app.revoke_all()
+    with pytest.raises(ExchangesThrottled):
+        client.request("GET", "/open-api/v1/ping")  # the next permit is 10 s away
+    records = client.manager.store.records
+    assert records.forced_in_period(client.manager.store.time(), 60.0) == 1
+    assert records.counters()["forced_renewals"] == 1
+    assert merchant_sandbox.app.counters()["exchanges"]["ok"] == 2

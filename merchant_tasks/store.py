@@ -67,7 +67,7 @@ from .token import Token
 
 log = logging.getLogger(__name__)
 
-MGET_CHUNK = 1000  # keys per MGET in beat's check: one command, not a thousand
+MGET_CHUNK = 1000  # keys read by one command in beat's check, not one command each
 CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
 LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding another's renewal under way to a
 # token being stored: recorded by the store's write, not by the waiters
@@ -295,9 +295,9 @@ class TokenStore:
 
 def read_values(client: StoreClient, keys: list[str]) -> tuple[float, list[bytes | None]]:
     """Redis's time and the string value of each key, in one round trip (beat's due check);
-    a key of the wrong type reads as absent or empty. Keys go by MGET_CHUNK per MGET (one
-    GET each on a Cluster, whose slots an MGET may not span): 10,000 GETs cost more to
-    pack and parse than the round trip itself."""
+    a key of the wrong type reads as absent or empty. Keys go by MGET_CHUNK per script
+    (``READ_STRINGS``; one GET each on a Cluster, whose slots a script may not span):
+    10,000 GETs cost more to pack and parse than the round trip itself."""
     pipe = client.pipeline(transaction=False)
     clustered = isinstance(client, RedisCluster)  # its pipelines refuse TIME: read it apart
     if clustered:
@@ -306,7 +306,8 @@ def read_values(client: StoreClient, keys: list[str]) -> tuple[float, list[bytes
     else:
         pipe.time()
         for start in range(0, len(keys), MGET_CHUNK):
-            pipe.mget(keys[start : start + MGET_CHUNK])
+            chunk = keys[start : start + MGET_CHUNK]
+            pipe.eval(scripts.READ_STRINGS, len(chunk), *chunk)
     with unavailable_as_error():
         clock = [client.time()] if clustered else []
         replies = [*clock, *pipe.execute(raise_on_error=False)]

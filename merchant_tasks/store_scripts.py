@@ -284,3 +284,15 @@ redis.call('PEXPIRE', key, ARGV[12])
 return {result, wait_ms, tostring(rate), tostring(tokens)}
 """
 )
+
+# KEYS: string keys (beat's due check reads up to MGET_CHUNK at once). The value of each,
+# nil for one absent or of the wrong type. MGET would do, but the least-privilege ACL
+# user documented in the README has EVAL and GET, not MGET.
+READ_STRINGS = """
+local values = {}
+for i, key in ipairs(KEYS) do
+  local raw = redis.pcall('GET', key)
+  values[i] = type(raw) == 'string' and raw or false
+end
+return values
+"""

@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from . import __version__
 from .accounts import AccountClients
 from .exceptions import ConfigurationError, MerchantError, StoreUnavailable
 from .extras import require
@@ -33,6 +34,7 @@ EXIT_STORE_UNAVAILABLE = 3
 
 
 @click.group()
+@click.version_option(__version__, prog_name="merchant-tasks")
 def main() -> None:
     """Keep one fresh payment-API token per account for a Celery fleet."""
 

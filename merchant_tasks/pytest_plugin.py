@@ -6,6 +6,10 @@ queue or result and there is nothing to reset between tests:
 
 - ``merchant_sandbox``: the emulator on a free port, with a fresh API key and secret;
   ``merchant_sandbox.app`` counts calls and exchanges, revokes tokens, resets the secret.
+  It is built from ``merchant_sandbox_config`` (the ``SandboxConfig``),
+  ``merchant_sandbox_app`` (the ``SandboxApp``) and ``merchant_secret_file``: override any
+  of them (a fixture of the same name, which may take the plugin's as an argument) to
+  change how the emulator behaves, serve a subclass, or fix the key and secret.
 - ``merchant_settings``: the validated ``Settings`` of that account (Redis, key prefix).
 - ``merchant_env``: the same as MERCHANT_* variables in ``os.environ`` for the test only
   (any other MERCHANT_* or CELERY_* variable is hidden), for code that reads the
@@ -39,7 +43,7 @@ from .settings import PREFIX, FleetSettings, Secret, Settings, child_env, read_v
 
 if TYPE_CHECKING:
     from .accounts import FleetClient
-    from .sandbox import SandboxApp, SandboxServer
+    from .sandbox import SandboxApp, SandboxConfig, SandboxServer
 
 LOCAL_REDIS = ("127.0.0.1", 6379)
 WORKER_START_TIMEOUT = 60.0  # seconds for a worker to answer a ping on a busy machine
@@ -57,6 +61,16 @@ class MerchantSandbox:
     @property
     def url(self) -> str:
         return self.server.url
+
+    def exchanges(self) -> dict[str, int]:
+        """Token exchanges by outcome (``ok``, ``invalid_client``, ...) since the last reset."""
+        counts: dict[str, int] = self.app.counters()["exchanges"]
+        return counts
+
+    def calls(self) -> dict[str, int]:
+        """Business calls by outcome (``ok``, ``token_revoked``, ...) since the last reset."""
+        counts: dict[str, int] = self.app.counters()["calls"]
+        return counts
 
 
 @dataclass
@@ -107,21 +121,44 @@ def merchant_key_prefix(merchant_redis_url: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def merchant_sandbox(tmp_path: Path) -> Iterator[MerchantSandbox]:
-    """The emulator on a free loopback port, with an API key and secret of this test."""
+def merchant_sandbox_config() -> SandboxConfig:
+    """How the test's emulator behaves: an API key and secret of this test, the defaults
+    otherwise."""
     from .extras import require
 
     require("sandbox", "the merchant_sandbox fixture")
-    from .sandbox import SandboxApp, SandboxConfig, SandboxServer
+    from .sandbox import SandboxConfig
 
-    api_key = f"test-{uuid.uuid4().hex[:10]}"
-    secret = secrets.token_urlsafe(24)
-    secret_file = tmp_path / "merchant-api-secret"
-    secret_file.write_text(secret, encoding="utf-8")
-    secret_file.chmod(0o600)
-    app = SandboxApp(SandboxConfig(api_key=api_key, secret=secret))
-    with SandboxServer(app) as server:
-        yield MerchantSandbox(app, server, api_key, secret_file)
+    return SandboxConfig(api_key=f"test-{uuid.uuid4().hex[:10]}", secret=secrets.token_urlsafe(24))
+
+
+@pytest.fixture
+def merchant_sandbox_app(merchant_sandbox_config: SandboxConfig) -> SandboxApp:
+    """The emulator's WSGI application, not yet serving."""
+    from .sandbox import SandboxApp
+
+    return SandboxApp(merchant_sandbox_config)
+
+
+@pytest.fixture
+def merchant_secret_file(merchant_sandbox_config: SandboxConfig, tmp_path: Path) -> Path:
+    """The account's secret in a file only its owner reads, as in production."""
+    path = tmp_path / "merchant-api-secret"
+    path.write_text(merchant_sandbox_config.secret, encoding="utf-8")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def merchant_sandbox(
+    merchant_sandbox_app: SandboxApp, merchant_secret_file: Path
+) -> Iterator[MerchantSandbox]:
+    """The emulator on a free loopback port, serving the test's account."""
+    from .sandbox import SandboxServer
+
+    with SandboxServer(merchant_sandbox_app) as server:
+        api_key = merchant_sandbox_app.config.api_key
+        yield MerchantSandbox(merchant_sandbox_app, server, api_key, merchant_secret_file)
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ import random
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -283,9 +283,12 @@ class SandboxApp:
         self._tokens = _Tokens()  # behind self._lock
         self._payments = _Payments(self._lock)
         self._counters = _zero_counters()
+        self._arrivals: Counter[str] = Counter()  # requests by path, never reset
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         request = Request(environ)
+        with self._lock:
+            self._arrivals[request.path] += 1
         if request.path == TOKEN_PATH:
             response = self._exchange(request)
         elif request.path == API_ROOT or request.path.startswith(f"{API_ROOT}/"):
@@ -303,6 +306,12 @@ class SandboxApp:
             now = self.clock.now()
             active = self._tokens.active(now)
             return {**copy.deepcopy(self._counters), "active_tokens": active}
+
+    def arrived(self, path: str) -> int:
+        """Requests that reached ``path`` so far, counted on arrival (before any latency or
+        check): a test knows a call is under way before the emulator answers it."""
+        with self._lock:
+            return self._arrivals[path]
 
     def payments(self) -> list[dict[str, Any]]:
         """Every payment created, oldest first."""

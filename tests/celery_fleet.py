@@ -24,9 +24,9 @@ import pytest
 import redis
 from celery import Celery
 
-from conftest import TEST_API_KEY, Sandbox
 from merchant_tasks.celery_app import load_config
-from merchant_tasks.local import Child, RedisServer, spawn, wait_until
+from merchant_tasks.local import Child, RedisServer, spawn, stop_all, wait_until
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
 from merchant_tasks.store import TokenStore
 
@@ -56,7 +56,7 @@ class Fleet:
     def __init__(
         self,
         tmp_path: Path,
-        sandbox: Sandbox,
+        sandbox: MerchantSandbox,
         redis_url: str,
         key_prefix: str,
         secret_file: Path,
@@ -72,7 +72,7 @@ class Fleet:
         self._app: Any = None
         self._redis_clients: list[redis.Redis] = []
         self.settings = Settings(
-            api_key=TEST_API_KEY,
+            api_key=sandbox.api_key,
             secret=Secret(path=secret_file),
             base_url=sandbox.url,
             fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
@@ -156,9 +156,9 @@ class Fleet:
         return self._spawn("redis-monitor", [binary, "-p", port, "monitor"], self.workdir)
 
     def stop(self) -> None:
-        """Stop every child, the last started first, and close the client app."""
-        while self.children:
-            self.children.pop().stop()
+        """Stop every child, all at once, and close the client app."""
+        stop_all(self.children)
+        self.children.clear()
         if self._app is not None:
             self._app.close()
             self._app = None
@@ -234,7 +234,7 @@ class Fleet:
         client = redis.Redis.from_url(self.redis_url)
         self._redis_clients.append(client)
         return TokenStore(
-            client, TokenStore.namespace_for(self.key_prefix, "sandbox", TEST_API_KEY)
+            client, TokenStore.namespace_for(self.key_prefix, "sandbox", self.sandbox.api_key)
         )
 
     def close(self) -> None:
@@ -291,7 +291,7 @@ def running_on(fleet: Fleet, result: Any, timeout: float = RESULT_TIMEOUT) -> tu
     raise AssertionError(f"task {task_id} was not seen running\n{fleet.log_tails()}")
 
 
-def echo_calls(sandbox: Sandbox) -> int:
+def echo_calls(sandbox: MerchantSandbox) -> int:
     """Times the emulator answered POST /echo, whatever the outcome."""
     counts = sandbox.app.counters()["endpoints"].get(f"POST {ECHO}", {})
     return sum(counts.values())
@@ -309,7 +309,7 @@ def kill_the_worker_running(fleet: Fleet, workers: dict[str, Child], result: Any
 
 @contextlib.contextmanager
 def running_fleet(
-    tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path
+    tmp_path: Path, sandbox: MerchantSandbox, key_prefix: str, secret_file: Path
 ) -> Iterator[Fleet]:
     """A Fleet on a redis-server of its own (broker, result backend and token store), every
     process group stopped and checked gone on exit."""

@@ -1,20 +1,18 @@
-"""Shared fixtures: a real Redis (the machine's, or a private one started here), a fresh key
-prefix per test with a token store under it, and the sandbox emulator serving on loopback;
-for unit tests, a store on fakeredis and a scripted token exchange."""
+"""Shared fixtures. The plugin the package ships (merchant_tasks.pytest_plugin) gives each
+test its Redis key prefix, emulator account, settings and client; here the suite fixes that
+account's key and secret, adds a Redis client and token store under the test's prefix, the
+Celery processes of a test (``fleet``), and for unit tests a store on fakeredis, a scripted
+token exchange and ``make_manager``."""
 
 from __future__ import annotations
 
 import base64
 import os
-import socket
-import threading
+import random
 import time
-import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import fakeredis
 import pytest
@@ -22,16 +20,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from merchant_tasks.accounts import FleetClient, client_for
+from celery_fleet import Fleet, running_fleet
 from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.local import RedisServer, free_port
+from merchant_tasks.local import free_port
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.redis_topology import StoreClient
-from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
-from merchant_tasks.settings import FleetSettings, Secret, Settings
+from merchant_tasks.renewal import TokenManager
+from merchant_tasks.sandbox import SandboxConfig
 from merchant_tasks.store import TokenStore
-
-if TYPE_CHECKING:
-    from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 TEST_API_KEY = "test-app-id"
 TEST_SECRET = "test-secret-4f1c9a7e2b"  # searched for in every leak test
@@ -80,6 +76,40 @@ def store(fake_redis: redis.Redis) -> TokenStore:
     return TokenStore(fake_redis, UNIT_NAMESPACE)
 
 
+# -- how the suite runs -------------------------------------------------------------------
+
+# The suite waits more than it computes (token lifetimes, broker redeliveries, processes
+# starting): with one xdist worker per core the cores sat idle most of the run.
+WORKERS_PER_CORE = 3
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``: three workers per core (PYTEST_XDIST_AUTO_NUM_WORKERS still decides)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return WORKERS_PER_CORE * (os.cpu_count() or 1)
+
+
+# Fixtures whose tests run longest (processes, failovers, token lifetimes), longest first.
+LONG_RUNNING_FIXTURES = ("sentinel_group", "fleet", "callers")
+
+
+def _expected_length(item: pytest.Item) -> tuple[int, int]:
+    """Sorts the longest kinds of test first: those of LONG_RUNNING_FIXTURES in that order,
+    then the other integration tests, then the unit tests."""
+    used = getattr(item, "fixturenames", ())
+    for rank, name in enumerate(LONG_RUNNING_FIXTURES):
+        if name in used:
+            return (0, rank)
+    return (1 if item.get_closest_marker("integration") else 2, 0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest tests first, the unit tests last: the long waits start at once, and the
+    short tests fill the workers' gaps at the end instead of a long test ending the run."""
+    items.sort(key=_expected_length)
+
+
 def dead_redis() -> redis.Redis:
     """A client for a port nobody listens on, failing at once (no retries, no back-off)."""
     return redis.Redis(
@@ -91,135 +121,62 @@ def dead_redis() -> redis.Redis:
     )
 
 
-def _reachable(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The machine's Redis on 127.0.0.1:6379, else a private redis-server started here."""
-    configured = os.environ.get("MERCHANT_TEST_REDIS_URL")
-    if configured:
-        yield configured
-        return
-    if _reachable("127.0.0.1", 6379):
-        yield "redis://127.0.0.1:6379/0"
-        return
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server.url
+# -- the plugin's fixtures, as this suite needs them -------------------------------------
+# merchant_tasks.pytest_plugin gives every test its emulator account, settings, client and
+# Redis key prefix (merchant_sandbox, merchant_settings, merchant_client, merchant_env,
+# merchant_key_prefix, merchant_redis_url); the suite fixes the account's key and secret.
 
 
 @pytest.fixture
-def key_prefix() -> str:
-    """A key prefix no other test (or earlier run) uses."""
-    return f"mt-test-{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-def redis_client(redis_url: str, key_prefix: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    keys = list(client.scan_iter(match=f"{key_prefix}:*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
-
-
-@pytest.fixture
-def redis_store(redis_client: redis.Redis, key_prefix: str) -> TokenStore:
-    """A token store on the real Redis, under this test's own key prefix."""
-    return TokenStore(redis_client, TokenStore.namespace_for(key_prefix, "sandbox", "app-id-1234"))
-
-
-class WatchedSandbox(SandboxApp):
-    """The emulator, counting requests by path as they arrive (before any latency)."""
-
-    def __init__(self, config: SandboxConfig) -> None:
-        super().__init__(config)
-        self._arrivals: Counter[str] = Counter()
-        self._arrivals_lock = threading.Lock()
-
-    def arrived(self, path: str) -> int:
-        with self._arrivals_lock:
-            return self._arrivals[path]
-
-    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Any:
-        with self._arrivals_lock:
-            self._arrivals[environ.get("PATH_INFO", "")] += 1
-        return super().__call__(environ, start_response)
-
-
-@dataclass
-class Sandbox:
-    """A running emulator and what a test needs to reach it."""
-
-    app: WatchedSandbox
-    server: SandboxServer
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def exchanges(self) -> dict[str, int]:
-        counts: dict[str, int] = self.app.counters()["exchanges"]
-        return counts
-
-    def calls(self) -> dict[str, int]:
-        counts: dict[str, int] = self.app.counters()["calls"]
-        return counts
-
-
-@pytest.fixture
-def sandbox_config() -> SandboxConfig:
+def merchant_sandbox_config() -> SandboxConfig:
+    """The suite's emulator account: a fixed API key, and the secret every leak search
+    looks for."""
     return SandboxConfig(api_key=TEST_API_KEY, secret=TEST_SECRET)
 
 
 @pytest.fixture
-def sandbox(sandbox_config: SandboxConfig) -> Iterator[Sandbox]:
-    app = WatchedSandbox(sandbox_config)
-    with SandboxServer(app) as server:
-        yield Sandbox(app, server)
+def redis_client(merchant_redis_url: str) -> Iterator[redis.Redis]:
+    """A client of the tests' Redis (the plugin deletes the test's keys afterwards)."""
+    client = redis.Redis.from_url(merchant_redis_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture
-def secret_file(tmp_path: Path) -> Path:
-    path = tmp_path / "api-secret"
-    path.write_text(TEST_SECRET + "\n")
-    return path
+def redis_store(redis_client: redis.Redis, merchant_key_prefix: str) -> TokenStore:
+    """A token store on the real Redis, under this test's own key prefix."""
+    namespace = TokenStore.namespace_for(merchant_key_prefix, "sandbox", "app-id-1234")
+    return TokenStore(redis_client, namespace)
 
 
 @pytest.fixture
-def settings(sandbox: Sandbox, redis_url: str, key_prefix: str, secret_file: Path) -> Settings:
-    """Settings for the emulator, the secret read from a file as in production."""
-    return Settings(
-        api_key=TEST_API_KEY,
-        secret=Secret(path=secret_file),
-        base_url=sandbox.url,
-        fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
-    )
+def fleet(
+    tmp_path: Path,
+    merchant_sandbox: MerchantSandbox,
+    merchant_key_prefix: str,
+    merchant_secret_file: Path,
+) -> Iterator[Fleet]:
+    """The Celery processes of this test (none started yet), on a redis-server of its own."""
+    with running_fleet(tmp_path, merchant_sandbox, merchant_key_prefix, merchant_secret_file) as f:
+        yield f
 
 
-@pytest.fixture
-def account_env(
-    sandbox: Sandbox, secret_file: Path, redis_url: str, key_prefix: str
-) -> dict[str, str]:
-    """The MERCHANT_* variables of the emulator's account (what the command line reads)."""
-    return {
-        "MERCHANT_API_KEY": TEST_API_KEY,
-        "MERCHANT_API_SECRET_FILE": str(secret_file),
-        "MERCHANT_BASE_URL": sandbox.url,
-        "MERCHANT_REDIS_URL": redis_url,
-        "MERCHANT_KEY_PREFIX": key_prefix,
+def make_manager(
+    store: TokenStore, exchange: Callable[[], IssuedToken], **options: Any
+) -> TokenManager:
+    """A ``TokenManager`` for tests: the real windows (480 s / 120 s), a short exchange
+    timeout, seeded jitter, no copy of the token in the process and no wake-ups (waits go
+    through the injected sleep), unless ``options`` say otherwise."""
+    defaults: dict[str, Any] = {
+        "renew_before": 480.0,
+        "renew_mandatory": 120.0,
+        "exchange_timeout": 0.1,
+        "rng": random.Random(0),
+        "local_copy_ttl": 0.0,  # read the store on every call; the copy has its own tests
+        "wake_ups": False,
     }
-
-
-@pytest.fixture
-def client(settings: Settings, redis_client: redis.Redis) -> FleetClient:
-    return client_for(settings, redis_client=redis_client)
+    fingerprint = options.pop("secret_fingerprint", lambda: "fp")
+    return TokenManager(store, exchange, fingerprint, **{**defaults, **options})
 
 
 # -- the leak searches' readers (test_faults.py, test_celery_integration.py) ----------------

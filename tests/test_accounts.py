@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from conftest import TEST_API_KEY, TEST_SECRET
 from merchant_tasks.accounts import (
     DEFAULT_ACCOUNT,
     AccountClients,
@@ -23,6 +23,7 @@ from merchant_tasks.accounts import (
     load_accounts,
 )
 from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import ACCOUNT_KEYS
 
@@ -35,16 +36,18 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def test_the_single_account_variables_define_the_default_account(secret_file: Path) -> None:
+def test_the_single_account_variables_define_the_default_account(
+    merchant_secret_file: Path,
+) -> None:
     accounts = load_accounts(
-        {"MERCHANT_API_KEY": "k1", "MERCHANT_API_SECRET_FILE": str(secret_file)}
+        {"MERCHANT_API_KEY": "k1", "MERCHANT_API_SECRET_FILE": str(merchant_secret_file)}
     )
     assert list(accounts) == [DEFAULT_ACCOUNT]
     assert accounts[DEFAULT_ACCOUNT].api_key == "k1"
 
 
 def test_an_accounts_file_adds_accounts_sharing_the_fleet_settings(
-    tmp_path: Path, secret_file: Path
+    tmp_path: Path, merchant_secret_file: Path
 ) -> None:
     accounts_file = _write(
         tmp_path / "accounts.toml",
@@ -53,12 +56,12 @@ def test_an_accounts_file_adds_accounts_sharing_the_fleet_settings(
 environment = "production"
 base_url = "https://api.example.test"
 api_key = "eu-key"
-api_secret_file = "{secret_file}"
+api_secret_file = "{merchant_secret_file}"
 renew_before = 600
 
 [accounts.test-shop]
 api_key = "test-key"
-api_secret_file = "{secret_file}"
+api_secret_file = "{merchant_secret_file}"
 """,
     )
     accounts = load_accounts(
@@ -78,8 +81,8 @@ api_secret_file = "{secret_file}"
     assert accounts["test-shop"].secret.reveal() == TEST_SECRET
 
 
-def test_a_json_accounts_file_works_too(tmp_path: Path, secret_file: Path) -> None:
-    document = {"accounts": {"one": {"api_key": "k", "api_secret_file": str(secret_file)}}}
+def test_a_json_accounts_file_works_too(tmp_path: Path, merchant_secret_file: Path) -> None:
+    document = {"accounts": {"one": {"api_key": "k", "api_secret_file": str(merchant_secret_file)}}}
     path = _write(tmp_path / "accounts.json", json.dumps(document))
     assert list(load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})) == ["one"]
 
@@ -97,11 +100,11 @@ def test_a_json_accounts_file_works_too(tmp_path: Path, secret_file: Path) -> No
     ],
 )
 def test_a_bad_account_is_an_error_naming_the_file_and_the_account(
-    tmp_path: Path, secret_file: Path, entry: str, message: str
+    tmp_path: Path, merchant_secret_file: Path, entry: str, message: str
 ) -> None:
     path = _write(
         tmp_path / "accounts.toml",
-        "[accounts.shop]\n" + entry.replace("SECRET", str(secret_file)),
+        "[accounts.shop]\n" + entry.replace("SECRET", str(merchant_secret_file)),
     )
     with pytest.raises(ConfigurationError, match=message) as caught:
         load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
@@ -110,13 +113,13 @@ def test_a_bad_account_is_an_error_naming_the_file_and_the_account(
 
 
 def test_an_accounts_file_entry_takes_every_per_account_key_of_the_table(
-    tmp_path: Path, secret_file: Path
+    tmp_path: Path, merchant_secret_file: Path
 ) -> None:
     values = {
         "environment": '"production"',
         "base_url": '"http://api.example.test:8080"',
         "api_key": '"k"',
-        "api_secret_file": f'"{secret_file}"',
+        "api_secret_file": f'"{merchant_secret_file}"',
         "allow_insecure_http": "true",
         "token_lifetime": "3600",
         "renew_before": "400",
@@ -133,9 +136,9 @@ def test_an_accounts_file_entry_takes_every_per_account_key_of_the_table(
 
 
 def test_an_empty_api_key_variable_defines_no_default_account(
-    tmp_path: Path, secret_file: Path
+    tmp_path: Path, merchant_secret_file: Path
 ) -> None:
-    document = {"accounts": {"one": {"api_key": "k", "api_secret_file": str(secret_file)}}}
+    document = {"accounts": {"one": {"api_key": "k", "api_secret_file": str(merchant_secret_file)}}}
     path = _write(tmp_path / "accounts.json", json.dumps(document))
     env = {"MERCHANT_API_KEY": "", "MERCHANT_ACCOUNTS_FILE": str(path)}
     assert list(load_accounts(env)) == ["one"]
@@ -144,13 +147,13 @@ def test_an_empty_api_key_variable_defines_no_default_account(
 
 
 def test_a_base_url_with_a_password_in_an_accounts_file_is_refused_without_echoing_it(
-    tmp_path: Path, secret_file: Path
+    tmp_path: Path, merchant_secret_file: Path
 ) -> None:
     document = {
         "accounts": {
             "gw": {
                 "api_key": "k",
-                "api_secret_file": str(secret_file),
+                "api_secret_file": str(merchant_secret_file),
                 "base_url": "https://apiuser:BasicPw99@gateway.example.test",
             }
         }
@@ -172,18 +175,18 @@ def test_a_base_url_with_a_password_in_an_accounts_file_is_refused_without_echoi
     ],
 )
 def test_the_environment_guard_compares_canonical_origins(
-    tmp_path: Path, secret_file: Path, production_url: str
+    tmp_path: Path, merchant_secret_file: Path, production_url: str
 ) -> None:
     document = {
         "accounts": {
             "test": {
                 "api_key": "same",
-                "api_secret_file": str(secret_file),
+                "api_secret_file": str(merchant_secret_file),
                 "base_url": "https://api.example.test",
             },
             "live": {
                 "api_key": "same",
-                "api_secret_file": str(secret_file),
+                "api_secret_file": str(merchant_secret_file),
                 "base_url": production_url,
                 "environment": "production",
             },
@@ -197,18 +200,18 @@ def test_the_environment_guard_compares_canonical_origins(
 
 
 def test_servers_apart_by_port_or_scheme_may_serve_both_environments(
-    tmp_path: Path, secret_file: Path
+    tmp_path: Path, merchant_secret_file: Path
 ) -> None:
     document = {
         "accounts": {
             "test": {
                 "api_key": "k",
-                "api_secret_file": str(secret_file),
+                "api_secret_file": str(merchant_secret_file),
                 "base_url": "https://api.example.test:8443",
             },
             "live": {
                 "api_key": "k",
-                "api_secret_file": str(secret_file),
+                "api_secret_file": str(merchant_secret_file),
                 "base_url": "https://api.example.test",
                 "environment": "production",
             },
@@ -224,7 +227,7 @@ def test_no_account_at_all_is_an_error() -> None:
 
 
 def test_a_sandbox_and_a_production_account_may_not_share_a_server(
-    tmp_path: Path, secret_file: Path
+    tmp_path: Path, merchant_secret_file: Path
 ) -> None:
     path = _write(
         tmp_path / "accounts.toml",
@@ -233,32 +236,34 @@ def test_a_sandbox_and_a_production_account_may_not_share_a_server(
 environment = "production"
 base_url = "https://api.example.test"
 api_key = "live"
-api_secret_file = "{secret_file}"
+api_secret_file = "{merchant_secret_file}"
 [accounts.test]
 base_url = "https://api.example.test/"
 api_key = "test"
-api_secret_file = "{secret_file}"
+api_secret_file = "{merchant_secret_file}"
 """,
     )
     with pytest.raises(ConfigurationError, match="must never reach the other"):
         load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
 
 
-def test_an_unknown_account_is_an_error_listing_the_configured_ones(secret_file: Path) -> None:
+def test_an_unknown_account_is_an_error_listing_the_configured_ones(
+    merchant_secret_file: Path,
+) -> None:
     clients = AccountClients.from_env(
-        {"MERCHANT_API_KEY": "k1", "MERCHANT_API_SECRET_FILE": str(secret_file)}
+        {"MERCHANT_API_KEY": "k1", "MERCHANT_API_SECRET_FILE": str(merchant_secret_file)}
     )
     with pytest.raises(ConfigurationError, match=r"unknown account 'eu'.*default"):
         clients.get("eu")
 
 
 def test_client_from_env_wires_the_only_account_to_its_store_and_server(
-    secret_file: Path,
+    merchant_secret_file: Path,
 ) -> None:
     client = client_from_env(
         {
             "MERCHANT_API_KEY": "k1",
-            "MERCHANT_API_SECRET_FILE": str(secret_file),
+            "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
             "MERCHANT_BASE_URL": "http://127.0.0.1:9",
             "MERCHANT_KEY_PREFIX": "wiring-test",
         }
@@ -270,17 +275,17 @@ def test_client_from_env_wires_the_only_account_to_its_store_and_server(
 
 
 def test_client_from_env_with_several_accounts_and_no_default_asks_to_name_one(
-    tmp_path: Path, secret_file: Path
+    tmp_path: Path, merchant_secret_file: Path
 ) -> None:
     path = _write(
         tmp_path / "accounts.toml",
         f"""
 [accounts.eu]
 api_key = "eu"
-api_secret_file = "{secret_file}"
+api_secret_file = "{merchant_secret_file}"
 [accounts.us]
 api_key = "us"
-api_secret_file = "{secret_file}"
+api_secret_file = "{merchant_secret_file}"
 base_url = "http://127.0.0.1:10"
 """,
     )
@@ -288,9 +293,9 @@ base_url = "http://127.0.0.1:10"
         client_from_env({"MERCHANT_ACCOUNTS_FILE": str(path)})
 
 
-def test_clients_of_one_account_share_what_they_are_given(secret_file: Path) -> None:
+def test_clients_of_one_account_share_what_they_are_given(merchant_secret_file: Path) -> None:
     settings = load_accounts(
-        {"MERCHANT_API_KEY": "k1", "MERCHANT_API_SECRET_FILE": str(secret_file)}
+        {"MERCHANT_API_KEY": "k1", "MERCHANT_API_SECRET_FILE": str(merchant_secret_file)}
     )[DEFAULT_ACCOUNT]
     pool = redis.Redis()
     first, second = (client_for(settings, redis_client=pool) for _ in range(2))
@@ -331,12 +336,12 @@ def production() -> Iterator[tuple[_RecordingApp, str]]:
 
 @pytest.mark.integration
 def test_each_account_gets_its_own_token_and_its_key_reaches_only_its_environment(
-    sandbox: Sandbox,
+    merchant_sandbox: MerchantSandbox,
     production: tuple[_RecordingApp, str],
     tmp_path: Path,
-    secret_file: Path,
-    redis_url: str,
-    key_prefix: str,
+    merchant_secret_file: Path,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
     redis_client: redis.Redis,
 ) -> None:
     production_app, production_url = production
@@ -355,11 +360,11 @@ api_secret_file = "{production_secret}"
     clients = AccountClients.from_env(
         {
             "MERCHANT_API_KEY": TEST_API_KEY,
-            "MERCHANT_API_SECRET_FILE": str(secret_file),
-            "MERCHANT_BASE_URL": sandbox.url,
+            "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
+            "MERCHANT_BASE_URL": merchant_sandbox.url,
             "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
-            "MERCHANT_REDIS_URL": redis_url,
-            "MERCHANT_KEY_PREFIX": key_prefix,
+            "MERCHANT_REDIS_URL": merchant_redis_url,
+            "MERCHANT_KEY_PREFIX": merchant_key_prefix,
         }
     )
     for _ in range(3):
@@ -374,7 +379,7 @@ api_secret_file = "{production_secret}"
     clients.get("default").manager.renew(force=True)
 
     assert production_app.appids == [PRODUCTION_KEY]  # the sandbox key never reached it
-    assert sandbox.exchanges() == {"ok": 2, "rejected": 0, "rate_limited": 0, "failed": 0}
+    assert merchant_sandbox.exchanges() == {"ok": 2, "rejected": 0, "rate_limited": 0, "failed": 0}
     stores = {name: clients.get(name).manager.store for name in ("default", "live")}
     assert stores["default"].namespace != stores["live"].namespace
     assert stores["default"].generation() == 2
@@ -408,27 +413,27 @@ not_callable = 3
 
 @pytest.fixture
 def source_module(
-    tmp_path: Path, secret_file: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, merchant_secret_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[str]:
     """An importable module of account sources, named uniquely for this test."""
     name = f"platform_accounts_{uuid.uuid4().hex[:8]}"
-    _write(tmp_path / f"{name}.py", _SOURCE.replace("SECRET_FILE", repr(str(secret_file))))
+    _write(tmp_path / f"{name}.py", _SOURCE.replace("SECRET_FILE", repr(str(merchant_secret_file))))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield name
     sys.modules.pop(name, None)
 
 
 def test_a_source_function_adds_accounts_checked_like_the_file_and_the_variables(
-    source_module: str, secret_file: Path, tmp_path: Path
+    source_module: str, merchant_secret_file: Path, tmp_path: Path
 ) -> None:
     accounts_file = _write(
         tmp_path / "accounts.toml",
-        f'[accounts.file-shop]\napi_key = "file-key"\napi_secret_file = "{secret_file}"\n',
+        f'[accounts.file-shop]\napi_key = "file-key"\napi_secret_file = "{merchant_secret_file}"\n',
     )
     accounts = load_accounts(
         {
             "MERCHANT_API_KEY": "k1",
-            "MERCHANT_API_SECRET_FILE": str(secret_file),
+            "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
             "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
             "MERCHANT_ACCOUNTS_SOURCE": f"{source_module}:accounts",
             "MERCHANT_RENEW_BEFORE": "300",
@@ -464,11 +469,11 @@ def test_a_bad_source_is_an_error_naming_the_variable_and_never_the_platforms_me
 
 
 def test_an_account_defined_by_two_sources_is_an_error(
-    source_module: str, secret_file: Path, tmp_path: Path
+    source_module: str, merchant_secret_file: Path, tmp_path: Path
 ) -> None:
     accounts_file = _write(
         tmp_path / "accounts.toml",
-        f'[accounts.db-shop]\napi_key = "other"\napi_secret_file = "{secret_file}"\n',
+        f'[accounts.db-shop]\napi_key = "other"\napi_secret_file = "{merchant_secret_file}"\n',
     )
     with pytest.raises(ConfigurationError, match="account 'db-shop' is also defined"):
         load_accounts(
@@ -479,9 +484,11 @@ def test_an_account_defined_by_two_sources_is_an_error(
         )
 
 
-def test_loading_a_thousand_accounts_builds_no_client(tmp_path: Path, secret_file: Path) -> None:
+def test_loading_a_thousand_accounts_builds_no_client(
+    tmp_path: Path, merchant_secret_file: Path
+) -> None:
     entries = "".join(
-        f'[accounts.shop-{n}]\napi_key = "key-{n}"\napi_secret_file = "{secret_file}"\n'
+        f'[accounts.shop-{n}]\napi_key = "key-{n}"\napi_secret_file = "{merchant_secret_file}"\n'
         for n in range(1000)
     )
     fleet = AccountClients.from_env(

@@ -182,11 +182,11 @@ def test_the_celery_command_loads_the_app_without_any_account(tmp_path: Path) ->
 
 
 def test_a_worker_without_any_account_stops_at_start_with_the_configuration_message(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, merchant_redis_url: str
 ) -> None:
     done = _celery(
         tmp_path,
-        _clean_env(MERCHANT_REDIS_URL=redis_url),
+        _clean_env(MERCHANT_REDIS_URL=merchant_redis_url),
         "worker",
         "--pool=solo",
         "--without-gossip",
@@ -247,9 +247,9 @@ def _beat(tmp_path: Path) -> tuple[str, ...]:
 
 
 def test_an_unknown_variable_stops_worker_and_beat_naming_the_closest_known_one(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, merchant_redis_url: str
 ) -> None:
-    env = _clean_env(MERCHANT_REDIS_URL=redis_url, MERCHANT_RENEW_INTERVALL="30")
+    env = _clean_env(MERCHANT_REDIS_URL=merchant_redis_url, MERCHANT_RENEW_INTERVALL="30")
     for command in (WORKER, _beat(tmp_path)):
         line = _one_error_line(_celery(tmp_path, env, *command))
         assert line == (
@@ -259,10 +259,10 @@ def test_an_unknown_variable_stops_worker_and_beat_naming_the_closest_known_one(
 
 
 def test_beat_stops_at_start_when_an_accounts_variable_is_wrong(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, merchant_redis_url: str
 ) -> None:
     env = _clean_env(
-        MERCHANT_REDIS_URL=redis_url,
+        MERCHANT_REDIS_URL=merchant_redis_url,
         MERCHANT_API_KEY_FILE="/nope/key",
         MERCHANT_API_SECRET_FILE="/run/secrets/beat-holds-none",
     )
@@ -273,13 +273,13 @@ def test_beat_stops_at_start_when_an_accounts_variable_is_wrong(
 
 
 def test_worker_and_beat_stop_at_start_on_a_key_file_that_is_not_utf8(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, merchant_redis_url: str
 ) -> None:
     key_file = tmp_path / "token.key"
     key_file.write_bytes(b"\xff" + os.urandom(31))  # the raw key instead of its base64
     key_file.chmod(0o600)
     env = _clean_env(
-        MERCHANT_REDIS_URL=redis_url,
+        MERCHANT_REDIS_URL=merchant_redis_url,
         MERCHANT_API_KEY="k",
         MERCHANT_API_SECRET="s",
         MERCHANT_TOKEN_KEY_FILE=str(key_file),
@@ -290,10 +290,10 @@ def test_worker_and_beat_stop_at_start_on_a_key_file_that_is_not_utf8(
 
 
 def test_a_worker_given_a_base_url_with_a_password_stops_and_never_shows_it(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, merchant_redis_url: str
 ) -> None:
     env = _clean_env(
-        MERCHANT_REDIS_URL=redis_url,
+        MERCHANT_REDIS_URL=merchant_redis_url,
         MERCHANT_API_KEY="k",
         MERCHANT_API_SECRET="s",
         MERCHANT_BASE_URL="http://apiuser:BasicPw99@127.0.0.1:1",

@@ -16,7 +16,6 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,12 +34,12 @@ from celery_fleet import (
     Fleet,
     echo_calls,
     kill_the_worker_running,
-    running_fleet,
     running_on,
 )
-from conftest import TEST_SECRET, Sandbox, redis_value, shows
+from conftest import TEST_SECRET, redis_value, shows
 from merchant_tasks.exceptions import ApiError, CredentialsRejected
 from merchant_tasks.local import wait_until
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.routing import CALLS_QUEUE, RENEWAL_QUEUE
 from merchant_tasks.store import TokenStore
 
@@ -50,13 +49,7 @@ API_LATENCY = 6.0  # the emulator's delay on business calls in the worker-loss t
 KILL_VISIBILITY_TIMEOUT = 10  # seconds; above API_LATENCY, so a re-run is not re-delivered
 
 
-@pytest.fixture
-def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
-    with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
-        yield fleet
-
-
-def _settled_exchanges(fleet: Fleet, sandbox: Sandbox) -> tuple[int, dict[str, int]]:
+def _settled_exchanges(fleet: Fleet, sandbox: MerchantSandbox) -> tuple[int, dict[str, int]]:
     """Tokens the emulator issued and the store's counters, read while no renewal is between
     the two (the emulator counts a renewal first, the worker's store after): beat goes on
     renewing while a test reads them."""
@@ -81,7 +74,7 @@ def _settled_exchanges(fleet: Fleet, sandbox: Sandbox) -> tuple[int, dict[str, i
 
 
 def test_call_api_through_a_real_worker_returns_the_decoded_json_body(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     fleet.long_windows()
     fleet.start_worker("w", concurrency=1)
@@ -90,15 +83,15 @@ def test_call_api_through_a_real_worker_returns_the_decoded_json_body(
     body = {"amount": 1250, "currency": "EUR", "items": [{"sku": "a-1", "qty": 2}], "x": None}
     assert fleet.get(fleet.call("GET", PING)) == {"ok": True}
     assert fleet.get(fleet.call("POST", ECHO, json=body)) == {"echo": body}
-    assert sandbox.exchanges()["ok"] == 1
-    assert sandbox.calls()["ok"] == 3
+    assert merchant_sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.calls()["ok"] == 3
 
 
 # -- 2. beat renews in the advisory window -------------------------------------------------
 
 
 def test_beat_renews_in_the_advisory_window_while_calls_flow_without_a_401(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     # an advisory window of 4 s: 8 beat ticks, so a stalled tick or two changes nothing
     lifetime, before, mandatory = 8.0, 5.0, 1.0
@@ -110,34 +103,36 @@ def test_beat_renews_in_the_advisory_window_while_calls_flow_without_a_401(
     first_mandatory = fleet.store().records.counters().get("renewals:mandatory:ok", 0)
 
     results = fleet.send_calls_until(
-        lambda: sandbox.exchanges()["ok"] >= 3, "the first token and two renewals", 4 * lifetime
+        lambda: merchant_sandbox.exchanges()["ok"] >= 3,
+        "the first token and two renewals",
+        4 * lifetime,
     )
     fleet.expect_all_ok(results)
 
-    _, counters = _settled_exchanges(fleet, sandbox)
+    _, counters = _settled_exchanges(fleet, merchant_sandbox)
     assert counters.get("renewals:scheduled:ok", 0) >= 2, counters
     assert counters.get("renewals:mandatory:ok", 0) == first_mandatory, counters
     assert counters.get("renewals:forced:ok", 0) == 0, counters
-    assert sandbox.calls()["unauthorized"] == 0
+    assert merchant_sandbox.calls()["unauthorized"] == 0
 
 
 # -- 3. revoke-all storm -------------------------------------------------------------------
 
 
 def test_a_revoke_all_storm_through_tasks_costs_exactly_one_exchange(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     fleet.long_windows()
     fleet.start_worker("w", concurrency=4)
     fleet.wait_ready()
-    before = sandbox.exchanges()["ok"]
+    before = merchant_sandbox.exchanges()["ok"]
 
-    sandbox.app.revoke_all()
+    merchant_sandbox.app.revoke_all()
     results = [fleet.call("GET", PING) for _ in range(40)]
 
     assert [fleet.get(r) for r in results] == [{"ok": True}] * 40
-    assert sandbox.exchanges()["ok"] == before + 1
-    assert sandbox.calls()["unauthorized"] >= 1  # the storm did meet the revoked token
+    assert merchant_sandbox.exchanges()["ok"] == before + 1
+    assert merchant_sandbox.calls()["unauthorized"] >= 1  # the storm did meet the revoked token
     assert fleet.store().records.counters().get("renewals:forced:ok", 0) == 1
 
 
@@ -145,36 +140,36 @@ def test_a_revoke_all_storm_through_tasks_costs_exactly_one_exchange(
 
 
 def test_two_beats_at_once_do_not_double_the_token_exchanges(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     started = time.monotonic()
     fleet.start_worker("w", concurrency=2)
     fleet.start_beat("b1")
     fleet.start_beat("b2")
-    wait_until(lambda: sandbox.exchanges()["ok"] >= 1, "a first scheduled renewal", 60.0)
+    wait_until(lambda: merchant_sandbox.exchanges()["ok"] >= 1, "a first scheduled renewal", 60.0)
 
     time.sleep(2 * LIFETIME)  # beat renews every LIFETIME - RENEW_BEFORE = 3 s
-    exchanges, counters = _settled_exchanges(fleet, sandbox)
+    exchanges, counters = _settled_exchanges(fleet, merchant_sandbox)
     run = time.monotonic() - started  # every exchange counted happened inside this span
 
     # consecutive renewals are at least lifetime - renew_before apart, whoever asks
     assert exchanges <= math.ceil(run / (LIFETIME - RENEW_BEFORE)) + 1, (exchanges, run)
     assert exchanges >= 2
     assert counters.get("renewals:scheduled:ok", 0) == exchanges, counters
-    assert sandbox.exchanges()["rejected"] == 0
+    assert merchant_sandbox.exchanges()["rejected"] == 0
 
 
 # -- 4b. several accounts: one renewal task each --------------------------------------------
 
 
 def test_beat_renews_each_account_in_its_own_task_and_a_failing_account_delays_no_other(
-    fleet: Fleet, sandbox: Sandbox, tmp_path: Path, secret_file: Path
+    fleet: Fleet, merchant_sandbox: MerchantSandbox, tmp_path: Path, merchant_secret_file: Path
 ) -> None:
     refused_key = "a-key-the-api-does-not-know"
     accounts_file = tmp_path / "accounts.toml"
     accounts_file.write_text(
         f'[accounts.refused]\napi_key = "{refused_key}"\n'
-        f'api_secret_file = "{secret_file}"\nbase_url = "{sandbox.url}"\n'
+        f'api_secret_file = "{merchant_secret_file}"\nbase_url = "{merchant_sandbox.url}"\n'
     )
     fleet.env["MERCHANT_ACCOUNTS_FILE"] = str(accounts_file)  # beside "default"
     fleet.start_worker("w", concurrency=2)
@@ -200,7 +195,7 @@ def test_beat_renews_each_account_in_its_own_task_and_a_failing_account_delays_n
 
 
 def test_with_beat_down_workers_renew_in_the_mandatory_window(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     started = time.monotonic()
     fleet.start_worker("w", concurrency=2)
@@ -208,21 +203,21 @@ def test_with_beat_down_workers_renew_in_the_mandatory_window(
 
     results = fleet.send_calls_for(2 * LIFETIME)  # a span in which no renewal is extra
     fleet.expect_all_ok(results)
-    exchanges = sandbox.exchanges()["ok"]
+    exchanges = merchant_sandbox.exchanges()["ok"]
     run = time.monotonic() - started
 
     counters = fleet.store().records.counters()
     assert counters.get("renewals:mandatory:ok", 0) >= 2, counters
     assert counters.get("renewals:mandatory:ok", 0) == exchanges, counters
     assert exchanges <= math.ceil(run / (LIFETIME - RENEW_MANDATORY)) + 1, (exchanges, run)
-    assert sandbox.calls()["unauthorized"] == 0
+    assert merchant_sandbox.calls()["unauthorized"] == 0
 
 
 # -- 6. worker loss ------------------------------------------------------------------------
 
 
 def test_a_worker_killed_mid_task_has_its_call_rerun_by_another_worker(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     fleet.long_windows()
     config_dir = fleet.short_visibility_dir(KILL_VISIBILITY_TIMEOUT)
@@ -231,41 +226,41 @@ def test_a_worker_killed_mid_task_has_its_call_rerun_by_another_worker(
     }
     fleet.wait_ready()
     fleet.wait_for_nodes(2)  # both workers consume (and answer remote control)
-    sandbox.app.configure({"api_latency": API_LATENCY})
+    merchant_sandbox.app.configure({"api_latency": API_LATENCY})
 
     result = fleet.call("POST", ECHO, json={"order": "kill-me"})
     survivor = kill_the_worker_running(fleet, workers, result)
 
     assert fleet.get(result, 60.0) == {"echo": {"order": "kill-me"}}
     assert result.id in workers[survivor].log_text()
-    assert echo_calls(sandbox) == 2  # received by the killed worker's child, then again
+    assert echo_calls(merchant_sandbox) == 2  # received by the killed worker's child, then again
 
 
 def test_a_pool_child_killed_mid_task_has_its_call_requeued_at_once(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     # package defaults: the visibility timeout is an hour, so only the requeue can save it
     fleet.long_windows()
     worker = fleet.start_worker("w", concurrency=1)
     fleet.wait_ready()
-    sandbox.app.configure({"api_latency": API_LATENCY})
+    merchant_sandbox.app.configure({"api_latency": API_LATENCY})
 
     result = fleet.call("POST", ECHO, json={"order": "kill-my-child"})
     _, child_pid = running_on(fleet, result)
     assert child_pid != worker.process.pid
-    wait_until(lambda: sandbox.app.arrived(ECHO) == 1, "the call reaching the API", 20.0)
+    wait_until(lambda: merchant_sandbox.app.arrived(ECHO) == 1, "the call reaching the API", 20.0)
     os.kill(child_pid, signal.SIGKILL)
 
     assert fleet.get(result, 60.0) == {"echo": {"order": "kill-my-child"}}
     assert worker.process.poll() is None  # the worker itself lived on
-    assert echo_calls(sandbox) == 2
+    assert echo_calls(merchant_sandbox) == 2
 
 
 # -- 7. no secret, no token outside the token key -------------------------------------------
 
 
 def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
-    fleet: Fleet, sandbox: Sandbox, key_prefix: str
+    fleet: Fleet, merchant_sandbox: MerchantSandbox, merchant_key_prefix: str
 ) -> None:
     fleet.env["MERCHANT_REJECTED_RETRY_WINDOW"] = "0"  # fail at once, no slow retries
     monitor = fleet.start_monitor()  # first, so it sees every command of the run
@@ -286,13 +281,13 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
     # every worker process meets a 401 and recovers; a scheduled renewal landing between the
     # revoke-all and the first call would spare them the 401, so try again if one did
     for _ in range(3):
-        sandbox.app.revoke_all()
+        merchant_sandbox.app.revoke_all()
         recovered = [fleet.call("GET", PING) for _ in range(8)]
         assert [fleet.get(r) for r in recovered] == [{"ok": True}] * 8
         results += recovered
-        if sandbox.calls()["unauthorized"] >= 1:
+        if merchant_sandbox.calls()["unauthorized"] >= 1:
             break
-    assert sandbox.calls()["unauthorized"] >= 1
+    assert merchant_sandbox.calls()["unauthorized"] >= 1
     assert store.records.counters().get("renewals:forced:ok", 0) >= 1
 
     missing = fleet.call("GET", "/open-api/v1/payments/pay_does_not_exist")
@@ -307,7 +302,7 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
         return token is not None and token.reason == "scheduled"
 
     wait_until(renewed_by_beat, "a scheduled renewal after the storm", 3 * LIFETIME)
-    new_secret = sandbox.app.reset_secret()
+    new_secret = merchant_sandbox.app.reset_secret()
     refused = fleet.call("GET", PING)
     outcome = refused.get(timeout=RESULT_TIMEOUT, propagate=False)
     assert isinstance(outcome, CredentialsRejected), repr(outcome)
@@ -336,7 +331,7 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
         if key != token_key.encode():
             texts[f"redis key {key!r}"] = redis_value(store.redis, key)
     assert any(key.startswith("redis key b'celery-task-meta-") for key in texts)
-    assert any(key.startswith(f"redis key b'{key_prefix}:") for key in texts)
+    assert any(key.startswith(f"redis key b'{merchant_key_prefix}:") for key in texts)
 
     # positive controls: a value sent as a task argument shows in the message bodies
     # (base64 on the broker) and in the stored results
@@ -344,7 +339,7 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
     assert shows(canary, base64.b64encode(f'{{"note": "{canary}"}}'.encode()))
     assert any(shows(canary, text) for key, text in texts.items() if "celery-task-meta" in key)
 
-    tokens = sandbox.app.issued_tokens()
+    tokens = merchant_sandbox.app.issued_tokens()
     assert len(tokens) >= 3  # first, after revoke-all, and beat's
     needles = {"the secret": TEST_SECRET, "the new secret": new_secret}
     needles.update({f"token #{n}": token for n, token in enumerate(tokens)})
@@ -373,7 +368,7 @@ def _all_done(fleet: Fleet) -> bool:
 
 
 def test_a_call_sent_to_exchange_celery_with_routing_key_celery_runs_exactly_once(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     fleet.long_windows()
     # a broker that served an older release still binds the renewal queue to celery/celery
@@ -393,11 +388,11 @@ def test_a_call_sent_to_exchange_celery_with_routing_key_celery_runs_exactly_onc
     assert fleet.get(sent) == {"echo": {"n": 1}}
     # a second copy would be waiting in a queue, or running (acknowledged only after it ran)
     wait_until(lambda: _all_done(fleet), "queues empty and the worker idle", RESULT_TIMEOUT)
-    assert echo_calls(sandbox) == 1
+    assert echo_calls(merchant_sandbox) == 1
 
 
 def test_an_api_error_comes_back_from_a_real_worker_with_status_code_and_excerpt(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     fleet.long_windows()
     fleet.start_worker("w", concurrency=1)
@@ -411,11 +406,11 @@ def test_an_api_error_comes_back_from_a_real_worker_with_status_code_and_excerpt
 
 
 def test_rejected_credentials_come_back_from_a_real_worker_with_status_and_code(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     fleet.long_windows()
     fleet.env["MERCHANT_REJECTED_RETRY_WINDOW"] = "0"  # fail at once, no slow retries
-    sandbox.app.reset_secret()
+    merchant_sandbox.app.reset_secret()
     fleet.start_worker("w", concurrency=1)
     error = fleet.call("GET", PING).get(timeout=READY_TIMEOUT, propagate=False)
     assert type(error) is CredentialsRejected, repr(error)
@@ -426,7 +421,7 @@ def test_rejected_credentials_come_back_from_a_real_worker_with_status_and_code(
 
 
 def test_a_worker_given_the_redis_url_as_a_file_uses_it_for_broker_and_results(
-    fleet: Fleet, sandbox: Sandbox, tmp_path: Path
+    fleet: Fleet, merchant_sandbox: MerchantSandbox, tmp_path: Path
 ) -> None:
     fleet.long_windows()
     url_file = tmp_path / "redis-url"
@@ -435,4 +430,4 @@ def test_a_worker_given_the_redis_url_as_a_file_uses_it_for_broker_and_results(
     fleet.env["MERCHANT_REDIS_URL_FILE"] = str(url_file)
     fleet.start_worker("w", concurrency=1)
     fleet.wait_ready()  # the test's app sends to the private Redis and reads results there
-    assert sandbox.calls()["ok"] == 1
+    assert merchant_sandbox.calls()["ok"] == 1

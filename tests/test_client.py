@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from collections.abc import Callable
 
@@ -15,7 +14,7 @@ from urllib3.connection import HTTPSConnection
 from urllib3.connectionpool import HTTPSConnectionPool
 from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError
 
-from conftest import FakeExchange
+from conftest import FakeExchange, make_manager
 from fake_http import FakeTransport, Reply, response, session_with
 from merchant_tasks.accounts import FleetClient
 from merchant_tasks.client import CALL_ATTEMPTS, CALL_WAIT_MAX, EXCERPT_LENGTH, MerchantClient
@@ -27,7 +26,6 @@ from merchant_tasks.exceptions import (
     TokenRejected,
 )
 from merchant_tasks.exchange import TOKEN_PATH
-from merchant_tasks.renewal import TokenManager
 from merchant_tasks.store import TokenStore
 from merchant_tasks.token import RenewalReason, Token, fingerprint
 
@@ -55,18 +53,12 @@ def transport() -> FakeTransport:
 def client(
     store: TokenStore, exchange: FakeExchange, sleeps: list[float], transport: FakeTransport
 ) -> FleetClient:
-    manager = TokenManager(
+    manager = make_manager(
         store,
         exchange,
-        lambda: fingerprint("secret-one-0a1b2c3d4e"),
-        renew_before=480.0,
-        renew_mandatory=120.0,
-        exchange_timeout=0.1,
+        secret_fingerprint=lambda: fingerprint("secret-one-0a1b2c3d4e"),
         clock=time.time,
         sleep=sleeps.append,
-        rng=random.Random(0),
-        local_copy_ttl=0.0,  # read the store on every call; the copy has its own tests
-        wake_ups=False,
     )
     return MerchantClient(
         BASE_URL, manager, session=session_with(transport), timeout=(1.0, 2.0), sleep=sleeps.append

@@ -13,7 +13,7 @@ import pytest
 import redis
 from redis.connection import Connection
 
-from conftest import TEST_API_KEY, Sandbox
+from conftest import TEST_API_KEY
 from merchant_tasks import tasks
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.celery_app import RENEWAL_QUEUE
@@ -27,6 +27,7 @@ from merchant_tasks.due import (
 )
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import free_port
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import (
     RENEW_BEFORE,
     RENEW_INTERVAL,
@@ -53,11 +54,11 @@ class CountingConnection(Connection):
 
 
 @pytest.fixture
-def counting_redis(redis_url: str, key_prefix: str) -> Iterator[redis.Redis]:
-    pool = redis.ConnectionPool.from_url(redis_url, connection_class=CountingConnection)
+def counting_redis(merchant_redis_url: str, merchant_key_prefix: str) -> Iterator[redis.Redis]:
+    pool = redis.ConnectionPool.from_url(merchant_redis_url, connection_class=CountingConnection)
     client = redis.Redis(connection_pool=pool)
     yield client
-    keys = list(client.scan_iter(match=f"{key_prefix}*"))
+    keys = list(client.scan_iter(match=f"{merchant_key_prefix}*"))
     if keys:
         client.delete(*keys)
     client.close()
@@ -102,9 +103,9 @@ def _store_tokens(client: redis.Redis, time_left: float, *accounts: Settings) ->
 
 
 def test_each_account_renews_at_its_own_fixed_point_inside_the_advisory_window(
-    key_prefix: str, redis_url: str
+    merchant_key_prefix: str, merchant_redis_url: str
 ) -> None:
-    accounts = _fleet(key_prefix, redis_url, 400)
+    accounts = _fleet(merchant_key_prefix, merchant_redis_url, 400)
     points = [renewal_point(s) for s in accounts.values()]
     first = next(iter(accounts.values()))
     lowest = first.renew_mandatory + SPREAD_TICKS * first.fleet.renew_interval
@@ -118,12 +119,12 @@ def test_each_account_renews_at_its_own_fixed_point_inside_the_advisory_window(
 
 
 def test_the_point_is_renew_before_when_the_window_leaves_no_room_to_spread(
-    key_prefix: str, redis_url: str
+    merchant_key_prefix: str, merchant_redis_url: str
 ) -> None:
     narrow = _account(
-        key_prefix,
+        merchant_key_prefix,
         1,
-        redis_url,
+        merchant_redis_url,
         renew_before=100,
         renew_mandatory=90,
         renew_interval=60,
@@ -135,19 +136,19 @@ def test_the_point_is_renew_before_when_the_window_leaves_no_room_to_spread(
 
 
 def test_a_thousand_accounts_with_nothing_due_cost_one_round_trip(
-    counting_redis: redis.Redis, key_prefix: str, redis_url: str
+    counting_redis: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
 ) -> None:
-    accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
+    accounts = _fleet(merchant_key_prefix, merchant_redis_url, ACCOUNTS)
     _store_tokens(counting_redis, TOKEN_LIFETIME - 60, *accounts.values())
     before = CountingConnection.sent
     assert due_accounts(accounts, lambda url: counting_redis) == []
     assert CountingConnection.sent - before == 1
 
 
-def test_accounts_past_one_mget_cost_one_round_trip_and_keep_their_order(
-    counting_redis: redis.Redis, key_prefix: str, redis_url: str
+def test_accounts_past_one_read_cost_one_round_trip_and_keep_their_order(
+    counting_redis: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
 ) -> None:
-    accounts = _fleet(key_prefix, redis_url, 2 * MGET_CHUNK + 500)  # three MGETs
+    accounts = _fleet(merchant_key_prefix, merchant_redis_url, 2 * MGET_CHUNK + 500)  # three MGETs
     names = list(accounts)
     due = {names[1], names[MGET_CHUNK], names[-1]}  # first in a chunk, and the last
     _store_tokens(
@@ -159,9 +160,9 @@ def test_accounts_past_one_mget_cost_one_round_trip_and_keep_their_order(
 
 
 def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_not(
-    redis_client: redis.Redis, key_prefix: str, redis_url: str
+    redis_client: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
 ) -> None:
-    accounts = _fleet(key_prefix, redis_url, 6)
+    accounts = _fleet(merchant_key_prefix, merchant_redis_url, 6)
     s = list(accounts.values())
     _store_tokens(redis_client, TOKEN_LIFETIME - 60, s[0])  # fresh
     _store_tokens(redis_client, renewal_point(s[1]) + 5, s[1])  # just before its point
@@ -181,11 +182,11 @@ def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_n
 
 
 def test_tokens_issued_together_fall_due_over_the_window_not_at_once(
-    redis_client: redis.Redis, key_prefix: str, redis_url: str
+    redis_client: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
 ) -> None:
     """After a cold start every token has the same time left: a quarter of the way into
     the spread, about a quarter of the accounts are due; none before it, all after."""
-    accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
+    accounts = _fleet(merchant_key_prefix, merchant_redis_url, ACCOUNTS)
     first = next(iter(accounts.values()))
     top = first.renew_before
     bottom = first.renew_mandatory + SPREAD_TICKS * first.fleet.renew_interval
@@ -200,14 +201,14 @@ def test_tokens_issued_together_fall_due_over_the_window_not_at_once(
 
 
 def test_accounts_on_two_redis_servers_cost_one_round_trip_per_server(
-    counting_redis: redis.Redis, key_prefix: str, redis_url: str
+    counting_redis: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
 ) -> None:
-    other_url = redis_url.rsplit("/", 1)[0] + "/1"
+    other_url = merchant_redis_url.rsplit("/", 1)[0] + "/1"
     pool = redis.ConnectionPool.from_url(other_url, connection_class=CountingConnection)
     other = redis.Redis(connection_pool=pool)
     accounts = {
-        **_fleet(key_prefix, redis_url, 3),
-        **{f"other-{n}": _account(key_prefix, 100 + n, other_url) for n in range(3)},
+        **_fleet(merchant_key_prefix, merchant_redis_url, 3),
+        **{f"other-{n}": _account(merchant_key_prefix, 100 + n, other_url) for n in range(3)},
     }
     counting_redis.ping()  # connect first: the connection's own handshake is not counted
     other.ping()
@@ -219,12 +220,12 @@ def test_accounts_on_two_redis_servers_cost_one_round_trip_per_server(
 
 
 def test_an_unreachable_redis_is_store_unavailable_naming_the_variable(
-    key_prefix: str,
+    merchant_key_prefix: str,
 ) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
     with pytest.raises(StoreUnavailable, match="MERCHANT_REDIS_URL"):
-        due_accounts(_fleet(key_prefix, url, 2), lambda _: client)
+        due_accounts(_fleet(merchant_key_prefix, url, 2), lambda _: client)
     client.close()
 
 
@@ -259,10 +260,10 @@ def test_beat_sends_one_renewal_task_per_due_account_on_the_renewal_queue_and_bu
     serve: Callable[[dict[str, Settings]], AccountClients],
     sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
     redis_client: redis.Redis,
-    key_prefix: str,
-    redis_url: str,
+    merchant_key_prefix: str,
+    merchant_redis_url: str,
 ) -> None:
-    accounts = _fleet(key_prefix, redis_url, ACCOUNTS)
+    accounts = _fleet(merchant_key_prefix, merchant_redis_url, ACCOUNTS)
     _store_tokens(redis_client, TOKEN_LIFETIME - 60, *list(accounts.values())[2:])
     fleet = serve(accounts)
     tasks.renew_token()
@@ -275,10 +276,10 @@ def test_beat_sends_an_accounts_renewal_again_only_once_the_pending_one_has_run(
     serve: Callable[[dict[str, Settings]], AccountClients],
     sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
     redis_client: redis.Redis,
-    key_prefix: str,
-    redis_url: str,
+    merchant_key_prefix: str,
+    merchant_redis_url: str,
 ) -> None:
-    accounts = _fleet(key_prefix, redis_url, 3)
+    accounts = _fleet(merchant_key_prefix, merchant_redis_url, 3)
     fleet = serve(accounts)
     tasks.renew_token()
     assert len(sent) == 3
@@ -295,10 +296,10 @@ def test_beat_sends_an_accounts_renewal_again_only_once_the_pending_one_has_run(
 def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
     serve: Callable[[dict[str, Settings]], AccountClients],
     sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
-    key_prefix: str,
+    merchant_key_prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    serve(_fleet(key_prefix, f"redis://127.0.0.1:{free_port()}/0", 3))
+    serve(_fleet(merchant_key_prefix, f"redis://127.0.0.1:{free_port()}/0", 3))
     with caplog.at_level(logging.WARNING, logger="merchant_tasks.tasks"):
         tasks.renew_token()
     assert sent == []
@@ -307,18 +308,18 @@ def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
 
 def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
     serve: Callable[[dict[str, Settings]], AccountClients],
-    sandbox: Sandbox,
-    secret_file: Path,
+    merchant_sandbox: MerchantSandbox,
+    merchant_secret_file: Path,
     redis_client: redis.Redis,
-    key_prefix: str,
-    redis_url: str,
+    merchant_key_prefix: str,
+    merchant_redis_url: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     good = Settings(
         api_key=TEST_API_KEY,
-        secret=Secret(path=secret_file),
-        base_url=sandbox.url,
-        fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
+        secret=Secret(path=merchant_secret_file),
+        base_url=merchant_sandbox.url,
+        fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
     )
     bad = replace(good, api_key="unknown-key")
     serve({"bad": bad, "good": good})
@@ -328,4 +329,4 @@ def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
     assert "scheduled token renewal of account bad failed" in caplog.text
     assert redis_client.exists(f"{namespace_of(good)}:token")
     assert not redis_client.exists(claim_key(bad), claim_key(good))  # beat may send again
-    assert sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.exchanges()["ok"] == 1

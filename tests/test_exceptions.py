@@ -37,9 +37,9 @@ def test_the_tests_below_see_every_error_of_the_module() -> None:
 
 
 @pytest.fixture
-def celery_json_backend(redis_url: str) -> Iterator[Celery]:
+def celery_json_backend(merchant_redis_url: str) -> Iterator[Celery]:
     """A Celery app whose result backend is the real Redis, with JSON results."""
-    app = Celery("errors-test", broker=redis_url, backend=redis_url)
+    app = Celery("errors-test", broker=merchant_redis_url, backend=merchant_redis_url)
     app.conf.update(result_serializer="json", accept_content=["json"], result_expires=60)
     yield app
     app.close()

@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from conftest import make_manager
 from fake_http import FakeTransport, Reply, response, session_with
 from merchant_tasks.exceptions import (
     ConfigurationError,
@@ -43,7 +44,7 @@ from merchant_tasks.exchange import (
     parse_retry_after,
 )
 from merchant_tasks.local import wait_until
-from merchant_tasks.renewal import TokenManager
+from merchant_tasks.local_copy import LOCAL_COPY_TTL
 from merchant_tasks.settings import Secret, Settings
 from merchant_tasks.store import TokenStore
 
@@ -548,14 +549,8 @@ def test_a_dripping_endpoint_never_has_two_exchanges_in_flight(
     """Four threads need a token at once; the holder's exchange ends at its deadline, long
     before its lease, so no other process or thread starts a second one meanwhile."""
     exchange = TokenExchange(dripping.url, API_KEY, Secret(SECRET), timeout=(0.5, 1.0))
-    manager = TokenManager(
-        redis_store,
-        exchange,
-        lambda: "fp",
-        renew_before=480.0,
-        renew_mandatory=120.0,
-        exchange_timeout=exchange.deadline,
-        wake_ups=False,
+    manager = make_manager(
+        redis_store, exchange, exchange_timeout=exchange.deadline, local_copy_ttl=LOCAL_COPY_TTL
     )
     assert manager.lock.lease > exchange.deadline
     errors: list[str] = []

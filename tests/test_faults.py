@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox, WatchedSandbox, redis_value
+from conftest import TEST_API_KEY, TEST_SECRET, make_manager, redis_value
 from fault_harness import Callers, CallLoop, Evidence, LogLines, report_outcomes
 from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.celery_app import load_config
@@ -59,7 +59,9 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import Child, RedisServer, free_port, spawn, wait_until
+from merchant_tasks.local_copy import LOCAL_COPY_TTL
 from merchant_tasks.policy import BreakerKind
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.records import BreakerRecord
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.renewal import TokenManager
@@ -142,37 +144,42 @@ def debug_logs(request: pytest.FixtureRequest, evidence: Evidence) -> Iterator[L
 
 
 @pytest.fixture
-def sandbox(
-    sandbox: Sandbox, evidence: Evidence, request: pytest.FixtureRequest
-) -> Iterator[Sandbox]:
+def merchant_sandbox(
+    merchant_sandbox: MerchantSandbox, evidence: Evidence, request: pytest.FixtureRequest
+) -> Iterator[MerchantSandbox]:
     """conftest's emulator; its secret and every token it issued become needles."""
-    yield sandbox
-    evidence.emulator(request.node.name, sandbox.app)
+    yield merchant_sandbox
+    evidence.emulator(request.node.name, merchant_sandbox.app)
 
 
 @pytest.fixture
 def redis_client(
     redis_client: redis.Redis,
-    key_prefix: str,
+    merchant_key_prefix: str,
     evidence: Evidence,
     request: pytest.FixtureRequest,
 ) -> Iterator[redis.Redis]:
     """conftest's Redis client; the test's keys (but the token) go to the evidence."""
     yield redis_client
-    evidence.redis_keys(request.node.name, redis_client, f"{key_prefix}:*")
+    evidence.redis_keys(request.node.name, redis_client, f"{merchant_key_prefix}:*")
 
 
 @pytest.fixture
 def callers(
     redis_client: redis.Redis,
-    redis_url: str,
-    key_prefix: str,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
     tmp_path: Path,
     evidence: Evidence,
     request: pytest.FixtureRequest,
 ) -> Iterator[Callers]:
     fleet = Callers(
-        redis_client, redis_url, f"{key_prefix}:fault", tmp_path, evidence, request.node.name
+        redis_client,
+        merchant_redis_url,
+        f"{merchant_key_prefix}:fault",
+        tmp_path,
+        evidence,
+        request.node.name,
     )
     try:
         yield fleet
@@ -184,7 +191,10 @@ def callers(
 
 
 def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_error(
-    sandbox: Sandbox, settings: Settings, tmp_path: Path, evidence: Evidence
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    tmp_path: Path,
+    evidence: Evidence,
 ) -> None:
     """Redis SIGKILLed mid-load and restarted empty on the same port, 6 threads calling.
 
@@ -196,7 +206,8 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
     server = RedisServer(tmp_path / "redis").start()
     client = client_for(
         dataclasses.replace(
-            settings, fleet=dataclasses.replace(settings.fleet, redis_url=server.url)
+            merchant_settings,
+            fleet=dataclasses.replace(merchant_settings.fleet, redis_url=server.url),
         )
     )
     try:
@@ -206,7 +217,7 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
             server.kill()
             loop.phase = "down"
             time.sleep(2.5)  # the copy serves calls
-            sandbox.app.revoke_all()  # now a call needs the store to renew
+            merchant_sandbox.app.revoke_all()  # now a call needs the store to renew
             loop.phase = "down, token revoked"
             time.sleep(3.0)
             server.start()
@@ -224,7 +235,9 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
     for n in range(6):
         after = loop.of("after", n)
         assert _only_ok_after_first_ok(after), _runs(after)
-    assert sandbox.exchanges()["ok"] == 2  # the first token, then one for the emptied store
+    assert (
+        merchant_sandbox.exchanges()["ok"] == 2
+    )  # the first token, then one for the emptied store
     print(
         "\nrow 1 outcomes by phase:",
         {phase: Counter(loop.of(phase)) for phase in ("down", "down, token revoked", "after")},
@@ -270,7 +283,7 @@ def celery_outage_run(tmp_path_factory: pytest.TempPathFactory) -> CeleryOutage:
     """
     tmp = tmp_path_factory.mktemp("celery-outage")
     server = RedisServer(tmp / "redis", "--appendonly", "yes", "--appendfsync", "always")
-    app = WatchedSandbox(SandboxConfig(api_key=TEST_API_KEY, secret=TEST_SECRET))
+    app = SandboxApp(SandboxConfig(api_key=TEST_API_KEY, secret=TEST_SECRET))
     secret_file = tmp / "api-secret"
     secret_file.write_text(TEST_SECRET)
     canary = f"canary-{uuid.uuid4().hex}"  # a task argument: must show in Flower's API
@@ -443,8 +456,8 @@ def test_celery_the_call_running_when_redis_dies_reports_its_real_result(
 @pytest.mark.parametrize("fault", ["503", "timeout"])
 def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
     fault: str,
-    sandbox: Sandbox,
-    settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
     redis_client: redis.Redis,
     evidence: Evidence,
 ) -> None:
@@ -459,9 +472,9 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
     # one renewal's three tries take at most ~4 s, so at least one fails whole before the
     # endpoint is back; at most two fail, so the breaker's pause (<= 4 s) ends before expiry
     lifetime, before, mandatory = 20.0, 15.0, 10.0
-    sandbox.app.configure({"lifetime": lifetime})
+    merchant_sandbox.app.configure({"lifetime": lifetime})
     account = dataclasses.replace(
-        settings,
+        merchant_settings,
         token_lifetime=lifetime,
         renew_before=before,
         renew_mandatory=mandatory,
@@ -485,9 +498,9 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
     manager.exchange = counted_exchange
     first = manager.renew(force=True)
     if fault == "503":
-        sandbox.app.configure({"token_error_rate": 1.0, "error_status": 503})
+        merchant_sandbox.app.configure({"token_error_rate": 1.0, "error_status": 503})
     else:
-        sandbox.app.configure({"token_latency": 2.0})
+        merchant_sandbox.app.configure({"token_latency": 2.0})
     beat_errors: list[str] = []
     breaker_failures: list[int] = []
     stop_beat = threading.Event()
@@ -508,7 +521,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
     with CallLoop(client, 4, evidence, f"row 2 {fault}", pause=0.02) as loop:
         beat_thread.start()
         wait_until(lambda: store.time() >= outage_end, "the end of the outage", lifetime)
-        sandbox.app.configure({"token_error_rate": 0.0, "token_latency": 0.0})
+        merchant_sandbox.app.configure({"token_error_rate": 0.0, "token_latency": 0.0})
         attempts_in_outage = len(attempts)
         loop.phase = "recovered"
 
@@ -537,7 +550,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
     assert renewed_token.reason in ("scheduled", "mandatory")
     assert renewed_token.issued_at < first.expires_at
     assert store.records.load_breaker() is None  # the success closed it
-    assert sandbox.calls()["unauthorized"] == 0
+    assert merchant_sandbox.calls()["unauthorized"] == 0
     print(
         f"\nrow 2 ({fault}): {len(loop.of())} calls ok, exchange attempts {Counter(attempts)}, "
         f"breaker failures seen {sorted(set(breaker_failures))}"
@@ -548,9 +561,9 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
 
 
 def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passes(
-    sandbox: Sandbox,
-    settings: Settings,
-    secret_file: Path,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
     redis_client: redis.Redis,
     callers: Callers,
     evidence: Evidence,
@@ -562,11 +575,11 @@ def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passe
     ExchangeRateLimited, no exchange is tried before Retry-After (the emulator would have
     answered 429 again), and the next one is admitted; every process then recovers.
     """
-    sandbox.app.configure({"rate_limit": 1, "rate_window": 4.0})
-    callers.start(child_env(settings), [{}] * 3)
-    client = client_for(settings, redis_client=redis_client)
+    merchant_sandbox.app.configure({"rate_limit": 1, "rate_window": 4.0})
+    callers.start(child_env(merchant_settings), [{}] * 3)
+    client = client_for(merchant_settings, redis_client=redis_client)
     client.request("GET", PING)  # the window's one exchange
-    sandbox.app.revoke_all()
+    merchant_sandbox.app.revoke_all()
     callers.go()
     outcomes: list[str] = []
     # the pause ends about 4.5 s after the 429; go on 1 s past this process's recovery
@@ -583,7 +596,7 @@ def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passe
         time.sleep(0.02)
     reports = callers.stop()
 
-    assert sandbox.exchanges() == {"ok": 2, "rejected": 0, "rate_limited": 1, "failed": 0}
+    assert merchant_sandbox.exchanges() == {"ok": 2, "rejected": 0, "rate_limited": 1, "failed": 0}
     assert client.manager.store.records.counters().get("breaker_openings:rate_limited") == 1
     everyone = [outcomes] + [report_outcomes(r, "0") for r in reports]
     for seen in everyone:
@@ -596,9 +609,9 @@ def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passe
 
 
 def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_by_its_ttl(
-    sandbox: Sandbox,
-    settings: Settings,
-    secret_file: Path,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
     redis_client: redis.Redis,
     callers: Callers,
     evidence: Evidence,
@@ -613,8 +626,8 @@ def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_
     """
     # the victim's tries time out after 2 s each: it holds the lock 6 s or more before it
     # could give up, ample time to find it holding the lock and kill it
-    account = dataclasses.replace(settings, connect_timeout=0.2, read_timeout=2.0)
-    sandbox.app.configure({"token_latency": 5.0})
+    account = dataclasses.replace(merchant_settings, connect_timeout=0.2, read_timeout=2.0)
+    merchant_sandbox.app.configure({"token_latency": 5.0})
     callers.start(child_env(account), [{"FAULT_MAX_CALLS": "1"}])
     client = client_for(account, redis_client=redis_client)
     store = client.manager.store
@@ -629,7 +642,7 @@ def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_
     callers.kill()
     ttl = redis_client.pttl(store.keys.lock) / 1000
     assert 0 < ttl <= client.manager.lock.lease
-    sandbox.app.configure({"token_latency": 0.0})
+    merchant_sandbox.app.configure({"token_latency": 0.0})
 
     results: list[str] = []
 
@@ -662,9 +675,9 @@ def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_
 
 
 def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
-    sandbox: Sandbox,
-    settings: Settings,
-    secret_file: Path,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
     redis_client: redis.Redis,
     callers: Callers,
 ) -> None:
@@ -678,9 +691,9 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
     that has seconds left at once.
     """
     lifetime, before, mandatory = 5.0, 3.0, 1.5
-    sandbox.app.configure({"lifetime": lifetime})
+    merchant_sandbox.app.configure({"lifetime": lifetime})
     account = dataclasses.replace(
-        settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
+        merchant_settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
     )
     offsets = ["-300", "300", "0"]
     callers.start(child_env(account), [{"FAULT_CLOCK_OFFSET": o} for o in offsets])
@@ -699,7 +712,7 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
 
     for report in reports:
         assert set(report_outcomes(report, "0")) == {"ok"}, report
-    assert sandbox.calls()["unauthorized"] == 0
+    assert merchant_sandbox.calls()["unauthorized"] == 0
     generations = sorted(seen)
     assert len(generations) >= 3
     assert generations == list(range(1, len(generations) + 1))
@@ -714,26 +727,29 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
     assert last - generations[-1] <= 1
     counters = store.records.counters()
     assert counters.get("renewals:mandatory:ok") == last, counters
-    assert sandbox.exchanges()["ok"] == last
+    assert merchant_sandbox.exchanges()["ok"] == last
 
     # control: the same decision on a host's wall clock 5 min ahead exchanges at once
     def manager(clock: Callable[[], float] | None) -> TokenManager:
-        return TokenManager(
+        exchange = TokenExchange.from_settings(account)
+        return make_manager(
             store,
-            TokenExchange.from_settings(account),
-            lambda: fingerprint(TEST_SECRET),
+            exchange,
+            secret_fingerprint=lambda: fingerprint(TEST_SECRET),
             renew_before=before,
             renew_mandatory=mandatory,
             exchange_timeout=5.0,
             clock=clock,
+            local_copy_ttl=LOCAL_COPY_TTL,
+            wake_ups=True,
         )
 
     fresh = manager(None).renew(force=True)  # on Redis's clock: 5 s to live
     assert fresh.expires_at > store.time() + mandatory
     skewed = manager(lambda: time.time() + 300)
-    exchanges = sandbox.exchanges()["ok"]
+    exchanges = merchant_sandbox.exchanges()["ok"]
     skewed.token()
-    assert sandbox.exchanges()["ok"] == exchanges + 1
+    assert merchant_sandbox.exchanges()["ok"] == exchanges + 1
     # and a Redis clock estimated from a monotonic clock 5 min off is still Redis's clock
     estimated = RedisClock(store.time, monotonic=lambda: time.monotonic() + 300)
     assert abs(estimated() - store.time()) < 1.0
@@ -743,9 +759,9 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
 
 
 def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no_restart(
-    sandbox: Sandbox,
-    settings: Settings,
-    secret_file: Path,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
     redis_client: redis.Redis,
     callers: Callers,
     evidence: Evidence,
@@ -758,14 +774,14 @@ def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no
     60 s). After the file changes, every process recovers (bounded wait: 60 s) without a
     restart, with exactly one more exchange, and then only succeeds.
     """
-    callers.start(child_env(settings), [{}] * 3)
-    client = client_for(settings, redis_client=redis_client)
+    callers.start(child_env(merchant_settings), [{}] * 3)
+    client = client_for(merchant_settings, redis_client=redis_client)
     client.request("GET", PING)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok"), "calls before the reset", 20)
     new_secret = f"rotated-secret-{uuid.uuid4().hex}"
     evidence.needle("row 8: the new secret", new_secret)
-    sandbox.app.reset_secret(new_secret)
+    merchant_sandbox.app.reset_secret(new_secret)
     callers.phase("reset")
     wait_until(lambda: callers.each_has("reset", at_least=10), "calls after the reset", 30)
     breaker = client.manager.store.records.load_breaker()
@@ -773,7 +789,7 @@ def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no
     # new label, none of its "reset" calls is still running to meet the new secret
     callers.phase("rotated")
     wait_until(lambda: callers.each_has("rotated"), "calls under the new label", 30)
-    _write_atomically(secret_file, new_secret)
+    _write_atomically(merchant_secret_file, new_secret)
     wait_until(lambda: callers.each_has("rotated", "ok"), "every process recovered", 60)
     time.sleep(0.3)
     reports = callers.stop()
@@ -784,8 +800,8 @@ def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no
         assert _only_ok_after_first_ok(rotated), _runs(rotated)
         for message in report["samples"].values():
             assert "MERCHANT_API_SECRET" in message or "secret was reset" in message, message
-    assert sandbox.exchanges()["rejected"] == 1
-    assert sandbox.exchanges()["ok"] == 2
+    assert merchant_sandbox.exchanges()["rejected"] == 1
+    assert merchant_sandbox.exchanges()["ok"] == 2
     assert breaker is not None
     assert breaker.kind == "rejected"
     assert breaker.until - _redis_time(redis_client) > 45  # the next try is a minute away
@@ -805,8 +821,8 @@ def _redis_time(client: redis.Redis) -> float:
 def test_a_key_of_the_other_environment_is_a_clear_error_and_no_loop(
     emulator_env: str,
     client_env: str,
-    redis_url: str,
-    key_prefix: str,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
     redis_client: redis.Redis,
     evidence: Evidence,
 ) -> None:
@@ -832,7 +848,7 @@ def test_a_key_of_the_other_environment_is_a_clear_error_and_no_loop(
             environment=client_env,
             base_url=server.url,
             allow_insecure_http=True,
-            fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
+            fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
         )
         client = client_for(account, redis_client=redis_client)
 
@@ -919,14 +935,16 @@ def _fuzz_client(url: str, redis_client: redis.Redis, key_prefix: str) -> FleetC
     """A client with no sleeps (waits are not what is fuzzed) and a namespace of its own."""
     store = TokenStore(redis_client, f"{key_prefix}:fuzz:{uuid.uuid4().hex[:10]}")
     session = new_session()
-    manager = TokenManager(
+    manager = make_manager(
         store,
         TokenExchange(url, TEST_API_KEY, Secret(TEST_SECRET), session=session, timeout=(2, 2)),
-        lambda: fingerprint(TEST_SECRET),
+        secret_fingerprint=lambda: fingerprint(TEST_SECRET),
         renew_before=60,
         renew_mandatory=30,
         exchange_timeout=4,
         sleep=_no_sleep,
+        local_copy_ttl=LOCAL_COPY_TTL,
+        wake_ups=True,
     )
     return MerchantClient(url, manager, session=session, timeout=(2, 2), sleep=_no_sleep)
 
@@ -1028,7 +1046,7 @@ _api_replies = st.lists(
 def test_fuzzed_token_responses_and_error_bodies_give_typed_errors_and_log_no_body(
     scripted_api: tuple[str, ScriptedApi],
     redis_client: redis.Redis,
-    key_prefix: str,
+    merchant_key_prefix: str,
     token: list[Reply],
     api: list[Reply],
     method: str,
@@ -1042,16 +1060,17 @@ def test_fuzzed_token_responses_and_error_bodies_give_typed_errors_and_log_no_bo
     """
     url, script = scripted_api
     script.play(token, api)
-    client = _fuzz_client(url, redis_client, key_prefix)
+    client = _fuzz_client(url, redis_client, merchant_key_prefix)
     handler = LogLines()
     root = logging.getLogger()
     root.addHandler(handler)
     error: MerchantError | None = None
-    # Garbage of earlier examples is collected here, at a shallow depth: collected in the
-    # middle of parsing a body nested to the recursion limit, its weakref callbacks and
-    # finalizers would themselves hit that limit (an "exception ignored" of the test, not
-    # of the client, which turns the parser's RecursionError into a MerchantError).
-    gc.collect()
+    # No garbage is collected during the call: collected in the middle of parsing a body
+    # nested to the recursion limit, its weakref callbacks and finalizers would themselves
+    # hit that limit (an "exception ignored" of the test, not of the client, which turns the
+    # parser's RecursionError into a MerchantError). Between examples it is collected as
+    # usual, at a shallow depth (a full collection per example cost 80 ms: a third of the
+    # suite's CPU time on this test alone).
     gc.disable()
     try:
         client.request(method, PING if method == "GET" else ECHO)
@@ -1094,30 +1113,30 @@ def _one_scripted_call(
 
 
 def test_a_token_that_cannot_go_in_a_header_is_a_typed_error(
-    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, key_prefix: str
+    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, merchant_key_prefix: str
 ) -> None:
     """A 2xx token response whose access_token has a character outside latin-1 (found by
     fuzzing with all of Unicode): a typed error (MalformedTokenResponse), not a crash."""
     body = json.dumps({"access_token": "tok\u20ac", "expires_in": 60})
-    _one_scripted_call(scripted_api, redis_client, key_prefix, body, b"{}")
+    _one_scripted_call(scripted_api, redis_client, merchant_key_prefix, body, b"{}")
 
 
 def test_an_absurd_token_lifetime_is_a_typed_error_or_is_capped(
-    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, key_prefix: str
+    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, merchant_key_prefix: str
 ) -> None:
     """A 2xx token response with expires_in 1e15 (found by fuzzing unbounded numbers): the
     call succeeds with a capped lifetime or fails with a MerchantError, nothing else."""
     body = json.dumps({"access_token": "tok", "expires_in": 1e15})
-    _one_scripted_call(scripted_api, redis_client, key_prefix, body, b"{}")
+    _one_scripted_call(scripted_api, redis_client, merchant_key_prefix, body, b"{}")
 
 
 def test_a_2xx_business_body_nested_too_deep_is_a_typed_error(
-    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, key_prefix: str
+    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, merchant_key_prefix: str
 ) -> None:
     """A 2xx business answer of 100 000 nested arrays: MalformedApiResponse, not a crash."""
     body = json.dumps({"access_token": "tok", "expires_in": 60})
     _one_scripted_call(
-        scripted_api, redis_client, key_prefix, body, b"[" * 100_000 + b"]" * 100_000
+        scripted_api, redis_client, merchant_key_prefix, body, b"[" * 100_000 + b"]" * 100_000
     )
 
 
@@ -1125,7 +1144,10 @@ def test_a_2xx_business_body_nested_too_deep_is_a_typed_error(
 
 
 def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
-    sandbox: Sandbox, settings: Settings, secret_file: Path, callers: Callers
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
+    callers: Callers,
 ) -> None:
     """The token endpoint issues tokens, the API refuses every call (emulator option
     refuse_all_calls), from the start: a key the API does not accept.
@@ -1134,8 +1156,8 @@ def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
     likely causes, the whole fleet makes one exchange, and each process sends the refused
     token once: then it is known to be refused and calls fail without sending it.
     """
-    sandbox.app.configure({"refuse_all_calls": True})
-    callers.start(child_env(settings), [{"FAULT_MAX_CALLS": "15"}] * 3)
+    merchant_sandbox.app.configure({"refuse_all_calls": True})
+    callers.start(child_env(merchant_settings), [{"FAULT_MAX_CALLS": "15"}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", at_least=15), "15 calls per process", 60.0)
     reports = callers.stop()
@@ -1145,22 +1167,25 @@ def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
         message = report["samples"]["TokenRejected"]
         assert "never accepted" in message
         assert "MERCHANT_ENVIRONMENT" in message
-    assert sandbox.exchanges()["ok"] == 1
-    assert sandbox.calls()["unauthorized"] == 3  # one request per process
+    assert merchant_sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.calls()["unauthorized"] == 3  # one request per process
 
 
 def test_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_more_exchanges(
-    sandbox: Sandbox, settings: Settings, secret_file: Path, callers: Callers
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
+    callers: Callers,
 ) -> None:
     """Calls succeed, then the API refuses every call, fresh tokens too. The first 401 is a
     revocation (the token was accepted) and is renewed; so is the next token, which a
     revocation may have hit before its first use; the token after that was never accepted
     and never accepted tokens are not renewed: at most two more exchanges, then every call
     fails with TokenRejected."""
-    callers.start(child_env(settings), [{}] * 3)
+    callers.start(child_env(merchant_settings), [{}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok", at_least=10), "calls that succeed", 60.0)
-    sandbox.app.configure({"refuse_all_calls": True})
+    merchant_sandbox.app.configure({"refuse_all_calls": True})
     callers.phase("1")
     wait_until(lambda: callers.each_has("1", at_least=15), "calls after the refusal", 60.0)
     callers.phase("2")
@@ -1168,7 +1193,7 @@ def test_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_more_ex
 
     for report in reports:
         assert set(report_outcomes(report, "1")) == {"TokenRejected"}, report
-    assert sandbox.exchanges()["ok"] <= 1 + 2
+    assert merchant_sandbox.exchanges()["ok"] <= 1 + 2
 
 
 def _windows(settings: Settings, lifetime: float, before: float, mandatory: float) -> Settings:
@@ -1194,9 +1219,9 @@ def _call_for(
 
 
 def test_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal(
-    sandbox: Sandbox,
-    settings: Settings,
-    secret_file: Path,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
     redis_client: redis.Redis,
     callers: Callers,
 ) -> None:
@@ -1208,20 +1233,20 @@ def test_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal
     lifetime-minus-window: no storm.
     """
     lifetime = 3.0
-    sandbox.app.configure({"lifetime": lifetime, "revoke_on_issue": True})
-    account = _windows(settings, lifetime, before=2.0, mandatory=1.0)
-    reports, run = _call_for(callers, account, secret_file, seconds=7.0)
+    merchant_sandbox.app.configure({"lifetime": lifetime, "revoke_on_issue": True})
+    account = _windows(merchant_settings, lifetime, before=2.0, mandatory=1.0)
+    reports, run = _call_for(callers, account, merchant_secret_file, seconds=7.0)
 
     for report in reports:
         assert set(report_outcomes(report, "0")) == {"ok"}, report
-    exchanges = sandbox.exchanges()["ok"]
+    exchanges = merchant_sandbox.exchanges()["ok"]
     renewals = exchanges - 1
     assert renewals >= 2
-    assert sandbox.calls()["unauthorized"] <= len(reports) * renewals
+    assert merchant_sandbox.calls()["unauthorized"] <= len(reports) * renewals
     assert exchanges <= math.ceil(run / (lifetime - account.renew_mandatory)) + 1
     print(
         f"\nrow 12: {exchanges} exchanges in {run:.1f} s, "
-        f"{sandbox.calls()['unauthorized']} 401s for {len(reports)} processes"
+        f"{merchant_sandbox.calls()['unauthorized']} 401s for {len(reports)} processes"
     )
 
 
@@ -1229,11 +1254,11 @@ def test_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal
 
 
 def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_ends(
-    sandbox: Sandbox,
-    settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
     redis_client: redis.Redis,
     callers: Callers,
-    secret_file: Path,
+    merchant_secret_file: Path,
 ) -> None:
     """The token endpoint fails until the token has expired and the breaker has backed off
     to a 60 s pause. Three caller processes get TokenEndpointUnavailable meanwhile. Once the
@@ -1241,13 +1266,13 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
     before the pause would have ended, and the failed attempts stay at about one per probe
     interval, not one per call."""
     lifetime = 3.0
-    sandbox.app.configure({"lifetime": lifetime})
-    account = _windows(settings, lifetime, before=2.0, mandatory=1.0)
+    merchant_sandbox.app.configure({"lifetime": lifetime})
+    account = _windows(merchant_settings, lifetime, before=2.0, mandatory=1.0)
     store = _store_of(account, redis_client)
     callers.start(child_env(account), [{}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok", at_least=3), "calls that succeed", 60.0)
-    sandbox.app.configure({"token_error_rate": 1.0, "error_status": 503})
+    merchant_sandbox.app.configure({"token_error_rate": 1.0, "error_status": 503})
     callers.phase("down")
     wait_until(
         lambda: callers.each_has("down", "TokenEndpointUnavailable"),
@@ -1258,8 +1283,8 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
     store.records.open_breaker(
         BreakerRecord(BreakerKind.UNAVAILABLE, now + 60.0, 7, "", "HTTP 503"), now
     )
-    failed_before = sandbox.exchanges()["failed"]
-    sandbox.app.configure({"token_error_rate": 0.0})
+    failed_before = merchant_sandbox.exchanges()["failed"]
+    merchant_sandbox.app.configure({"token_error_rate": 0.0})
     callers.phase("up")
     back = time.monotonic()
     wait_until(lambda: callers.each_has("up", "ok"), "every process recovering", 30.0)
@@ -1268,7 +1293,7 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
 
     record = store.records.load_breaker()
     assert record is None or record.until <= store.time()  # the probe's success closed it
-    assert sandbox.exchanges()["failed"] - failed_before <= 2  # probes, not calls
+    assert merchant_sandbox.exchanges()["failed"] - failed_before <= 2  # probes, not calls
     for report in reports:
         assert set(report_outcomes(report, "0")) == {"ok"}, report
     print(f"\nrow 2b: every process recovered {recovered_in:.1f} s after the endpoint was back")
@@ -1278,40 +1303,43 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
 
 
 def test_revoke_all_every_two_seconds_under_load_fails_no_call(
-    sandbox: Sandbox, settings: Settings, secret_file: Path, callers: Callers
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
+    callers: Callers,
 ) -> None:
     """An operator's revoke-all every 2 s, five times, while three processes call: every
     revocation is renewed (the revoked token had been accepted), however soon after the
     last renewal. No call fails, and the fleet makes one exchange per revocation besides
     the first token (no renewal falls due with a 2 h token)."""
-    callers.start(child_env(settings), [{}] * 3)
+    callers.start(child_env(merchant_settings), [{}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok", at_least=5), "calls that succeed", 60.0)
     revocations = 5
     for _ in range(revocations):
         time.sleep(2.0)
-        sandbox.app.revoke_all()
+        merchant_sandbox.app.revoke_all()
     time.sleep(1.0)
     reports = callers.stop()
 
     for report in reports:
         assert set(report_outcomes(report, "0")) == {"ok"}, report
-    assert sandbox.exchanges() == {
+    assert merchant_sandbox.exchanges() == {
         "ok": 1 + revocations,
         "rejected": 0,
         "rate_limited": 0,
         "failed": 0,
     }
-    assert sandbox.calls()["unauthorized"] >= revocations
+    assert merchant_sandbox.calls()["unauthorized"] >= revocations
 
 
 # -- 25. a token server that hands back its live token ---------------------------------------
 
 
 def test_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_lifetime(
-    sandbox: Sandbox,
-    settings: Settings,
-    secret_file: Path,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
     redis_client: redis.Redis,
     callers: Callers,
 ) -> None:
@@ -1321,12 +1349,12 @@ def test_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_li
     recorded as unchanged and not asked again before expiry. No call fails; exchanges
     stay at two per lifetime."""
     lifetime = 6.0
-    sandbox.app.configure({"lifetime": lifetime, "hand_back_live_token": True})
-    account = _windows(settings, lifetime, before=4.0, mandatory=2.0)
-    reports, run = _call_for(callers, account, secret_file, seconds=2.5 * lifetime)
+    merchant_sandbox.app.configure({"lifetime": lifetime, "hand_back_live_token": True})
+    account = _windows(merchant_settings, lifetime, before=4.0, mandatory=2.0)
+    reports, run = _call_for(callers, account, merchant_secret_file, seconds=2.5 * lifetime)
 
     counters = _store_of(account, redis_client).records.counters()
-    exchanges = sandbox.exchanges()["ok"]
+    exchanges = merchant_sandbox.exchanges()["ok"]
     print(f"\nrow 25: {exchanges} exchanges in {run:.1f} s, counters {counters}")
     for report in reports:
         assert set(report_outcomes(report, "0")) == {"ok"}, report
@@ -1338,7 +1366,7 @@ def test_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_li
 
 
 def test_security_production_refuses_plain_http_unless_explicitly_allowed(
-    secret_file: Path,
+    merchant_secret_file: Path,
 ) -> None:
     """A production base URL must be https://, unless MERCHANT_ALLOW_INSECURE_HTTP is set;
     the error names the variable."""
@@ -1346,7 +1374,7 @@ def test_security_production_refuses_plain_http_unless_explicitly_allowed(
         "MERCHANT_ENVIRONMENT": "production",
         "MERCHANT_BASE_URL": "http://api.example.com",
         "MERCHANT_API_KEY": "AK1",
-        "MERCHANT_API_SECRET_FILE": str(secret_file),
+        "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
     }
     with pytest.raises(ConfigurationError) as refused:
         Settings.from_env(environ)
@@ -1391,20 +1419,20 @@ def _self_signed_certificate(directory: Path) -> tuple[Path, Path]:
 
 
 def _documented_acl_rules() -> list[str]:
-    """The token store's ACL command rules exactly as README.md documents them."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    start = readme.index("ACL SETUSER merchant-tokens")
-    words = readme[start : readme.index("```", start)].split()
+    """The token store's ACL command rules exactly as docs/topologies.md documents them."""
+    page = (Path(__file__).parents[1] / "docs" / "topologies.md").read_text()
+    start = page.index("ACL SETUSER merchant-tokens")
+    words = page[start : page.index("```", start)].split()
     return words[words.index("-@all") :]
 
 
 def test_security_rediss_token_store_over_tls_with_an_acl_user(
-    sandbox: Sandbox,
-    settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
     tmp_path: Path,
     evidence: Evidence,
 ) -> None:
-    """A real TLS Redis (self-signed certificate) and the ACL user README.md documents,
+    """A real TLS Redis (self-signed certificate) and the ACL user docs/topologies.md documents,
     limited to the account's keys: ``rediss://user:password@...`` works for exchange, 401
     renewal, counters and the lock; the user cannot touch another key; a client that does
     not trust the certificate gets StoreUnavailable, whose text and traceback hold no
@@ -1446,20 +1474,21 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
             enabled=True,
             passwords=[f"+{password}"],
             commands=_documented_acl_rules(),
-            keys=[f"{settings.fleet.key_prefix}:*"],
+            keys=[f"{merchant_settings.fleet.key_prefix}:*"],
             reset_keys=True,
             reset_channels=True,
         )
         account = dataclasses.replace(
-            settings,
+            merchant_settings,
             fleet=dataclasses.replace(
-                settings.fleet, redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0?{trust}"
+                merchant_settings.fleet,
+                redis_url=f"rediss://merchant:{password}@127.0.0.1:{port}/0?{trust}",
             ),
         )
         client = client_for(account)
         clients.append(client)
         assert client.request("GET", PING) == {"ok": True}
-        sandbox.app.revoke_all()
+        merchant_sandbox.app.revoke_all()
         assert client.request("GET", PING) == {"ok": True}  # 401, forced renewal, retry
         store = client.manager.store
         assert store.records.counters().get("renewals:forced:ok") == 1
@@ -1488,13 +1517,13 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
         server.stop()
 
 
-def test_security_settings_never_show_the_redis_password(secret_file: Path) -> None:
+def test_security_settings_never_show_the_redis_password(merchant_secret_file: Path) -> None:
     """The Redis URL may carry the ACL user's password: repr and str of the settings must
     not show it, as they do not show the API secret."""
     password = f"pw-{uuid.uuid4().hex}"
     account = Settings(
         api_key="AK1",
-        secret=Secret(path=secret_file),
+        secret=Secret(path=merchant_secret_file),
         fleet=FleetSettings(redis_url=f"rediss://merchant:{password}@redis.example.com:6380/0"),
     )
     assert password not in repr(account)
@@ -1514,10 +1543,10 @@ def _token_key_file(path: Path) -> Path:
 @ONE_CELERY_OUTAGE
 def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     celery_outage: CeleryOutage,
-    client: FleetClient,
-    sandbox: Sandbox,
-    settings: Settings,
-    secret_file: Path,
+    merchant_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
+    merchant_secret_file: Path,
     evidence: Evidence,
     debug_logs: LogLines,
 ) -> None:
@@ -1537,35 +1566,42 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
         except MerchantError as exc:
             texts.extend([str(exc), repr(exc), "".join(traceback.format_exception(exc))])
 
-    attempt(lambda: client.request("GET", PING))
-    sandbox.app.revoke_all()
-    attempt(lambda: client.request("POST", ECHO, json={"x": 1}))
-    sandbox.app.configure({"token_shape": "data", "include_expires_in": False})
-    attempt(lambda: client.manager.renew(force=True))
-    sandbox.app.configure({"token_error_rate": 1.0, "error_status": 500})
-    attempt(lambda: client.manager.renew(force=True))
-    sandbox.app.configure({"token_error_rate": 0.0})
+    attempt(lambda: merchant_client.request("GET", PING))
+    merchant_sandbox.app.revoke_all()
+    attempt(lambda: merchant_client.request("POST", ECHO, json={"x": 1}))
+    merchant_sandbox.app.configure({"token_shape": "data", "include_expires_in": False})
+    attempt(lambda: merchant_client.manager.renew(force=True))
+    merchant_sandbox.app.configure({"token_error_rate": 1.0, "error_status": 500})
+    attempt(lambda: merchant_client.manager.renew(force=True))
+    merchant_sandbox.app.configure({"token_error_rate": 0.0})
     new_secret = f"leak-search-secret-{uuid.uuid4().hex}"
     evidence.needle("leak search: the new secret", new_secret)
-    client.manager.store.records.close_breaker()
-    sandbox.app.reset_secret(new_secret)
+    merchant_client.manager.store.records.close_breaker()
+    merchant_sandbox.app.reset_secret(new_secret)
     for _ in range(3):
-        attempt(lambda: client.request("GET", PING))
-    _write_atomically(secret_file, new_secret)
-    attempt(lambda: client.request("GET", PING))
-    attempt(lambda: client.request("GET", "/open-api/v1/payments/pay_missing"))
-    texts += [repr(client), repr(client.manager), repr(settings), str(settings.secret)]
-    texts += [repr(client.manager.store.load())]
+        attempt(lambda: merchant_client.request("GET", PING))
+    _write_atomically(merchant_secret_file, new_secret)
+    attempt(lambda: merchant_client.request("GET", PING))
+    attempt(lambda: merchant_client.request("GET", "/open-api/v1/payments/pay_missing"))
+    texts += [
+        repr(merchant_client),
+        repr(merchant_client.manager),
+        repr(merchant_settings),
+        str(merchant_settings.secret),
+    ]
+    texts += [repr(merchant_client.manager.store.load())]
     # tokens sealed at rest: the key files' content is searched for, and so is the sealed
     # token key itself (with a key, Redis holds no token in clear)
-    token_keys = [_token_key_file(secret_file.parent / name) for name in ("key", "other-key")]
+    token_keys = [
+        _token_key_file(merchant_secret_file.parent / name) for name in ("key", "other-key")
+    ]
     for n, path in enumerate(token_keys):
         evidence.needle(f"token key file #{n}", path.read_text().strip())
     sealed_settings = dataclasses.replace(
-        settings,
+        merchant_settings,
         fleet=dataclasses.replace(
-            settings.fleet,
-            key_prefix=f"{settings.fleet.key_prefix}:sealed",
+            merchant_settings.fleet,
+            key_prefix=f"{merchant_settings.fleet.key_prefix}:sealed",
             token_key_file=str(token_keys[0]),
         ),
     )
@@ -1587,7 +1623,7 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     assert any("MERCHANT_TOKEN_KEY_FILE" in text for text in texts)
     evidence.add("leak search: this process's errors and reprs", "\n".join(texts))
     evidence.add("leak search: DEBUG log so far", "\n".join(debug_logs.lines))
-    evidence.emulator("leak search", sandbox.app)
+    evidence.emulator("leak search", merchant_sandbox.app)
 
     searched = b"\n".join(evidence.texts.values())
     assert b"token exchange for" in searched  # DEBUG records of the exchange were captured
@@ -1596,7 +1632,7 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     found = Evidence(celery_outage.evidence.texts, {"canary": celery_outage.canary}).leaks()
     assert any("Redis key b'celery-task-meta-" in where for where in found), found
     assert any("Flower /api/tasks" in where for where in found), found
-    assert len(sandbox.app.issued_tokens()) >= 3
+    assert len(merchant_sandbox.app.issued_tokens()) >= 3
     print(
         f"\nleak search: {len(evidence.needles)} needles in {len(evidence.texts)} texts "
         f"({len(searched) // 1024} KiB); the control canary found in {len(found)}: "

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
-from conftest import TEST_API_KEY, TEST_SECRET, Sandbox
+from conftest import TEST_API_KEY, TEST_SECRET
 from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.exceptions import (
     ConfigurationError,
@@ -33,6 +33,7 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.exchange import IssuedToken, TokenExchange
 from merchant_tasks.local import spawn, wait_all_ready, wait_until
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import FleetSettings, Secret, Settings
 
@@ -44,54 +45,56 @@ PING = "/open-api/v1/ping"
 
 
 def test_exchanges_once_and_calls_through_the_emulator(
-    client: FleetClient, sandbox: Sandbox
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
 ) -> None:
-    assert client.request("GET", PING) == {"ok": True}
-    assert client.request("POST", "/open-api/v1/echo", json={"amount": 12}) == {
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    assert merchant_client.request("POST", "/open-api/v1/echo", json={"amount": 12}) == {
         "echo": {"amount": 12}
     }
-    assert sandbox.exchanges()["ok"] == 1
-    assert sandbox.calls()["ok"] == 2
+    assert merchant_sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.calls()["ok"] == 2
 
 
 def test_threads_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
-    client: FleetClient, sandbox: Sandbox
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
 ) -> None:
-    client.request("GET", PING)
-    sandbox.app.revoke_all()
+    merchant_client.request("GET", PING)
+    merchant_sandbox.app.revoke_all()
     start = threading.Barrier(STORM_THREADS)
 
     def call(_: int) -> Any:
         start.wait()
-        return client.request("GET", PING)
+        return merchant_client.request("GET", PING)
 
     with ThreadPoolExecutor(STORM_THREADS) as pool:
         results = list(pool.map(call, range(STORM_THREADS)))
 
     assert results == [{"ok": True}] * STORM_THREADS
-    assert sandbox.exchanges()["ok"] == 2  # the first token, then one for the whole storm
-    print(f"\nstorm of {STORM_THREADS} threads: {sandbox.exchanges()['ok'] - 1} exchange(s)")
+    assert merchant_sandbox.exchanges()["ok"] == 2  # the first token, then one for the whole storm
+    print(
+        f"\nstorm of {STORM_THREADS} threads: {merchant_sandbox.exchanges()['ok'] - 1} exchange(s)"
+    )
 
 
 def test_processes_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
-    client: FleetClient,
-    sandbox: Sandbox,
-    settings: Settings,
+    merchant_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
     redis_client: redis.Redis,
-    key_prefix: str,
-    secret_file: Path,
+    merchant_key_prefix: str,
+    merchant_secret_file: Path,
     tmp_path: Path,
 ) -> None:
-    client.request("GET", PING)
-    sandbox.app.revoke_all()
-    ready_key, go_key = f"{key_prefix}:test:ready", f"{key_prefix}:test:go"
+    merchant_client.request("GET", PING)
+    merchant_sandbox.app.revoke_all()
+    ready_key, go_key = f"{merchant_key_prefix}:test:ready", f"{merchant_key_prefix}:test:go"
     env = {
         **os.environ,
         "MERCHANT_API_KEY": TEST_API_KEY,
-        "MERCHANT_API_SECRET_FILE": str(secret_file),
-        "MERCHANT_BASE_URL": sandbox.url,
-        "MERCHANT_REDIS_URL": settings.fleet.redis_url,
-        "MERCHANT_KEY_PREFIX": key_prefix,
+        "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
+        "MERCHANT_BASE_URL": merchant_sandbox.url,
+        "MERCHANT_REDIS_URL": merchant_settings.fleet.redis_url,
+        "MERCHANT_KEY_PREFIX": merchant_key_prefix,
         "STORM_READY_KEY": ready_key,
         "STORM_GO_KEY": go_key,
     }
@@ -121,13 +124,16 @@ def test_processes_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
             p.stop()
     assert [o["errors"] for o in outputs] == [[]] * STORM_PROCESSES
     assert sum(o["ok"] for o in outputs) == 5 * STORM_PROCESSES
-    assert sandbox.exchanges()["ok"] == 2
-    print(f"\nstorm of {STORM_PROCESSES} processes: {sandbox.exchanges()['ok'] - 1} exchange(s)")
+    assert merchant_sandbox.exchanges()["ok"] == 2
+    renewals = merchant_sandbox.exchanges()["ok"] - 1
+    print(f"\nstorm of {STORM_PROCESSES} processes: {renewals} exchange(s)")
 
 
-def test_revoke_on_issue_causes_no_401_loop(client: FleetClient, sandbox: Sandbox) -> None:
-    sandbox.app.config.revoke_on_issue = True
-    client.request("GET", PING)
+def test_revoke_on_issue_causes_no_401_loop(
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
+) -> None:
+    merchant_sandbox.app.config.revoke_on_issue = True
+    merchant_client.request("GET", PING)
     stop = threading.Event()
     failures: list[str] = []
     successes = [0] * 8  # per thread
@@ -135,7 +141,7 @@ def test_revoke_on_issue_causes_no_401_loop(client: FleetClient, sandbox: Sandbo
     def keep_calling(n: int) -> None:
         while not stop.is_set():
             try:
-                client.request("GET", PING)
+                merchant_client.request("GET", PING)
                 successes[n] += 1
             except MerchantError as exc:
                 failures.append(repr(exc))
@@ -153,21 +159,21 @@ def test_revoke_on_issue_causes_no_401_loop(client: FleetClient, sandbox: Sandbo
             return all(now > then for now, then in zip(successes, seen, strict=True))
 
         wait_until(every_thread_got_through, "a successful call in every thread", 10.0)
-        client.manager.renew(force=True)  # each revokes every token in flight
+        merchant_client.manager.renew(force=True)  # each revokes every token in flight
     stop.set()
     for t in threads:
         t.join()
 
     assert failures == []
-    assert sandbox.exchanges()["ok"] == 1 + renewals
+    assert merchant_sandbox.exchanges()["ok"] == 1 + renewals
     # a call in flight with the revoked token gets one 401, then uses the new token
-    assert sandbox.calls()["unauthorized"] <= 8 * renewals
+    assert merchant_sandbox.calls()["unauthorized"] <= 8 * renewals
 
 
 def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
-    sandbox_config: SandboxConfig, settings: Settings, redis_client: redis.Redis
+    merchant_sandbox_config: SandboxConfig, merchant_settings: Settings, redis_client: redis.Redis
 ) -> None:
-    app = SandboxApp(sandbox_config)
+    app = SandboxApp(merchant_sandbox_config)
     hold_exchanges = threading.Event()  # while set, token requests wait for ``release``
     slow_request_arrived = threading.Event()
     release = threading.Event()
@@ -180,7 +186,7 @@ def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
         return app(environ, start_response)
 
     with SandboxServer(watching) as server:  # type: ignore[arg-type]  # any WSGI app serves
-        account = dataclasses.replace(settings, base_url=server.url)
+        account = dataclasses.replace(merchant_settings, base_url=server.url)
         client = client_for(account, redis_client=redis_client)
         # the newer renewal comes from another process (threads of one process take turns)
         other_process = client_for(account, redis_client=redis_client)
@@ -206,21 +212,21 @@ def test_a_slow_exchange_racing_a_newer_one_never_overwrites_it(
 
 
 def test_breaker_stops_hammering_a_reset_secret_and_recovers_after_rotation(
-    client: FleetClient, sandbox: Sandbox, secret_file: Path
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox, merchant_secret_file: Path
 ) -> None:
-    client.request("GET", PING)
-    new_secret = sandbox.app.reset_secret("rotated-secret-8d2e61")
+    merchant_client.request("GET", PING)
+    new_secret = merchant_sandbox.app.reset_secret("rotated-secret-8d2e61")
 
     for _ in range(20):
         with pytest.raises(CredentialsRejected) as caught:
-            client.request("GET", PING)
+            merchant_client.request("GET", PING)
         assert "MERCHANT_API_SECRET" in str(caught.value)
-    assert sandbox.exchanges()["rejected"] == 1  # the breaker held every later attempt
+    assert merchant_sandbox.exchanges()["rejected"] == 1  # the breaker held every later attempt
 
-    secret_file.write_text(new_secret)
-    assert client.request("GET", PING) == {"ok": True}
-    assert sandbox.exchanges()["ok"] == 2
-    assert client.manager.store.records.load_breaker() is None
+    merchant_secret_file.write_text(new_secret)
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    assert merchant_sandbox.exchanges()["ok"] == 2
+    assert merchant_client.manager.store.records.load_breaker() is None
 
 
 # -- malformed token responses, from a real server on loopback ---------------------------
@@ -296,60 +302,64 @@ def test_any_token_response_gives_a_token_or_a_typed_error_without_the_secret(
 
 
 def test_the_secret_and_tokens_never_reach_logs_errors_reprs_or_redis(
-    client: FleetClient,
-    sandbox: Sandbox,
-    settings: Settings,
+    merchant_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
+    merchant_settings: Settings,
     redis_client: redis.Redis,
-    key_prefix: str,
+    merchant_key_prefix: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
     texts: list[str] = []
-    client.request("GET", PING)
-    sandbox.app.revoke_all()
-    client.request("POST", "/open-api/v1/echo", json={"x": 1})  # 401 and forced renewal
-    sandbox.app.reset_secret("another-secret-77aa01")
+    merchant_client.request("GET", PING)
+    merchant_sandbox.app.revoke_all()
+    merchant_client.request("POST", "/open-api/v1/echo", json={"x": 1})  # 401 and forced renewal
+    merchant_sandbox.app.reset_secret("another-secret-77aa01")
     for _ in range(3):
         try:
-            client.request("GET", PING)
+            merchant_client.request("GET", PING)
         except MerchantError as exc:
             texts.append(str(exc))
             texts.append("".join(traceback.format_exception(exc)))
-    sandbox.app.config.token_error_rate = 1.0
+    merchant_sandbox.app.config.token_error_rate = 1.0
     texts += [
-        repr(client),
-        repr(client.manager),
-        repr(settings),
-        repr(settings.secret),
-        str(settings),
+        repr(merchant_client),
+        repr(merchant_client.manager),
+        repr(merchant_settings),
+        repr(merchant_settings.secret),
+        str(merchant_settings),
     ]
     texts += [record.getMessage() for record in caplog.records]
-    texts += [repr(client.manager.store.load())]
+    texts += [repr(merchant_client.manager.store.load())]
     redis_dump = [
-        f"{key!r}={redis_client.dump(key)!r}" for key in redis_client.scan_iter(f"{key_prefix}:*")
+        f"{key!r}={redis_client.dump(key)!r}"
+        for key in redis_client.scan_iter(f"{merchant_key_prefix}:*")
     ]
 
     haystack = "\n".join(texts)
     assert TEST_SECRET not in haystack
     assert "another-secret-77aa01" not in haystack
-    for token in sandbox.app.issued_tokens():
+    for token in merchant_sandbox.app.issued_tokens():
         assert token not in haystack
     assert TEST_SECRET not in "\n".join(redis_dump)
     assert len(caplog.records) > 0  # DEBUG logging was really on
 
 
 def test_a_sandbox_key_is_refused_by_an_emulator_playing_production(
-    sandbox: Sandbox, redis_url: str, key_prefix: str, redis_client: redis.Redis
+    merchant_sandbox: MerchantSandbox,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
+    redis_client: redis.Redis,
 ) -> None:
     production_settings = Settings(
         api_key="sandbox-only-key",
         secret=Secret("sandbox-only-secret"),
-        base_url=sandbox.url,
-        fleet=FleetSettings(redis_url=redis_url, key_prefix=key_prefix),
+        base_url=merchant_sandbox.url,
+        fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
     )
     wrong = client_for(production_settings, redis_client=redis_client)
     for _ in range(5):
         with pytest.raises(CredentialsRejected):
             wrong.request("GET", PING)
-    assert sandbox.exchanges()["rejected"] == 1
-    assert requests.get(sandbox.url + "/_sandbox/counters", timeout=5).ok
+    assert merchant_sandbox.exchanges()["rejected"] == 1
+    assert requests.get(merchant_sandbox.url + "/_sandbox/counters", timeout=5).ok

@@ -29,11 +29,6 @@ ACCOUNT = (("account", "default"), ("environment", "sandbox"))
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-@pytest.fixture
-def env(account_env: dict[str, str]) -> dict[str, str]:
-    return account_env
-
-
 def _scrape(env: dict[str, str]) -> Samples:
     fleet = AccountClients.from_env(env)
     registry = CollectorRegistry(auto_describe=False)
@@ -61,9 +56,9 @@ def _labels(**extra: str) -> tuple[tuple[str, str], ...]:
 
 
 def test_every_counter_has_a_zero_sample_for_an_account_before_its_first_event(
-    env: dict[str, str],
+    merchant_env: dict[str, str],
 ) -> None:
-    samples = _scrape(env)
+    samples = _scrape(merchant_env)
     assert samples[("merchant_tasks_up", ())] == 1
     for reason in RenewalReason:
         for outcome in Outcome:
@@ -80,40 +75,40 @@ def test_every_counter_has_a_zero_sample_for_an_account_before_its_first_event(
 
 
 def test_exchange_latency_is_a_histogram_of_every_attempt(
-    env: dict[str, str], client: FleetClient
+    merchant_env: dict[str, str], merchant_client: FleetClient
 ) -> None:
-    client.request("GET", "/open-api/v1/ping")
-    client.manager.renew(force=True)
-    samples = _scrape(env)
+    merchant_client.request("GET", "/open-api/v1/ping")
+    merchant_client.manager.renew(force=True)
+    samples = _scrape(merchant_env)
     assert samples[("merchant_tasks_exchange_seconds_count", _labels())] == 2
     assert samples[("merchant_tasks_exchange_seconds_bucket", _labels(le="+Inf"))] == 2
     assert samples[("merchant_tasks_exchange_seconds_sum", _labels())] > 0
 
 
 def test_a_renewal_waiting_for_another_holder_of_the_lock_is_in_the_lock_wait_histogram(
-    env: dict[str, str], client: FleetClient, redis_client: redis.Redis
+    merchant_env: dict[str, str], merchant_client: FleetClient, redis_client: redis.Redis
 ) -> None:
-    store = client.manager.store
+    store = merchant_client.manager.store
     assert store.take_lock("another-host:1:aa:1", "another-host:1:aa:", 60.0)
     # the other process gives up its lock soon; our caller then renews itself
     letting_go = threading.Timer(0.3, redis_client.delete, args=[store.keys.lock])
     letting_go.start()
     try:
-        assert client.request("GET", "/open-api/v1/ping") == {"ok": True}
+        assert merchant_client.request("GET", "/open-api/v1/ping") == {"ok": True}
     finally:
         letting_go.join()
-    samples = _scrape(env)
+    samples = _scrape(merchant_env)
     assert samples[("merchant_tasks_lock_waits_total", _labels())] == 1
     assert samples[("merchant_tasks_lock_wait_seconds_count", _labels())] == 1
     assert samples[("merchant_tasks_lock_wait_seconds_bucket", _labels(le="+Inf"))] == 1
 
 
 @pytest.fixture
-def exporter_with_redis_down(env: dict[str, str], tmp_path: Path) -> Iterator[str]:
+def exporter_with_redis_down(merchant_env: dict[str, str], tmp_path: Path) -> Iterator[str]:
     """`merchant-tasks metrics` in its own process, its Redis unreachable."""
     port = free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("MERCHANT_")}
-    child_env |= {**env, "MERCHANT_REDIS_URL": "redis://ops:hunter2-pw@127.0.0.1:1/0"}
+    child_env |= {**merchant_env, "MERCHANT_REDIS_URL": "redis://ops:hunter2-pw@127.0.0.1:1/0"}
     argv = [sys.executable, "-m", "merchant_tasks.cli", "metrics", "--port", str(port)]
     url = f"http://127.0.0.1:{port}/metrics"
 

@@ -14,18 +14,14 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import TEST_SECRET, Sandbox
+from conftest import TEST_SECRET
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.cli import EXIT_CONFIGURATION, EXIT_FAILED, EXIT_STORE_UNAVAILABLE, main
 from merchant_tasks.metrics import FleetCollector
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.status import AccountStatus, account_status, format_status
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def env(account_env: dict[str, str]) -> dict[str, str]:
-    return account_env
 
 
 def _run(env: dict[str, str], *args: str) -> tuple[int, str, str]:
@@ -42,24 +38,26 @@ def _statuses(env: dict[str, str]) -> dict[str, AccountStatus]:
 
 
 def test_call_prints_the_json_response_and_renew_reports_the_new_generation(
-    env: dict[str, str], sandbox: Sandbox
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
 ) -> None:
-    code, out, _ = _run(env, "call", "POST", "/open-api/v1/echo", "--json", '{"amount": 5}')
+    code, out, _ = _run(
+        merchant_env, "call", "POST", "/open-api/v1/echo", "--json", '{"amount": 5}'
+    )
     assert code == 0
     assert json.loads(out) == {"echo": {"amount": 5}}
-    code, out, _ = _run(env, "renew", "--force")
+    code, out, _ = _run(merchant_env, "renew", "--force")
     assert code == 0
     assert out.startswith("generation 2, fingerprint ")
-    assert sandbox.exchanges()["ok"] == 2
+    assert merchant_sandbox.exchanges()["ok"] == 2
 
 
 def test_status_json_reports_token_renewals_breaker_and_counters_but_no_token(
-    env: dict[str, str], sandbox: Sandbox
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
 ) -> None:
-    _run(env, "call", "GET", "/open-api/v1/ping")
-    sandbox.app.revoke_all()
-    _run(env, "call", "GET", "/open-api/v1/ping")  # 401, forced renewal
-    code, out, _ = _run(env, "status", "--json")
+    _run(merchant_env, "call", "GET", "/open-api/v1/ping")
+    merchant_sandbox.app.revoke_all()
+    _run(merchant_env, "call", "GET", "/open-api/v1/ping")  # 401, forced renewal
+    code, out, _ = _run(merchant_env, "status", "--json")
     assert code == 0
     [account] = json.loads(out)["accounts"]
     assert account["account"] == "default"
@@ -71,42 +69,48 @@ def test_status_json_reports_token_renewals_breaker_and_counters_but_no_token(
     assert account["lock_holder"] is None
     assert account["counters"]["renewals:forced:ok"] == 1
     assert account["counters"]["unauthorized"] == 1
-    for token in sandbox.app.issued_tokens():
+    for token in merchant_sandbox.app.issued_tokens():
         assert token not in out
     assert TEST_SECRET not in out
 
 
-def test_status_shows_an_open_breaker_and_exits_1(env: dict[str, str], sandbox: Sandbox) -> None:
-    sandbox.app.reset_secret("rotated-away-91c2")
-    code, _, err = _run(env, "call", "GET", "/open-api/v1/ping")
+def test_status_shows_an_open_breaker_and_exits_1(
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
+) -> None:
+    merchant_sandbox.app.reset_secret("rotated-away-91c2")
+    code, _, err = _run(merchant_env, "call", "GET", "/open-api/v1/ping")
     assert code == EXIT_FAILED
     assert "CredentialsRejected" in err
-    code, out, _ = _run(env, "status")
+    code, out, _ = _run(merchant_env, "status")
     assert code == EXIT_FAILED
     assert "breaker     OPEN (rejected" in out
     assert "rotated-away-91c2" not in out
 
 
-def test_exit_codes_tell_configuration_redis_and_api_failures_apart(env: dict[str, str]) -> None:
-    assert _run({**env, "MERCHANT_ENVIRONMENT": "staging"}, "status")[0] == EXIT_CONFIGURATION
-    down = {**env, "MERCHANT_REDIS_URL": "redis://127.0.0.1:1/0"}
+def test_exit_codes_tell_configuration_redis_and_api_failures_apart(
+    merchant_env: dict[str, str],
+) -> None:
+    assert (
+        _run({**merchant_env, "MERCHANT_ENVIRONMENT": "staging"}, "status")[0] == EXIT_CONFIGURATION
+    )
+    down = {**merchant_env, "MERCHANT_REDIS_URL": "redis://127.0.0.1:1/0"}
     assert _run(down, "renew")[0] == EXIT_STORE_UNAVAILABLE
-    assert _run(env, "call", "GET", "/open-api/v1/missing")[0] == EXIT_FAILED
-    assert _run(env, "call", "GET", "/elsewhere")[0] == 2  # click's usage error
-    assert _run(env, "call", "POST", "/open-api/v1/echo", "--json", "{nope")[0] == 2
+    assert _run(merchant_env, "call", "GET", "/open-api/v1/missing")[0] == EXIT_FAILED
+    assert _run(merchant_env, "call", "GET", "/elsewhere")[0] == 2  # click's usage error
+    assert _run(merchant_env, "call", "POST", "/open-api/v1/echo", "--json", "{nope")[0] == 2
 
 
-def test_the_sandbox_refuses_a_network_address_unless_allowed(env: dict[str, str]) -> None:
-    code, _, err = _run(env, "sandbox", "--host", "0.0.0.0")  # noqa: S104
+def test_the_sandbox_refuses_a_network_address_unless_allowed(merchant_env: dict[str, str]) -> None:
+    code, _, err = _run(merchant_env, "sandbox", "--host", "0.0.0.0")  # noqa: S104
     assert code == 2
     assert "loopback only" in err
 
 
 def test_format_status_names_everything_an_operator_needs(
-    env: dict[str, str], sandbox: Sandbox
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
 ) -> None:
-    _run(env, "call", "GET", "/open-api/v1/ping")
-    text = format_status(_statuses(env)["default"])
+    _run(merchant_env, "call", "GET", "/open-api/v1/ping")
+    text = format_status(_statuses(merchant_env)["default"])
     for expected in (
         "default (sandbox, key test-app-id): fresh",
         "generation 1",
@@ -116,10 +120,10 @@ def test_format_status_names_everything_an_operator_needs(
 
 
 def test_one_scrape_sees_the_exchanges_of_every_process(
-    env: dict[str, str], sandbox: Sandbox
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
 ) -> None:
     """Counters live in Redis, so a scrape in one process counts what others did."""
-    child_env = {k: v for k, v in os.environ.items() if k != "MERCHANT_API_SECRET"} | env
+    child_env = {k: v for k, v in os.environ.items() if k != "MERCHANT_API_SECRET"} | merchant_env
     for _ in range(2):
         subprocess.run(
             [sys.executable, "-m", "merchant_tasks.cli", "renew", "--force"],
@@ -128,7 +132,7 @@ def test_one_scrape_sees_the_exchanges_of_every_process(
             capture_output=True,
         )
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(lambda: _statuses(env)))
+    registry.register(FleetCollector(lambda: _statuses(merchant_env)))
     text = generate_latest(registry).decode()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -141,27 +145,27 @@ def test_one_scrape_sees_the_exchanges_of_every_process(
     assert samples[("merchant_tasks_token_generation", labels)] == 2
     assert samples[("merchant_tasks_token_time_left_seconds", labels)] > 0
     assert samples[("merchant_tasks_breaker_open", (*labels, ("kind", "rejected")))] == 0
-    assert sandbox.exchanges()["ok"] == 2
+    assert merchant_sandbox.exchanges()["ok"] == 2
 
 
 # -- what the command line says ------------------------------------------------------------
 
 
 def test_renew_without_force_says_not_due_and_makes_no_exchange_when_the_token_is_fresh(
-    env: dict[str, str], sandbox: Sandbox
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
 ) -> None:
-    assert _run(env, "renew")[0] == 0  # no token yet: due
-    code, out, _ = _run(env, "renew")
+    assert _run(merchant_env, "renew")[0] == 0  # no token yet: due
+    code, out, _ = _run(merchant_env, "renew")
     assert code == 0
     assert out.startswith("not due: generation 1, fingerprint ")
-    assert sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.exchanges()["ok"] == 1
 
 
 def test_renew_force_with_a_wrong_secret_prints_the_error_once_with_its_fields(
-    env: dict[str, str], sandbox: Sandbox
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
 ) -> None:
-    sandbox.app.reset_secret("rotated-away-5d1e")
-    code, out, err = _run(env, "renew", "--force")
+    merchant_sandbox.app.reset_secret("rotated-away-5d1e")
+    code, out, err = _run(merchant_env, "renew", "--force")
     assert code == EXIT_FAILED
     assert out == ""
     assert err.count("refused the credentials") == 1
@@ -169,8 +173,8 @@ def test_renew_force_with_a_wrong_secret_prints_the_error_once_with_its_fields(
     assert err.splitlines()[1] == "  status 401, code 'invalid_client'"
 
 
-def test_call_prints_the_apis_status_error_code_and_excerpt(env: dict[str, str]) -> None:
-    code, _, err = _run(env, "call", "GET", "/open-api/v1/payments/pay_missing")
+def test_call_prints_the_apis_status_error_code_and_excerpt(merchant_env: dict[str, str]) -> None:
+    code, _, err = _run(merchant_env, "call", "GET", "/open-api/v1/payments/pay_missing")
     assert code == EXIT_FAILED
     first, fields = err.splitlines()
     assert (
@@ -182,9 +186,9 @@ def test_call_prints_the_apis_status_error_code_and_excerpt(env: dict[str, str])
 
 
 def test_status_json_prints_an_error_as_json_naming_the_redis_host_never_its_password(
-    env: dict[str, str],
+    merchant_env: dict[str, str],
 ) -> None:
-    down = {**env, "MERCHANT_REDIS_URL": "redis://ops:hunter2-pw@127.0.0.1:1/0"}
+    down = {**merchant_env, "MERCHANT_REDIS_URL": "redis://ops:hunter2-pw@127.0.0.1:1/0"}
     code, out, err = _run(down, "status", "--json")
     assert code == EXIT_STORE_UNAVAILABLE
     error = json.loads(out)["error"]
@@ -193,8 +197,8 @@ def test_status_json_prints_an_error_as_json_naming_the_redis_host_never_its_pas
     assert "hunter2-pw" not in out + err
 
 
-def test_status_json_prints_a_configuration_error_as_json(env: dict[str, str]) -> None:
-    code, out, _ = _run({**env, "MERCHANT_ENVIRONMENT": "staging"}, "status", "--json")
+def test_status_json_prints_a_configuration_error_as_json(merchant_env: dict[str, str]) -> None:
+    code, out, _ = _run({**merchant_env, "MERCHANT_ENVIRONMENT": "staging"}, "status", "--json")
     assert code == EXIT_CONFIGURATION
     assert "MERCHANT_ENVIRONMENT" in json.loads(out)["error"]["message"]
 
@@ -218,11 +222,11 @@ def test_the_sandbox_on_a_busy_port_fails_without_printing_its_banner(tmp_path: 
 
 
 def test_status_reads_redis_without_the_secret_which_exchanging_commands_still_need(
-    env: dict[str, str], tmp_path: Path
+    merchant_env: dict[str, str], tmp_path: Path
 ) -> None:
     """As in the compose file: the exporter's container has no secret mounted."""
-    _run(env, "call", "GET", "/open-api/v1/ping")  # a token in Redis
-    unmounted = {k: v for k, v in env.items() if k != "MERCHANT_API_SECRET"}
+    _run(merchant_env, "call", "GET", "/open-api/v1/ping")  # a token in Redis
+    unmounted = {k: v for k, v in merchant_env.items() if k != "MERCHANT_API_SECRET"}
     unmounted["MERCHANT_API_SECRET_FILE"] = str(tmp_path / "not-mounted")
     code, out, err = _run(unmounted, "status", "--json")
     assert code == 0, err
@@ -244,9 +248,9 @@ def test_status_reads_redis_without_the_secret_which_exchanging_commands_still_n
     ],
 )
 def test_an_unknown_variable_stops_a_command_naming_the_closest_known_one(
-    env: dict[str, str], args: list[str]
+    merchant_env: dict[str, str], args: list[str]
 ) -> None:
-    code, out, err = _run({**env, "MERCHANT_RENEW_INTERVALL": "30"}, *args)
+    code, out, err = _run({**merchant_env, "MERCHANT_RENEW_INTERVALL": "30"}, *args)
     assert code == EXIT_CONFIGURATION
     assert "unknown variable MERCHANT_RENEW_INTERVALL (did you mean MERCHANT_RENEW_INTERVAL?)" in (
         out + err
@@ -258,9 +262,9 @@ def test_an_unknown_variable_stops_a_command_naming_the_closest_known_one(
     "args", [["status"], ["status", "--json"], ["renew"], ["call", "GET", "/open-api/v1/ping"]]
 )
 def test_a_base_url_with_a_password_is_refused_and_the_password_shown_nowhere(
-    env: dict[str, str], args: list[str]
+    merchant_env: dict[str, str], args: list[str]
 ) -> None:
-    gateway = {**env, "MERCHANT_BASE_URL": "http://apiuser:BasicPw99@127.0.0.1:1"}
+    gateway = {**merchant_env, "MERCHANT_BASE_URL": "http://apiuser:BasicPw99@127.0.0.1:1"}
     code, out, err = _run(gateway, *args)
     assert code == EXIT_CONFIGURATION
     assert "MERCHANT_BASE_URL must not hold a user or password" in out + err

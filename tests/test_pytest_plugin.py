@@ -34,9 +34,9 @@ def run_example_suite(name: str, redis_url: str) -> str:
 
 
 def test_the_example_projects_tests_pass_with_the_plugins_fixtures_alone(
-    redis_url: str,
+    merchant_redis_url: str,
 ) -> None:
-    assert "5 passed" in run_example_suite("shop", redis_url)
+    assert "5 passed" in run_example_suite("shop", merchant_redis_url)
     assert not (EXAMPLES / "shop" / "conftest.py").exists()  # the fixtures come from the plugin
 
 

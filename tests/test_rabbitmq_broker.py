@@ -29,9 +29,9 @@ from celery_fleet import (
     echo_calls,
     kill_the_worker_running,
 )
-from conftest import Sandbox
 from merchant_tasks.celery_app import REDIS_ONLY_TRANSPORT_OPTIONS, RENEWAL_QUEUE, load_config
 from merchant_tasks.local import RedisServer, wait_until
+from merchant_tasks.pytest_plugin import MerchantSandbox
 
 pytestmark = pytest.mark.integration
 
@@ -110,18 +110,25 @@ def private_redis(tmp_path: Path) -> Iterator[str]:
 def fleet(
     amqp_url: str,
     tmp_path: Path,
-    sandbox: Sandbox,
+    merchant_sandbox: MerchantSandbox,
     private_redis: str,
-    key_prefix: str,
-    secret_file: Path,
+    merchant_key_prefix: str,
+    merchant_secret_file: Path,
 ) -> Iterator[AmqpFleet]:
-    with AmqpFleet(amqp_url, tmp_path, sandbox, private_redis, key_prefix, secret_file) as fleet:
+    with AmqpFleet(
+        amqp_url,
+        tmp_path,
+        merchant_sandbox,
+        private_redis,
+        merchant_key_prefix,
+        merchant_secret_file,
+    ) as fleet:
         yield fleet
     wait_until(lambda: not fleet.leftovers(), "the fleet's processes gone", 10.0)
 
 
 def test_call_api_runs_end_to_end_with_rabbitmq_as_the_broker(
-    fleet: AmqpFleet, sandbox: Sandbox
+    fleet: AmqpFleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     fleet.long_windows()
     fleet.start_worker("w", concurrency=2)
@@ -130,7 +137,7 @@ def test_call_api_runs_end_to_end_with_rabbitmq_as_the_broker(
     body = {"amount": 1250, "currency": "EUR"}
     results = [fleet.call("POST", ECHO, json={**body, "n": n}) for n in range(10)]
     assert [fleet.get(r) for r in results] == [{"echo": {**body, "n": n}} for n in range(10)]
-    assert sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.exchanges()["ok"] == 1
 
     # the calls went through RabbitMQ: its queues have the worker as consumer, and the
     # private Redis holds tokens and results but no queue
@@ -156,7 +163,9 @@ def test_no_redis_only_transport_option_reaches_the_amqp_broker(fleet: AmqpFleet
     assert "visibility_timeout" in worker_conf["result_backend_transport_options"]
 
 
-def test_renewal_runs_on_its_own_rabbitmq_queue(fleet: AmqpFleet, sandbox: Sandbox) -> None:
+def test_renewal_runs_on_its_own_rabbitmq_queue(
+    fleet: AmqpFleet, merchant_sandbox: MerchantSandbox
+) -> None:
     fleet.windows(LIFETIME, LIFETIME - 1.0, 0.5, RENEW_INTERVAL)  # renew from the first tick
     renewal_only = fleet._celery(
         "worker", "--pool=solo", "-Q", RENEWAL_QUEUE, "--without-gossip", "--without-mingle",
@@ -166,7 +175,7 @@ def test_renewal_runs_on_its_own_rabbitmq_queue(fleet: AmqpFleet, sandbox: Sandb
     fleet.start_beat("b")
 
     # only a worker of the renewal queue runs: the beat's renewals reach it there
-    wait_until(lambda: sandbox.exchanges()["ok"] >= 2, "two scheduled renewals", 60.0)
+    wait_until(lambda: merchant_sandbox.exchanges()["ok"] >= 2, "two scheduled renewals", 60.0)
     queues = fleet.queues()
     assert queues[RENEWAL_QUEUE] == 1
     assert queues.get("celery", 0) == 0  # nobody consumes calls; renewals never went there
@@ -176,13 +185,13 @@ def test_renewal_runs_on_its_own_rabbitmq_queue(fleet: AmqpFleet, sandbox: Sandb
 
 
 def test_a_worker_sigkilled_mid_task_has_its_call_redelivered_by_rabbitmq(
-    fleet: AmqpFleet, sandbox: Sandbox
+    fleet: AmqpFleet, merchant_sandbox: MerchantSandbox
 ) -> None:
     fleet.long_windows()
     workers = {label: fleet.start_worker(label, concurrency=1) for label in ("a", "b")}
     fleet.wait_ready()
     fleet.wait_for_nodes(2)
-    sandbox.app.configure({"api_latency": API_LATENCY})
+    merchant_sandbox.app.configure({"api_latency": API_LATENCY})
 
     result = fleet.call("POST", ECHO, json={"order": "kill-me"})
     survivor = kill_the_worker_running(fleet, workers, result)
@@ -191,4 +200,4 @@ def test_a_worker_sigkilled_mid_task_has_its_call_redelivered_by_rabbitmq(
     # no visibility timeout to wait for
     assert fleet.get(result, KILL_DEADLINE) == {"echo": {"order": "kill-me"}}
     assert result.id in workers[survivor].log_text()
-    assert echo_calls(sandbox) == 2  # received by the killed worker's child, then again
+    assert echo_calls(merchant_sandbox) == 2  # received by the killed worker's child, then again

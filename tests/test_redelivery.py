@@ -12,20 +12,17 @@ from __future__ import annotations
 import os
 import signal
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from celery_fleet import (
     Fleet,
-    running_fleet,
     running_on,
 )
-from conftest import Sandbox
 from merchant_tasks.local import Child, wait_until
 from merchant_tasks.policy import CounterName
+from merchant_tasks.pytest_plugin import MerchantSandbox
 
 pytestmark = pytest.mark.integration
 
@@ -35,16 +32,10 @@ VISIBILITY_TIMEOUT = 8  # seconds; short, so the broker redelivers within the te
 REDELIVERY_TIMEOUT = 90.0  # the visibility timeout, the restore sweep and a busy machine
 
 
-@pytest.fixture
-def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
-    with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
-        fleet.long_windows()
-        yield fleet
-
-
-def _two_workers_and_a_slow_api(fleet: Fleet, sandbox: Sandbox) -> dict[str, Child]:
+def _two_workers_and_a_slow_api(fleet: Fleet, sandbox: MerchantSandbox) -> dict[str, Child]:
     """Workers "a" and "b" (prefork, one child each) that redeliver quickly, both consuming,
-    and an API that takes API_LATENCY per call."""
+    and an API that takes API_LATENCY per call; long windows: no renewal interferes."""
+    fleet.long_windows()
     config_dir = fleet.short_visibility_dir(VISIBILITY_TIMEOUT)
     workers = {label: fleet.start_worker(label, 1, cwd=config_dir) for label in ("a", "b")}
     fleet.wait_ready()
@@ -63,8 +54,9 @@ def _redelivered(fleet: Fleet) -> int:
 
 
 def test_a_call_delivered_again_after_it_succeeded_returns_its_result_without_calling_the_api(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
+    fleet.long_windows()
     fleet.start_worker("w", concurrency=2)
     fleet.wait_ready()
     task_id = str(uuid.uuid4())
@@ -76,30 +68,34 @@ def test_a_call_delivered_again_after_it_succeeded_returns_its_result_without_ca
     wait_until(lambda: _redelivered(fleet) == 1, "the second delivery answered", 30.0)
 
     assert first == fleet.get(again) == {"id": "pay_1", "amount": 1200, "status": "created"}
-    assert sandbox.app.arrived(PAYMENTS) == 1
+    assert merchant_sandbox.app.arrived(PAYMENTS) == 1
     other = fleet.get(fleet.call("POST", PAYMENTS, json={"amount": 5}))
     assert other["id"] == "pay_2"  # another task id is another call
 
 
 @pytest.mark.parametrize("idempotency_key", [None, "order-4711"], ids=["no-key", "with-key"])
 def test_a_worker_killed_while_the_api_processes_a_call_leaves_it_to_the_idempotency_key(
-    fleet: Fleet, sandbox: Sandbox, idempotency_key: str | None
+    fleet: Fleet, merchant_sandbox: MerchantSandbox, idempotency_key: str | None
 ) -> None:
-    workers = _two_workers_and_a_slow_api(fleet, sandbox)
+    workers = _two_workers_and_a_slow_api(fleet, merchant_sandbox)
     options: dict[str, Any] = (
         {} if idempotency_key is None else {"idempotency_key": idempotency_key}
     )
 
     result = fleet.call("POST", PAYMENTS, json={"amount": 990}, **options)
     node, _ = running_on(fleet, result)
-    wait_until(lambda: sandbox.app.arrived(PAYMENTS) == 1, "the call reaching the API", 20.0)
+    wait_until(
+        lambda: merchant_sandbox.app.arrived(PAYMENTS) == 1, "the call reaching the API", 20.0
+    )
     victim = workers[_label(node)]
     victim.kill()  # the API goes on and creates the payment
 
     payment = fleet.get(result, REDELIVERY_TIMEOUT)
-    assert sandbox.app.arrived(PAYMENTS) == 2  # the survivor had no record: it called again
+    assert (
+        merchant_sandbox.app.arrived(PAYMENTS) == 2
+    )  # the survivor had no record: it called again
     assert _redelivered(fleet) == 0
-    ids = _payment_ids(sandbox)
+    ids = _payment_ids(merchant_sandbox)
     if idempotency_key is None:
         assert ids == ["pay_1", "pay_2"]  # the window a completion record cannot close
     else:
@@ -108,9 +104,9 @@ def test_a_worker_killed_while_the_api_processes_a_call_leaves_it_to_the_idempot
 
 
 def test_a_call_run_but_never_acked_is_redelivered_after_the_visibility_timeout_and_not_rerun(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
-    workers = _two_workers_and_a_slow_api(fleet, sandbox)
+    workers = _two_workers_and_a_slow_api(fleet, merchant_sandbox)
 
     result = fleet.call("POST", PAYMENTS, json={"amount": 321})
     node, child_pid = running_on(fleet, result)
@@ -133,8 +129,8 @@ def test_a_call_run_but_never_acked_is_redelivered_after_the_visibility_timeout_
         )
     finally:
         stopped.kill()
-    assert sandbox.app.arrived(PAYMENTS) == 1
-    assert _payment_ids(sandbox) == ["pay_1"]
+    assert merchant_sandbox.app.arrived(PAYMENTS) == 1
+    assert _payment_ids(merchant_sandbox) == ["pay_1"]
     wait_until(
         lambda: f"call_api[{result.id}] succeeded" in survivor.log_text(),
         "the redelivered call's success in the other worker's log",
@@ -142,6 +138,6 @@ def test_a_call_run_but_never_acked_is_redelivered_after_the_visibility_timeout_
     )
 
 
-def _payment_ids(sandbox: Sandbox) -> list[str]:
+def _payment_ids(sandbox: MerchantSandbox) -> list[str]:
     """The payments the emulator created (a replayed idempotency key creates none)."""
     return [payment["id"] for payment in sandbox.app.payments()]

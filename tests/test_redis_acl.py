@@ -1,4 +1,4 @@
-"""The token store works under the least-privilege Redis ACL user the README documents."""
+"""The token store works under the least-privilege Redis ACL user docs/topologies.md documents."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import TEST_API_KEY, Sandbox
+from conftest import TEST_API_KEY
 from merchant_tasks.accounts import AccountClients, client_for
 from merchant_tasks.completions import CompletionRecords
 from merchant_tasks.local import wait_until
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.redis_topology import redis_from_url
 from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.store import LOCK_WAIT_SECONDS
 
 pytestmark = pytest.mark.integration
 
-# the README's ACL, with the key pattern of this test's prefix
+# the documented ACL, with the key pattern of this test's prefix
 TOKEN_STORE_COMMANDS = (
     "+get +set +del +hincrby +hgetall +zadd +zcount +zremrangebyscore +rpush +lrange +ltrim "
     "+pexpire +eval +evalsha +script|load +time +ping +publish +subscribe +unsubscribe "
@@ -28,9 +29,9 @@ TOKEN_STORE_COMMANDS = (
 )
 
 
-def test_the_readme_and_the_reliability_notes_show_this_acl() -> None:
+def test_the_topologies_page_and_the_reliability_notes_show_this_acl() -> None:
     root = Path(__file__).parent.parent
-    for document in ("README.md", "docs/reliability.md"):
+    for document in ("docs/topologies.md", "docs/reliability.md"):
         text = (root / document).read_text()
         block = text[text.index("ACL SETUSER merchant-tokens") :].split("```")[0]
         shown = [word for word in block.split() if word.startswith("+")]
@@ -38,7 +39,7 @@ def test_the_readme_and_the_reliability_notes_show_this_acl() -> None:
 
 
 @pytest.fixture
-def acl_user(redis_client: redis.Redis, key_prefix: str) -> Iterator[tuple[str, str]]:
+def acl_user(redis_client: redis.Redis, merchant_key_prefix: str) -> Iterator[tuple[str, str]]:
     name, password = f"mt-test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     redis_client.execute_command(  # type: ignore[no-untyped-call]
         "ACL",
@@ -47,9 +48,9 @@ def acl_user(redis_client: redis.Redis, key_prefix: str) -> Iterator[tuple[str, 
         "on",
         f">{password}",
         "resetkeys",
-        f"~{key_prefix}:*",
+        f"~{merchant_key_prefix}:*",
         "resetchannels",
-        f"&{key_prefix}:*",
+        f"&{merchant_key_prefix}:*",
         "-@all",
         *TOKEN_STORE_COMMANDS.split(),
     )
@@ -59,18 +60,20 @@ def acl_user(redis_client: redis.Redis, key_prefix: str) -> Iterator[tuple[str, 
 
 def test_the_documented_acl_user_is_enough_for_the_token_store(
     acl_user: tuple[str, str],
-    redis_url: str,
-    key_prefix: str,
-    sandbox: Sandbox,
-    secret_file: Path,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
+    merchant_sandbox: MerchantSandbox,
+    merchant_secret_file: Path,
 ) -> None:
     name, password = acl_user
-    host = redis_url.split("://", 1)[1]
+    host = merchant_redis_url.split("://", 1)[1]
     settings = Settings(
         api_key=TEST_API_KEY,
-        secret=Secret(path=secret_file),
-        base_url=sandbox.url,
-        fleet=FleetSettings(redis_url=f"redis://{name}:{password}@{host}", key_prefix=key_prefix),
+        secret=Secret(path=merchant_secret_file),
+        base_url=merchant_sandbox.url,
+        fleet=FleetSettings(
+            redis_url=f"redis://{name}:{password}@{host}", key_prefix=merchant_key_prefix
+        ),
     )
     client = client_for(settings)
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}
@@ -78,13 +81,13 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     assert signal is not None
     wait_until(lambda: signal.listening, "the subscription to renewal announcements", 10.0)
     heard = signal.heard
-    sandbox.app.revoke_all()
+    merchant_sandbox.app.revoke_all()
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}  # lock, CAS, counters
     # a wait for another's renewal, noted now and recorded by the next write
     store = client.manager.store
     assert store.note_wait(store.seen_generation, 30.0)
     client.manager.renew(force=True)
-    assert sandbox.exchanges()["ok"] == 3
+    assert merchant_sandbox.exchanges()["ok"] == 3
     rate = client.manager.rate  # the host's exchange rate: every exchange took a permit
     assert rate is not None
     rate.rate_limited()
@@ -102,10 +105,10 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
 
 
 def test_the_acl_user_cannot_touch_keys_outside_its_prefix(
-    acl_user: tuple[str, str], redis_url: str
+    acl_user: tuple[str, str], merchant_redis_url: str
 ) -> None:
     name, password = acl_user
-    host = redis_url.split("://", 1)[1]
+    host = merchant_redis_url.split("://", 1)[1]
     limited = redis_from_url(f"redis://{name}:{password}@{host}")
     with pytest.raises(redis.exceptions.NoPermissionError):
         limited.get("celery")

@@ -20,10 +20,11 @@ from typing import Any, cast
 import pytest
 import redis
 
-from conftest import TEST_SECRET, Sandbox, WatchedSandbox
+from conftest import TEST_SECRET
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.local import RedisServer, free_port, wait_until
-from merchant_tasks.sandbox import SandboxConfig, SandboxServer
+from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.store import TokenStore
 
 pytestmark = pytest.mark.integration
@@ -112,36 +113,37 @@ def store_keys(store: TokenStore) -> list[str]:
 
 
 def test_every_key_of_an_account_is_in_one_slot_by_the_clusters_own_rule(
-    cluster: list[RedisServer], key_prefix: str
+    cluster: list[RedisServer], merchant_key_prefix: str
 ) -> None:
     port = cluster[0].port
     owners = slot_owners(port)
     nodes_used = set()
     for api_key in ACCOUNTS:
         tagged = TokenStore(node_client(port), TokenStore.namespace_for(
-            key_prefix, "sandbox", api_key, hash_tag=True))  # fmt: skip
+            merchant_key_prefix, "sandbox", api_key, hash_tag=True))  # fmt: skip
         slots = {keyslot(port, key) for key in store_keys(tagged)}
         assert len(slots) == 1, (api_key, slots)
         nodes_used.add(owners[slots.pop()])
         # control: without the tag, the same keys fall in several slots
         plain = TokenStore(node_client(port), TokenStore.namespace_for(
-            key_prefix, "sandbox", api_key))  # fmt: skip
+            merchant_key_prefix, "sandbox", api_key))  # fmt: skip
         assert len({keyslot(port, key) for key in store_keys(plain)}) > 1
     assert len(nodes_used) == MASTERS  # the accounts are spread over every node
 
 
 @pytest.fixture
-def sandboxes() -> Iterator[dict[str, Sandbox]]:
-    """One emulator per account (the emulator knows one API key)."""
-    started: dict[str, Sandbox] = {}
+def sandboxes(merchant_secret_file: Path) -> Iterator[dict[str, MerchantSandbox]]:
+    """One emulator per account (the emulator knows one API key), all with the suite's
+    secret."""
+    started: dict[str, MerchantSandbox] = {}
     servers = []
     try:
         for api_key in ACCOUNTS:
-            app = WatchedSandbox(SandboxConfig(api_key=api_key, secret=TEST_SECRET))
+            app = SandboxApp(SandboxConfig(api_key=api_key, secret=TEST_SECRET))
             server = SandboxServer(app)
             servers.append(server)
             server.__enter__()
-            started[api_key] = Sandbox(app, server)
+            started[api_key] = MerchantSandbox(app, server, api_key, merchant_secret_file)
         yield started
     finally:
         for server in servers:
@@ -150,16 +152,16 @@ def sandboxes() -> Iterator[dict[str, Sandbox]]:
 
 def test_accounts_on_different_nodes_call_renew_after_401_and_lock_through_the_cluster(
     cluster: list[RedisServer],
-    sandboxes: dict[str, Sandbox],
-    key_prefix: str,
-    secret_file: Path,
+    sandboxes: dict[str, MerchantSandbox],
+    merchant_key_prefix: str,
+    merchant_secret_file: Path,
     tmp_path: Path,
 ) -> None:
     accounts_file = tmp_path / "accounts.toml"
     accounts_file.write_text(
         "".join(
             f'[accounts.{api_key}]\napi_key = "{api_key}"\nbase_url = "{sandbox.url}"\n'
-            f'api_secret_file = "{secret_file}"\n\n'
+            f'api_secret_file = "{merchant_secret_file}"\n\n'
             for api_key, sandbox in sandboxes.items()
         )
     )
@@ -169,7 +171,7 @@ def test_accounts_on_different_nodes_call_renew_after_401_and_lock_through_the_c
             "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
             "MERCHANT_REDIS_URL": f"redis://127.0.0.1:{entry}/0",
             "MERCHANT_REDIS_CLUSTER": "1",
-            "MERCHANT_KEY_PREFIX": key_prefix,
+            "MERCHANT_KEY_PREFIX": merchant_key_prefix,
         }
     )
     # beat's fleet-wide check reads and claims across the nodes in one pipeline each

@@ -26,13 +26,14 @@ from celery_fleet import (
     ECHO,
     Fleet,
 )
-from conftest import TEST_API_KEY, Sandbox, WatchedSandbox
+from conftest import TEST_API_KEY
 from fault_harness import CallLoop, Evidence
 from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import RedisServer, redis_answers, wait_until
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.redis_topology import redis_from_url
-from merchant_tasks.sandbox import TOKEN_PATH, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig
 from merchant_tasks.settings import Settings
 
 if TYPE_CHECKING:
@@ -141,8 +142,13 @@ class SentinelGroup:
 @pytest.fixture
 def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
     master = RedisServer(
-        tmp_path / "master", "--requirepass", MASTER_PASSWORD, "--masterauth", MASTER_PASSWORD
-    )
+        tmp_path / "master",
+        "--requirepass", MASTER_PASSWORD,
+        "--masterauth", MASTER_PASSWORD,
+        # the replica's first sync starts at once, not after Redis's 5 s wait for more
+        # replicas to share one transfer
+        "--repl-diskless-sync-delay", "0",
+    )  # fmt: skip
     group = SentinelGroup(master, master, [])
     try:
         master.start(ready=lambda: redis_answers(master.port, MASTER_PASSWORD))
@@ -182,7 +188,7 @@ def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
 # -- the emulator, recording which token each caller used ----------------------------------
 
 
-class RecordingSandbox(WatchedSandbox):
+class RecordingSandbox(SandboxApp):
     """The emulator, noting in arrival order which token each caller's API call carried."""
 
     def __init__(self, config: SandboxConfig) -> None:
@@ -199,13 +205,12 @@ class RecordingSandbox(WatchedSandbox):
 
 
 @pytest.fixture
-def sandbox(sandbox_config: SandboxConfig) -> Iterator[Sandbox]:
-    app = RecordingSandbox(sandbox_config)
-    with SandboxServer(app) as server:
-        yield Sandbox(app, server)
+def merchant_sandbox_app(merchant_sandbox_config: SandboxConfig) -> RecordingSandbox:
+    """Every emulator of this module records which token each caller used."""
+    return RecordingSandbox(merchant_sandbox_config)
 
 
-def _echo_calls(sandbox: Sandbox) -> list[int]:
+def _echo_calls(sandbox: MerchantSandbox) -> list[int]:
     counts = sandbox.app.counters()["endpoints"].get(f"POST {ECHO}", {})
     return list(counts.values())
 
@@ -264,23 +269,28 @@ class Feeder:
 @pytest.fixture
 def fleet(
     tmp_path: Path,
-    sandbox: Sandbox,
+    merchant_sandbox: MerchantSandbox,
     sentinel_group: SentinelGroup,
-    key_prefix: str,
-    secret_file: Path,
+    merchant_key_prefix: str,
+    merchant_secret_file: Path,
 ) -> Iterator[Fleet]:
     """A fleet whose token store, broker and results are all the group's, through one
     MERCHANT_REDIS_URL; long windows, so that no scheduled renewal interferes."""
-    with Fleet(tmp_path, sandbox, sentinel_group.url, key_prefix, secret_file) as fleet:
+    with Fleet(
+        tmp_path, merchant_sandbox, sentinel_group.url, merchant_key_prefix, merchant_secret_file
+    ) as fleet:
         fleet.env["MERCHANT_REDIS_SENTINEL_PASSWORD"] = SENTINEL_PASSWORD
         fleet.long_windows()
         yield fleet
 
 
 def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_goes_back(
-    sandbox: Sandbox, sentinel_group: SentinelGroup, fleet: Fleet, key_prefix: str
+    merchant_sandbox: MerchantSandbox,
+    sentinel_group: SentinelGroup,
+    fleet: Fleet,
+    merchant_key_prefix: str,
 ) -> None:
-    app = sandbox.app
+    app = merchant_sandbox.app
     assert isinstance(app, RecordingSandbox)
     evidence = Evidence()  # what the callers and the fleet showed; no password may be in it
     settings = Settings.from_env(fleet.env)
@@ -342,13 +352,13 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
         answers.update({n: r.get() for n, r in maybe_lost if r.ready()})
     finally:
         fleet.close()  # before the checks: its logs complete
-    executed = sum(_echo_calls(sandbox))
+    executed = sum(_echo_calls(merchant_sandbox))
     print(
         f"failover took {promoted - killed:.1f} s; in-process calls: "
         f"{len(callers.of())}, outcomes {sorted(set(callers.of()))}; "
         f"tasks: {len(feeder.sent)}, enqueued in the lost moments: {len(maybe_lost)}, "
         f"lost: {lost_tasks}, echo calls executed: {executed}; "
-        f"renewals: {sandbox.exchanges()}"
+        f"renewals: {merchant_sandbox.exchanges()}"
     )
 
     # calls that needed Redis meanwhile failed with StoreUnavailable, and with nothing else
@@ -371,17 +381,17 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
     store_now = redis_from_url(
         sentinel_group.url, sentinel_password=SENTINEL_PASSWORD, sentinel_master=MASTER
     )
-    generation_key = f"{key_prefix}:sandbox:{TEST_API_KEY}:generation"
+    generation_key = f"{merchant_key_prefix}:sandbox:{TEST_API_KEY}:generation"
     assert int(store_now.get(generation_key) or 0) > lost.generation  # above the lost one
     store_now.close()
 
     # the first token, the lost renewal, the renewal after the revoke-all: and at most one
     # more for the failover
-    assert sandbox.exchanges()["ok"] <= 3 + 1
+    assert merchant_sandbox.exchanges()["ok"] <= 3 + 1
 
 
 def test_a_call_whose_retry_falls_in_the_failover_is_retried_not_dropped(
-    sandbox: Sandbox, sentinel_group: SentinelGroup, fleet: Fleet
+    merchant_sandbox: MerchantSandbox, sentinel_group: SentinelGroup, fleet: Fleet
 ) -> None:
     """The master dies while a task renews the token: saving it fails with StoreUnavailable,
     and the task's retry must be published while the broker (the same Redis) is away."""
@@ -390,12 +400,14 @@ def test_a_call_whose_retry_falls_in_the_failover_is_retried_not_dropped(
     fleet.env.update({"MERCHANT_CONNECT_TIMEOUT": "0.5", "MERCHANT_READ_TIMEOUT": "1"})
     fleet.start_worker("w", concurrency=1)
     fleet.wait_ready()
-    sandbox.app.revoke_all()  # the next call gets a 401 and renews...
-    sandbox.app.configure({"token_latency": SLOW_EXCHANGE})  # ... slowly
+    merchant_sandbox.app.revoke_all()  # the next call gets a 401 and renews...
+    merchant_sandbox.app.configure({"token_latency": SLOW_EXCHANGE})  # ... slowly
     result = fleet.call("POST", ECHO, json={"order": "retried"})
-    wait_until(lambda: sandbox.app.arrived(TOKEN_PATH) == 2, "the renewal's exchange", 30.0)
+    wait_until(
+        lambda: merchant_sandbox.app.arrived(TOKEN_PATH) == 2, "the renewal's exchange", 30.0
+    )
     sentinel_group.master.kill()  # before the exchange answers: its token cannot be saved
-    sandbox.app.configure({"token_latency": 0.0})
+    merchant_sandbox.app.configure({"token_latency": 0.0})
 
     answer = fleet.get(result, RESULT_DEADLINE)
     log = fleet.logs()["worker-w.log"]

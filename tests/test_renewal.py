@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import random
 import socket
 import threading
 import time
@@ -15,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from conftest import FakeExchange, dead_redis
+from conftest import FakeExchange, dead_redis, make_manager
 from merchant_tasks.breaker import (
     PROBE_INTERVAL,
     RATE_LIMITED_BACKOFF,
@@ -106,18 +105,8 @@ def manager(
     sleep: Sleeper,
     secret: list[str],
 ) -> TokenManager:
-    return TokenManager(
-        store,
-        exchange,
-        lambda: fingerprint(secret[0]),
-        renew_before=RENEW_BEFORE,
-        renew_mandatory=RENEW_MANDATORY,
-        exchange_timeout=0.1,
-        clock=clock,
-        sleep=sleep,
-        rng=random.Random(0),
-        local_copy_ttl=0.0,  # read the store on every call; the copy has its own tests
-        wake_ups=False,  # waits go through the injected sleep; wake-ups have their own tests
+    return make_manager(
+        store, exchange, secret_fingerprint=lambda: fingerprint(secret[0]), clock=clock, sleep=sleep
     )
 
 
@@ -1024,18 +1013,14 @@ def copying_manager(
     store: TokenStore, exchange: FakeExchange, clock: ManualClock, sleep: Sleeper
 ) -> TokenManager:
     """A manager that trusts its copy for 1 s of the injected clock."""
-    return TokenManager(
+    return make_manager(
         store,
         exchange,
-        lambda: "fp",
-        renew_before=RENEW_BEFORE,
-        renew_mandatory=RENEW_MANDATORY,
-        exchange_timeout=0.1,
         clock=clock,
         sleep=sleep,
-        rng=random.Random(0),
         local_copy_ttl=1.0,
         monotonic=clock,
+        wake_ups=True,
     )
 
 

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from conftest import Sandbox, shows
+from conftest import make_manager, shows
 from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import ConfigurationError, TokenUnreadable
 from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.renewal import TokenManager
+from merchant_tasks.local_copy import LOCAL_COPY_TTL
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sealing import (
     PLAIN_TEXT,
     SEALED_PREFIX,
@@ -187,9 +188,9 @@ def test_the_key_file_warning_reaches_the_stderr_of_a_command(key_file: Path) ->
     assert f"may be read by group or others (mode 644): run chmod 600 {key_file}" in done.stderr
 
 
-def test_the_readmes_key_command_makes_a_valid_key_only_its_owner_reads(tmp_path: Path) -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
-    [command] = re.findall(r"`(\(umask 077; python -c .*? > token\.key\))`", readme)
+def test_the_documented_key_command_makes_a_valid_key_only_its_owner_reads(tmp_path: Path) -> None:
+    page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
+    [command] = re.findall(r"^ *(\(umask 077; python -c .*? > token\.key\))$", page, re.M)
     command = command.replace("python -c", f"{shlex.quote(sys.executable)} -c")
     subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True, env={"PATH": "/usr/bin:/bin"})
     key_file = tmp_path / "token.key"
@@ -206,11 +207,11 @@ def test_without_the_cryptography_package_the_error_names_the_extra(
 
 
 def test_settings_take_the_key_files_and_check_them_at_start_up(
-    secret_file: Path, key_file: Path, tmp_path: Path
+    merchant_secret_file: Path, key_file: Path, tmp_path: Path
 ) -> None:
     env = {
         "MERCHANT_API_KEY": "k",
-        "MERCHANT_API_SECRET_FILE": str(secret_file),
+        "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
         "MERCHANT_TOKEN_KEY_FILE": str(key_file),
     }
     settings = Settings.from_env(env)
@@ -225,9 +226,9 @@ def test_settings_take_the_key_files_and_check_them_at_start_up(
 
 
 def test_the_store_keeps_the_value_sealed_and_the_times_readable(
-    redis_client: redis.Redis, key_prefix: str, key_file: Path
+    redis_client: redis.Redis, merchant_key_prefix: str, key_file: Path
 ) -> None:
-    namespace = f"{key_prefix}:sandbox:app"
+    namespace = f"{merchant_key_prefix}:sandbox:app"
     store = TokenStore(redis_client, namespace, Sealer.from_files(str(key_file)))
     token = Token("live-token-value", 1000.0, 2e10, 1, "me", RenewalReason.MANUAL)
     assert store.save(token) == (True, 1)
@@ -242,27 +243,22 @@ def test_the_store_keeps_the_value_sealed_and_the_times_readable(
 
 def test_a_clear_token_where_tokens_are_sealed_reads_as_absent_and_is_renewed_sealed(
     redis_client: redis.Redis,
-    key_prefix: str,
+    merchant_key_prefix: str,
     key_file: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Someone wrote a token in clear into a sealed fleet's key: it is not trusted (it
     could be anyone's), it is renewed over, and the new value is sealed."""
-    namespace = f"{key_prefix}:sandbox:app"
+    namespace = f"{merchant_key_prefix}:sandbox:app"
     store = TokenStore(redis_client, namespace, Sealer.from_files(str(key_file)))
     planted = Token("planted-clear-token", 1000.0, 2e10, 1, "someone", RenewalReason.MANUAL)
     assert TokenStore(redis_client, namespace).save(planted) == (True, 1)
     assert store.load() is None
     assert store.load() is None
     assert caplog.text.count(f"{namespace}:token holds what merchant-tasks never writes") == 1
-    manager = TokenManager(
-        store,
-        lambda: IssuedToken("sealed-successor", 3600.0),
-        lambda: "fp",
-        renew_before=480.0,
-        renew_mandatory=120.0,
-        exchange_timeout=1.0,
-        wake_ups=False,
+    successor = IssuedToken("sealed-successor", 3600.0)
+    manager = make_manager(
+        store, lambda: successor, exchange_timeout=1.0, local_copy_ttl=LOCAL_COPY_TTL
     )
     assert manager.token().value == "sealed-successor"
     raw = redis_client.get(store.keys.token)
@@ -318,34 +314,41 @@ def _run_other_process(settings: Settings, secret_file: Path, key_file: Path | N
 
 @pytest.mark.integration
 def test_a_process_with_another_key_or_none_fails_clearly_and_never_renews_over_the_token(
-    settings: Settings,
-    sandbox: Sandbox,
+    merchant_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
     redis_client: redis.Redis,
-    secret_file: Path,
+    merchant_secret_file: Path,
     key_file: Path,
     tmp_path: Path,
 ) -> None:
-    sealed_settings = replace(settings, fleet=replace(settings.fleet, token_key_file=str(key_file)))
+    sealed_settings = replace(
+        merchant_settings, fleet=replace(merchant_settings.fleet, token_key_file=str(key_file))
+    )
     ours = client_for(sealed_settings, redis_client=redis_client)
     assert ours.request("GET", PING) == {"ok": True}
     stored = redis_client.get(ours.manager.store.keys.token)
-    assert sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.exchanges()["ok"] == 1
 
-    _run_other_process(settings, secret_file, _key_file(tmp_path, "another-key"))
-    _run_other_process(settings, secret_file, None)
+    _run_other_process(merchant_settings, merchant_secret_file, _key_file(tmp_path, "another-key"))
+    _run_other_process(merchant_settings, merchant_secret_file, None)
 
-    assert sandbox.exchanges()["ok"] == 1  # neither made an exchange
+    assert merchant_sandbox.exchanges()["ok"] == 1  # neither made an exchange
     assert redis_client.get(ours.manager.store.keys.token) == stored
     ours.manager.copy.forget()  # read Redis again: the fleet's token is still ours
     assert ours.request("GET", PING) == {"ok": True}
-    assert sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.exchanges()["ok"] == 1
 
 
 @pytest.mark.integration
 def test_a_sealed_fleet_renews_once_and_calls_with_the_opened_token(
-    settings: Settings, sandbox: Sandbox, redis_client: redis.Redis, key_file: Path
+    merchant_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    redis_client: redis.Redis,
+    key_file: Path,
 ) -> None:
-    sealed = replace(settings, fleet=replace(settings.fleet, token_key_file=str(key_file)))
+    sealed = replace(
+        merchant_settings, fleet=replace(merchant_settings.fleet, token_key_file=str(key_file))
+    )
     first = client_for(sealed, redis_client=redis_client)
     second = client_for(sealed, redis_client=redis_client)
     assert first.request("GET", PING) == {"ok": True}
@@ -353,5 +356,5 @@ def test_a_sealed_fleet_renews_once_and_calls_with_the_opened_token(
     first.manager.renew(force=True)
     second.manager.copy.forget()
     assert second.request("GET", PING) == {"ok": True}
-    assert sandbox.exchanges()["ok"] == 2
-    assert sandbox.calls()["unauthorized"] == 0
+    assert merchant_sandbox.exchanges()["ok"] == 2
+    assert merchant_sandbox.calls()["unauthorized"] == 0

@@ -25,7 +25,7 @@ from celery import Celery
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conftest import Sandbox
+from merchant_tasks import refusals
 from merchant_tasks.accounts import AccountClients, FleetClient, client_for
 from merchant_tasks.celery_app import isolated_config, load_config, write_config_module
 from merchant_tasks.cli import main
@@ -33,7 +33,8 @@ from merchant_tasks.exceptions import MerchantError, StoreUnavailable
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import RedisServer, free_port, spawn, wait_until
 from merchant_tasks.metrics import FleetCollector
-from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET, REFUSED_BACKOFF
+from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET
 from merchant_tasks.renewal_lock import RenewalLock
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.status import account_status
@@ -55,10 +56,12 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def fast_settings(settings: Settings, private_redis: RedisServer) -> Settings:
+def fast_settings(merchant_settings: Settings, private_redis: RedisServer) -> Settings:
     """The test's account on the private Redis, with 1 s / 2 s HTTP timeouts (lease 8 s)."""
-    fleet = dataclasses.replace(settings.fleet, redis_url=private_redis.url)
-    return dataclasses.replace(settings, fleet=fleet, connect_timeout=1.0, read_timeout=2.0)
+    fleet = dataclasses.replace(merchant_settings.fleet, redis_url=private_redis.url)
+    return dataclasses.replace(
+        merchant_settings, fleet=fleet, connect_timeout=1.0, read_timeout=2.0
+    )
 
 
 @pytest.fixture
@@ -114,7 +117,7 @@ class Calling:
 
 
 def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
-    fast_client: FleetClient, sandbox: Sandbox, private_redis: RedisServer
+    fast_client: FleetClient, merchant_sandbox: MerchantSandbox, private_redis: RedisServer
 ) -> None:
     """Redis stops (SIGSTOP) for 7.5 s while 8 threads call, and a revoke-all lands: the
     401 script waits in the stopped Redis, its caller gives up (StoreUnavailable), then
@@ -127,7 +130,7 @@ def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
         time.sleep(0.5)
         os.kill(_pid(private_redis), signal.SIGSTOP)
         try:
-            sandbox.app.revoke_all()
+            merchant_sandbox.app.revoke_all()
             time.sleep(STALL)
         finally:
             os.kill(_pid(private_redis), signal.SIGCONT)
@@ -148,7 +151,9 @@ def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
     )
     assert set(errors) <= {"StoreUnavailable"}, errors
     assert recovered - resumed < lock.lease  # the late lock no longer holds callers back
-    assert sandbox.exchanges()["ok"] == 2  # the first token and one renewal after the revoke
+    assert (
+        merchant_sandbox.exchanges()["ok"] == 2
+    )  # the first token and one renewal after the revoke
 
 
 def test_a_holder_keeps_its_lease_alive_and_a_dead_holders_lease_runs_out(
@@ -189,7 +194,7 @@ def _refuse_writes(admin: redis.Redis, fault: str) -> Callable[[], object]:
 )
 def test_a_redis_refusing_writes_is_a_typed_store_error_and_calls_recover_after(
     fast_client: FleetClient,
-    sandbox: Sandbox,
+    merchant_sandbox: MerchantSandbox,
     private_redis: RedisServer,
     fault: str,
     said: str,
@@ -199,7 +204,7 @@ def test_a_redis_refusing_writes_is_a_typed_store_error_and_calls_recover_after(
     undo = _refuse_writes(admin, fault)
     try:
         assert fast_client.request("GET", PING) == {"ok": True}  # reads still serve calls
-        sandbox.app.revoke_all()  # now a call needs a write (the 401 script)
+        merchant_sandbox.app.revoke_all()  # now a call needs a write (the 401 script)
         with pytest.raises(StoreUnavailable, match=said) as caught:
             fast_client.request("GET", PING)
         assert caught.value.retryable
@@ -207,15 +212,15 @@ def test_a_redis_refusing_writes_is_a_typed_store_error_and_calls_recover_after(
     finally:
         undo()
     assert fast_client.request("GET", PING) == {"ok": True}
-    assert sandbox.exchanges()["ok"] == 2
+    assert merchant_sandbox.exchanges()["ok"] == 2
 
 
 def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     fast_settings: Settings,
-    sandbox: Sandbox,
+    merchant_sandbox: MerchantSandbox,
     private_redis: RedisServer,
-    redis_url: str,
-    key_prefix: str,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
     tmp_path: Path,
 ) -> None:
     """The token store's URL reaches a read-only replica for ~6 s (a failover) while calls
@@ -223,10 +228,12 @@ def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     completion record that cannot be written does not make a call run again)."""
     workdir = tmp_path / "worker"
     workdir.mkdir()
-    config = isolated_config(redis_url, key_prefix)  # the broker stays on the shared Redis
+    config = isolated_config(
+        merchant_redis_url, merchant_key_prefix
+    )  # the broker stays on the shared Redis
     write_config_module(workdir / "celeryconfig.py", config)
     argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", "worker"]
-    argv += ["-n", f"{key_prefix}@%h", "--pool=threads", "--concurrency=4"]
+    argv += ["-n", f"{merchant_key_prefix}@%h", "--pool=threads", "--concurrency=4"]
     argv += ["--without-gossip", "--without-mingle", "--loglevel=INFO"]
     worker = spawn(
         "worker", argv, tmp_path / "worker.log", env=child_env(fast_settings), cwd=workdir
@@ -242,7 +249,7 @@ def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
         ]
         undo = _refuse_writes(admin, "read_only")
         try:
-            sandbox.app.revoke_all()
+            merchant_sandbox.app.revoke_all()
             more = [
                 app.send_task("merchant_tasks.call_api", ("POST", PAYMENTS, {"amount": 100 + i}))
                 for i in range(10)
@@ -254,7 +261,7 @@ def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     finally:
         worker.stop()
         app.close()
-    amounts = sorted(payment["amount"] for payment in sandbox.app.payments())
+    amounts = sorted(payment["amount"] for payment in merchant_sandbox.app.payments())
     assert sorted(result["amount"] for result in results) == amounts
     assert amounts == [*range(5), *range(100, 110)]  # each call once: none lost, none twice
     assert "StoreUnavailable" in worker.log_text()  # the window was met, and retried
@@ -287,25 +294,25 @@ CORRUPTIONS: list[tuple[str, object]] = [
     ("name", "garbage"), CORRUPTIONS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CORRUPTIONS)]
 )
 def test_a_corrupt_value_in_any_key_reads_as_absent_and_the_next_write_replaces_it(
-    client: FleetClient,
-    sandbox: Sandbox,
+    merchant_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
     redis_client: redis.Redis,
-    account_env: dict[str, str],
+    merchant_env: dict[str, str],
     name: str,
     garbage: object,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert client.request("GET", PING) == {"ok": True}
-    key = getattr(client.manager.store.keys, name)
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    key = getattr(merchant_client.manager.store.keys, name)
     redis_client.delete(key)
     if garbage is HASH:
         redis_client.hset(key, "field", "value")
     else:
         redis_client.set(key, garbage)  # type: ignore[arg-type]
-    client.manager.copy.forget()
-    sandbox.app.revoke_all()
-    assert client.request("GET", PING) == {"ok": True}  # through the 401 scripts
-    env = {"MERCHANT_API_SECRET": None, **account_env}
+    merchant_client.manager.copy.forget()
+    merchant_sandbox.app.revoke_all()
+    assert merchant_client.request("GET", PING) == {"ok": True}  # through the 401 scripts
+    env = {"MERCHANT_API_SECRET": None, **merchant_env}
     status = CliRunner().invoke(main, ["status", "--json"], env=env)
     assert status.exception is None or isinstance(status.exception, SystemExit)
     [account] = json.loads(status.stdout)["accounts"]
@@ -324,7 +331,7 @@ def test_a_corrupt_value_in_any_key_reads_as_absent_and_the_next_write_replaces_
     )
     assert b"merchant_tasks_up 1.0" in generate_latest(registry)
     assert redis_client.type(key) in (b"none", _written_type(name))
-    stored = redis_client.get(client.manager.store.keys.token)
+    stored = redis_client.get(merchant_client.manager.store.keys.token)
     assert stored is not None
     assert Token.from_json(stored).generation >= 2
     if name in ("token", "generation", "breaker"):  # (the others are read by scripts)
@@ -337,9 +344,9 @@ def _written_type(name: str) -> bytes:
 
 
 def test_status_json_is_an_error_document_when_redis_cannot_be_read(
-    account_env: dict[str, str], private_redis: RedisServer
+    merchant_env: dict[str, str], private_redis: RedisServer
 ) -> None:
-    env = {"MERCHANT_API_SECRET": None, **account_env, "MERCHANT_REDIS_URL": private_redis.url}
+    env = {"MERCHANT_API_SECRET": None, **merchant_env, "MERCHANT_REDIS_URL": private_redis.url}
     os.kill(_pid(private_redis), signal.SIGSTOP)
     try:
         result = CliRunner().invoke(main, ["status", "--json"], env=env)
@@ -354,19 +361,19 @@ def test_status_json_is_an_error_document_when_redis_cannot_be_read(
 
 
 def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_times(
-    client: FleetClient, sandbox: Sandbox
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
 ) -> None:
     """16 threads call while every token is revoked twice a second for 10 s. Each forced
     renewal meets at most one 401 per thread (the requests in flight when the revocation
     lands); once the budget is spent the stored token is known refused, and calls fail
     fast without sending it: no more 401s than threads x (budget + 1)."""
-    assert client.request("GET", PING) == {"ok": True}
-    before = sandbox.calls().get("unauthorized", 0)
-    with Calling(client, threads=16) as calling:
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    before = merchant_sandbox.calls().get("unauthorized", 0)
+    with Calling(merchant_client, threads=16) as calling:
         for _ in range(20):
             time.sleep(0.5)
-            sandbox.app.revoke_all()
-    refused = sandbox.calls().get("unauthorized", 0) - before
+            merchant_sandbox.app.revoke_all()
+    refused = merchant_sandbox.calls().get("unauthorized", 0) - before
     outcomes = Counter(outcome for _, outcome in calling.outcomes)
     print(f"\nrevocations: {refused} requests got 401; outcomes {dict(outcomes)}")
     assert set(outcomes) <= {"ok", "TokenRejected"}, outcomes
@@ -374,10 +381,10 @@ def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_ti
 
 
 def test_status_reports_an_account_whose_tokens_are_refused_as_failing(
-    account_env: dict[str, str], sandbox: Sandbox
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
 ) -> None:
-    sandbox.app.configure({"refuse_all_calls": True})  # the key works, the API refuses it
-    env = {"MERCHANT_API_SECRET": None, **account_env}
+    merchant_sandbox.app.configure({"refuse_all_calls": True})  # the key works, the API refuses it
+    env = {"MERCHANT_API_SECRET": None, **merchant_env}
     call = CliRunner().invoke(main, ["call", "GET", PING], env=env)
     assert call.exit_code != 0
     assert "never accepted" in call.stderr
@@ -385,40 +392,47 @@ def test_status_reports_an_account_whose_tokens_are_refused_as_failing(
     [account] = json.loads(status.stdout)["accounts"]
     assert account["breaker"]["kind"] == "refused"
     assert status.exit_code != 0
-    assert sandbox.exchanges()["ok"] == 1
+    assert merchant_sandbox.exchanges()["ok"] == 1
 
 
-def test_two_revocations_before_first_use_heal_within_90_seconds(
-    client: FleetClient, sandbox: Sandbox
+def test_two_revocations_before_first_use_heal_after_one_backoff(
+    merchant_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A call's token is revoked (it had been used), and so are the next two tokens, each
     right after it is issued: the second is refused before any use and its predecessor
-    never was accepted either. Calls fail fast for the back-off (60 s), then succeed again:
-    before, the account stayed broken for the token's whole life (2 h)."""
-    assert client.request("GET", PING) == {"ok": True}
-    exchange = client.manager.exchange
+    never was accepted either. Calls fail fast for the back-off, then succeed again: before,
+    the account stayed broken for the token's whole life (2 h). The back-off is cut to
+    3 s here; test_renewal proves the real 60 s one on an injected clock."""
+    backoff = 3.0
+    monkeypatch.setattr(refusals, "REFUSED_BACKOFF", backoff)
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    exchange = merchant_client.manager.exchange
     revoking = [2]
 
     def revoked_on_issue() -> IssuedToken:
         issued = exchange()
         if revoking[0]:
             revoking[0] -= 1
-            sandbox.app.revoke_all()  # the new token too, before anyone uses it
+            merchant_sandbox.app.revoke_all()  # the new token too, before anyone uses it
         return issued
 
-    client.manager.exchange = revoked_on_issue
-    sandbox.app.revoke_all()
+    merchant_client.manager.exchange = revoked_on_issue
+    merchant_sandbox.app.revoke_all()
     started = time.monotonic()
     outcomes: Counter[str] = Counter()
     while True:
         try:
-            client.request("GET", PING)
+            merchant_client.request("GET", PING)
             break
         except MerchantError as exc:
             outcomes[type(exc).__name__] += 1
-        assert time.monotonic() - started < 3 * REFUSED_BACKOFF, outcomes  # stuck, as before
-        time.sleep(0.5)
+        assert time.monotonic() - started < 10 * backoff, outcomes  # stuck, as before
+        time.sleep(0.2)
     healed = time.monotonic() - started
     print(f"\ntwo revocations before first use: healed after {healed:.1f} s; {dict(outcomes)}")
     assert set(outcomes) == {"TokenRejected"}  # failing fast meanwhile, then healed
-    assert sandbox.exchanges()["ok"] == 4  # the first token, two revoked on issue, the healer
+    assert (
+        merchant_sandbox.exchanges()["ok"] == 4
+    )  # the first token, two revoked on issue, the healer

@@ -6,15 +6,13 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import redis
 
-from conftest import dead_redis
+from conftest import dead_redis, make_manager
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
-from merchant_tasks.renewal import TokenManager
 from merchant_tasks.store import TokenStore
 from merchant_tasks.token import RenewalReason, Token
 from merchant_tasks.wakeup import RenewalSignal
@@ -63,11 +61,13 @@ def test_the_subscriber_thread_ends_with_its_signal(redis_store: TokenStore) -> 
 
 
 def test_accounts_of_one_process_share_one_subscriber_and_hear_only_their_own_renewals(
-    redis_client: redis.Redis, key_prefix: str
+    redis_client: redis.Redis, merchant_key_prefix: str
 ) -> None:
     """A worker serving many accounts holds one listening connection, not one per account."""
     stores = [
-        TokenStore(redis_client, TokenStore.namespace_for(key_prefix, "sandbox", f"app-{n}"))
+        TokenStore(
+            redis_client, TokenStore.namespace_for(merchant_key_prefix, "sandbox", f"app-{n}")
+        )
         for n in range(20)
     ]
     signals = [RenewalSignal(store) for store in stores]
@@ -85,27 +85,18 @@ def test_accounts_of_one_process_share_one_subscriber_and_hear_only_their_own_re
     ]
 
 
-def test_without_redis_the_signal_is_not_listening_and_callers_poll(key_prefix: str) -> None:
+def test_without_redis_the_signal_is_not_listening_and_callers_poll(
+    merchant_key_prefix: str,
+) -> None:
     dead = dead_redis()
-    signal = RenewalSignal(TokenStore(dead, key_prefix))
+    signal = RenewalSignal(TokenStore(dead, merchant_key_prefix))
     signal.start()
     wait_until(lambda: signal.subscriber_thread is None, "the subscriber to give up", 10.0)
     assert not signal.listening
 
 
-def manager_for(
-    store: TokenStore, exchange: Callable[[], IssuedToken], sleeps: list[float]
-) -> TokenManager:
-    return TokenManager(
-        store,
-        exchange,
-        lambda: "fp",
-        renew_before=480.0,
-        renew_mandatory=120.0,
-        exchange_timeout=1.0,
-        sleep=sleeps.append,
-        local_copy_ttl=0.0,
-    )
+def _never_issues() -> IssuedToken:
+    return IssuedToken("tok-never", 3600.0)
 
 
 def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling(
@@ -124,8 +115,12 @@ def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling
 
     sleeps_a: list[float] = []
     sleeps_b: list[float] = []
-    a = manager_for(store_a, slow_exchange, sleeps_a)
-    b = manager_for(store_b, lambda: IssuedToken("tok-never", 3600.0), sleeps_b)
+    a = make_manager(
+        store_a, slow_exchange, exchange_timeout=1.0, sleep=sleeps_a.append, wake_ups=True
+    )
+    b = make_manager(
+        store_b, _never_issues, exchange_timeout=1.0, sleep=sleeps_b.append, wake_ups=True
+    )
     now = store_a.time()
     revoked = Token("tok-revoked", now - 10, now + 3600, 1, "x", RenewalReason.SCHEDULED)
     assert store_a.save(revoked) == (True, 1)

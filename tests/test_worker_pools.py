@@ -13,28 +13,30 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Iterator
-from pathlib import Path
+import threading
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from celery import Celery
 
 from celery_fleet import (
     Fleet,
-    running_fleet,
 )
-from conftest import Sandbox
 from merchant_tasks.celery_app import CALLS_QUEUE, VISIBILITY_TIMEOUT, package_defaults
-from merchant_tasks.local import wait_until
 from merchant_tasks.policy import CounterName
+from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox import SandboxApp, SandboxConfig
 from merchant_tasks.worker_pools import CONSUMER_CONNECTIONS, size_pools, worker_concurrency
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 PAYMENTS = "/open-api/v1/payments"
 CALLS = 600  # the reported failure: 600 calls, gevent, 50 at once
 REVOKE_AFTER = 200  # payments created before every token is revoked
-API_LATENCY = 0.1  # seconds per call: the tasks running at once end together, as in a storm
+BATCH_LATENCY = 0.1  # seconds per call: the tasks running at once end together, as in a storm
+STORM_CONCURRENCY = 50  # tasks at once in the reported storm
 STORM_TIMEOUT = 180.0  # the first answers on a busy 2-core machine (the rest follow at once)
 ACK_FAILURES = ("Couldn't ack", "MaxConnectionsError", "Too many connections")
 
@@ -105,40 +107,57 @@ def test_the_concurrency_is_the_autoscale_maximum_when_larger() -> None:
     assert worker_concurrency(SimpleNamespace(concurrency=4, max_concurrency=40)) == 40
 
 
-# -- real workers --------------------------------------------------------------------------
+# -- real workers (long windows: no renewal but the storm's) -------------------------------
 
 
-@pytest.fixture
-def fleet(tmp_path: Path, sandbox: Sandbox, key_prefix: str, secret_file: Path) -> Iterator[Fleet]:
-    with running_fleet(tmp_path, sandbox, key_prefix, secret_file) as fleet:
-        fleet.long_windows()
-        yield fleet
-
-
-def _payments_created(sandbox: Sandbox) -> int:
-    counts = sandbox.app.counters()["endpoints"].get(f"POST {PAYMENTS}", {})
+def _payments_created(app: SandboxApp) -> int:
+    counts = app.counters()["endpoints"].get(f"POST {PAYMENTS}", {})
     return int(counts.get("ok", 0))
 
 
-def _storm(fleet: Fleet, sandbox: Sandbox) -> list[Any]:
-    """Enqueue CALLS payments, revoke every token once REVOKE_AFTER exist; the answers."""
+class StormSandbox(SandboxApp):
+    """The emulator, revoking every token as soon as REVOKE_AFTER payments exist: the storm
+    comes mid-run however busy the machine (a test thread watching the count can be late
+    enough to revoke after the last call)."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        super().__init__(config)
+        self._revoking = threading.Lock()
+        self.revoked = False
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Any:
+        answer = super().__call__(environ, start_response)
+        if environ.get("PATH_INFO") == PAYMENTS:
+            with self._revoking:
+                if not self.revoked and _payments_created(self) >= REVOKE_AFTER:
+                    self.revoke_all()
+                    self.revoked = True
+        return answer
+
+
+@pytest.fixture
+def merchant_sandbox_app(merchant_sandbox_config: SandboxConfig) -> StormSandbox:
+    return StormSandbox(merchant_sandbox_config)
+
+
+def _storm(fleet: Fleet, sandbox: MerchantSandbox, concurrency: int) -> list[Any]:
+    """Enqueue CALLS payments (the emulator revokes every token once REVOKE_AFTER exist);
+    the answers. The API's latency is scaled to the concurrency, so that every pool's storm
+    lasts about as long: 0.1 s per call at -c 4 would be 15 s of waiting on latency alone."""
     fleet.wait_ready()
-    sandbox.app.configure({"api_latency": API_LATENCY})
+    latency = BATCH_LATENCY * min(concurrency, STORM_CONCURRENCY) / STORM_CONCURRENCY
+    sandbox.app.configure({"api_latency": latency})
     results = [fleet.call("POST", PAYMENTS, json={"amount": n + 1}) for n in range(CALLS)]
-    wait_until(
-        lambda: _payments_created(sandbox) >= REVOKE_AFTER,
-        f"{REVOKE_AFTER} payments before the revoke-all",
-        STORM_TIMEOUT,
-    )
-    sandbox.app.revoke_all()
     return [fleet.get(result, STORM_TIMEOUT) for result in results]
 
 
 def _assert_each_payment_once_one_exchange_no_failed_ack(
-    fleet: Fleet, sandbox: Sandbox, answers: list[Any], concurrency: int
+    fleet: Fleet, sandbox: MerchantSandbox, answers: list[Any], concurrency: int
 ) -> None:
     assert [answer["amount"] for answer in answers] == [n + 1 for n in range(CALLS)]
     assert len({answer["id"] for answer in answers}) == CALLS
+    assert isinstance(sandbox.app, StormSandbox)
+    assert sandbox.app.revoked
     assert sandbox.calls()["unauthorized"] >= 1  # the storm did meet the revoked token
     assert sandbox.exchanges()["ok"] == 2  # the first token, and one for the storm
     counters = fleet.store().records.counters()
@@ -154,7 +173,7 @@ def _assert_each_payment_once_one_exchange_no_failed_ack(
     assert not failures, failures[:5]
     assert broker.llen(CALLS_QUEUE) == 0, "calls were put back to be delivered again"
     assert broker.hlen("unacked") == 0
-    assert _payments_created(sandbox) == CALLS
+    assert _payments_created(sandbox.app) == CALLS
 
 
 @pytest.mark.integration
@@ -167,18 +186,22 @@ def _assert_each_payment_once_one_exchange_no_failed_ack(
     ],
 )
 def test_each_pool_survives_a_401_storm_with_each_call_once_one_exchange_and_no_failed_ack(
-    fleet: Fleet, sandbox: Sandbox, pool: str, concurrency: int
+    fleet: Fleet, merchant_sandbox: MerchantSandbox, pool: str, concurrency: int
 ) -> None:
+    fleet.long_windows()
     fleet.start_worker("w", concurrency=concurrency, pool=pool)
-    answers = _storm(fleet, sandbox)
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, concurrency)
+    answers = _storm(fleet, merchant_sandbox, concurrency)
+    _assert_each_payment_once_one_exchange_no_failed_ack(
+        fleet, merchant_sandbox, answers, concurrency
+    )
 
 
 @pytest.mark.integration
 @needs_gevent
 def test_a_broker_pool_capped_in_celeryconfig_is_raised_at_start_and_no_ack_fails(
-    fleet: Fleet, sandbox: Sandbox
+    fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
+    fleet.long_windows()
     config_dir = fleet.tmp_path / "capped"
     config_dir.mkdir()
     (config_dir / "celeryconfig.py").write_text(
@@ -191,8 +214,8 @@ def test_a_broker_pool_capped_in_celeryconfig_is_raised_at_start_and_no_ack_fail
         "worker_ready.connect(_report)\n"
     )
     fleet.start_worker("w", concurrency=50, pool="gevent", cwd=config_dir)
-    answers = _storm(fleet, sandbox)
+    answers = _storm(fleet, merchant_sandbox, 50)
     log = fleet.logs()["worker-w.log"]
     assert "broker_transport_options['max_connections'] allows 10 connections" in log
     assert "consumer channel pool: 60" in log
-    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, sandbox, answers, 50)
+    _assert_each_payment_once_one_exchange_no_failed_ack(fleet, merchant_sandbox, answers, 50)

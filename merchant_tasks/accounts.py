@@ -42,6 +42,8 @@ from .client import MerchantClient, new_session
 from .due import claim_renewals, due_accounts, release_renewal
 from .exceptions import ConfigurationError
 from .exchange import TokenExchange
+from .exchange_rate import ExchangeRate
+from .redis_commands import AccountKeys
 from .redis_topology import StoreClient
 from .renewal import TokenManager
 from .sealing import codec_for
@@ -210,6 +212,7 @@ def client_for(
         renew_before=settings.renew_before,
         renew_mandatory=settings.renew_mandatory,
         exchange_timeout=settings.connect_timeout + settings.read_timeout,
+        rate=exchange_rate_for(settings, store),
     )
     return MerchantClient(
         settings.base_url,
@@ -218,6 +221,14 @@ def client_for(
         timeout=(settings.connect_timeout, settings.read_timeout),
         account=name,
     )
+
+
+def exchange_rate_for(settings: Settings, store: TokenStore) -> ExchangeRate:
+    """The fleet-wide exchange rate of the account's token endpoint host, asked through
+    the account's Redis."""
+    host = settings.origin.split("://", 1)[-1]  # host:port; the scheme adds nothing
+    key = AccountKeys.exchange_rate(settings.fleet.key_prefix, host)
+    return ExchangeRate(store.commands, key, host, settings.fleet.max_exchanges_per_second)
 
 
 def redis_for(fleet: FleetSettings) -> StoreClient:

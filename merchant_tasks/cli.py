@@ -225,8 +225,9 @@ def call(method: str, path: str, body: str | None, account: str | None) -> None:
 
 
 def _statuses(fleet: AccountClients) -> dict[str, AccountStatus]:
+    managers = {name: fleet.get(name).manager for name in fleet.accounts}
     return {
-        name: account_status(name, settings, fleet.get(name).manager.store)
+        name: account_status(name, settings, managers[name].store, managers[name].rate)
         for name, settings in fleet.accounts.items()
     }
 

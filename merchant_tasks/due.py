@@ -24,6 +24,8 @@ tasks tick after tick, and two beats do not double the tasks.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -31,7 +33,6 @@ from .redis_commands import AccountKeys
 from .redis_topology import StoreClient
 from .settings import Settings
 from .store import claim_slots, delete_key, read_values
-from .token import Token
 
 SPREAD_TICKS = 2.0  # the lowest renewal point leaves two beat intervals before the
 # mandatory window: a tick may fall just before the point, and the next one then renews
@@ -139,9 +140,11 @@ def _due_on_server(client: StoreClient, entries: list[_Entry]) -> list[str]:
 
 
 def _time_left(raw: bytes, now: float) -> float:
-    """The stored token's time left; an unreadable record counts as due (the renewal
-    task then meets the same record and reports it)."""
+    """The stored token's time left, from its expiry alone (parsing the whole token costs
+    ten times as much, and 10,000 accounts are read each tick); an unreadable record counts
+    as due (the renewal task then meets the same record and reports it)."""
     try:
-        return Token.from_json(raw).expires_at - now
-    except (ValueError, KeyError, TypeError):
+        expires_at = float(json.loads(raw)["expires_at"])
+    except (ValueError, KeyError, TypeError, RecursionError):
         return 0.0
+    return expires_at - now if math.isfinite(expires_at) else 0.0

@@ -11,6 +11,7 @@ MerchantError                      base; ``retryable`` says whether trying later
 │   ├── CredentialsRejected        the API key or secret was refused (4xx)
 │   ├── ExchangeRateLimited        429 from the token endpoint (``retry_after``)  retryable
 │   ├── TokenEndpointUnavailable   5xx, timeout or connection failure             retryable
+│   │   └── ExchangesThrottled     no permit under the host's fleet-wide exchange rate
 │   └── MalformedTokenResponse     2xx without a usable token                     retryable
 ├── RenewalTimeout                 another process held the renewal too long      retryable
 ├── TokenRejected                  401 on a token renewing cannot mend (never accepted)
@@ -117,6 +118,12 @@ class TokenEndpointUnavailable(TokenExchangeError):
     """The token endpoint answered 5xx, timed out or could not be reached."""
 
     retryable = True
+
+
+class ExchangesThrottled(TokenEndpointUnavailable):
+    """No permit came within the wait under the token endpoint host's fleet-wide exchange
+    rate (``exchange_rate``); ``retry_after`` says when one may. Not the account's fault:
+    it opens no breaker."""
 
 
 class MalformedTokenResponse(TokenExchangeError):

@@ -124,6 +124,41 @@ def _families(statuses: Mapping[str, AccountStatus]) -> Iterable[Metric]:
         generation.add_metric(account, status.generation or 0)
     yield from (renewals, attempts, breaker_openings, *simple.values(), *histograms.values())
     yield from (time_left, generation, breaker_open)
+    yield from _rate_families(statuses)
+
+
+_RATE_COUNTERS = {
+    "waited": ("exchange_permits_waited", "Exchange permits given after a wait, per host."),
+    "gave_up": (
+        "exchange_permits_refused",
+        "Exchanges refused a permit within the wait (ExchangesThrottled), per host.",
+    ),
+    "cuts": ("exchange_rate_halvings", "Times a 429 halved the host's exchange rate."),
+}
+
+
+def _rate_families(statuses: Mapping[str, AccountStatus]) -> Iterable[Metric]:
+    """The token endpoint hosts' exchange rates, once per host (accounts share them)."""
+    rates = {s.exchange_rate["host"]: s.exchange_rate for s in statuses.values() if s.exchange_rate}
+    rate = GaugeMetricFamily(
+        f"{PREFIX}_exchange_rate",
+        "Token exchanges a second the fleet may send to the host now (the cap, or less "
+        "after a 429).",
+        labels=["host"],
+    )
+    cap = GaugeMetricFamily(
+        f"{PREFIX}_exchange_rate_cap", "MERCHANT_MAX_EXCHANGES_PER_SECOND.", labels=["host"]
+    )
+    counters = {
+        field: CounterMetricFamily(f"{PREFIX}_{name}", text, labels=["host"])
+        for field, (name, text) in _RATE_COUNTERS.items()
+    }
+    for host, state in sorted(rates.items()):
+        rate.add_metric([host], state["rate"])
+        cap.add_metric([host], state["cap"])
+        for field, family in counters.items():
+            family.add_metric([host], state["counts"].get(field, 0))
+    yield from (rate, cap, *counters.values())
 
 
 def _cumulative(raw: Mapping[str, int], name: str) -> tuple[list[tuple[str, float]], float]:

@@ -77,6 +77,13 @@ class AccountKeys:
             return f"{prefix}:{{{environment}:{api_key}}}"
         return f"{prefix}:{environment}:{api_key}"
 
+    @staticmethod
+    def exchange_rate(prefix: str, host: str) -> str:
+        """The fleet-wide exchange rate of the token endpoint ``host`` (``exchange_rate``),
+        shared by every account on it: one key, hash-tagged so that it names its own slot
+        on a Redis Cluster."""
+        return f"{prefix}:{{exchange-rate:{host}}}"
+
     def completed(self, task_id: str) -> str:
         """The completion record of call ``task_id`` (``completions``)."""
         return f"{self.namespace}:completed:{task_id}"

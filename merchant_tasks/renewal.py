@@ -33,6 +33,7 @@ from .exceptions import (
     TokenExchangeError,
 )
 from .exchange import IssuedToken
+from .exchange_rate import PERMIT_WAIT, ExchangeRate
 from .local_copy import LOCAL_COPY_TTL, LocalCopy
 from .policy import Outcome, RenewalPolicy
 from .refusals import Refusals
@@ -55,10 +56,10 @@ Acceptable = Callable[[Token | None], bool]  # whether a token (or none) serves 
 def limits(exchange_timeout: float) -> tuple[float, float, float]:
     """How long the longest renewal, a wait for another's and the lock's lease last, for
     one exchange's deadline (``exchange_timeout``, exchange.py)."""
-    # every attempt at its deadline plus the waits between them (a back-off and a
-    # Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
+    # every attempt at its deadline after its wait for a permit, plus the waits between
+    # them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
     renewal = (
-        EXCHANGE_ATTEMPTS * exchange_timeout
+        EXCHANGE_ATTEMPTS * (exchange_timeout + PERMIT_WAIT)
         + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
         + LOCK_MARGIN
     )
@@ -86,6 +87,7 @@ class TokenManager:
         local_copy_ttl: float = LOCAL_COPY_TTL,
         monotonic: Clock = time.monotonic,
         wake_ups: bool = True,
+        rate: ExchangeRate | None = None,
     ) -> None:
         self.store = store
         self.policy = RenewalPolicy(renew_before, renew_mandatory)
@@ -94,13 +96,21 @@ class TokenManager:
         self.copy = LocalCopy(local_copy_ttl, monotonic)
         self.breaker = Breaker(store, self.clock, secret_fingerprint, rng or random.Random())
         self.signal = RenewalSignal(store) if wake_ups else None
+        self.rate = rate  # the token endpoint host's fleet-wide permits (exchange_rate.py)
         self.renewal_limit, self.wait_limit, lease = limits(exchange_timeout)
         self.lock = RenewalLock(store, lease)
         # the parts get the callables themselves, not closures over this manager: no
         # reference cycle, so a manager is freed as soon as it is dropped
         clock = self.clock
         self.renewer = Renewer(
-            store, exchange, self.policy, self.breaker, self.copy, clock=clock, sleep=sleep
+            store,
+            exchange,
+            self.policy,
+            self.breaker,
+            self.copy,
+            clock=clock,
+            sleep=sleep,
+            rate=rate,
         )
         self.flight = SingleFlight(
             store,
@@ -239,7 +249,8 @@ class TokenManager:
         """A token ``acceptable`` to the caller, exchanging at most once fleet-wide.
 
         ``prelude``: the caller's own look at the store and the lock, as the first attempt;
-        ``first``: run under the lock before the exchange (the forced-renewal budget).
+        ``first``: run under the lock once the exchange has its permit (the forced-renewal
+        budget).
         """
         since = self.copy.now() if started is None else started
         probing: list[bool] = []
@@ -262,9 +273,7 @@ class TokenManager:
 
         def renew() -> Token:
             ran.append(True)
-            if first is not None:
-                first()
-            return self.renewer.renew(reason, probe=bool(probing))
+            return self.renewer.renew(reason, probe=bool(probing), first=first)
 
         with telemetry.renewal_span(reason, self.store.account) as span:
             before = self.store.seen_generation

@@ -25,6 +25,7 @@ from .breaker import Breaker
 from .exceptions import (
     CredentialsRejected,
     ExchangeRateLimited,
+    ExchangesThrottled,
     MalformedTokenResponse,
     RenewalTimeout,
     TokenEndpointUnavailable,
@@ -32,6 +33,7 @@ from .exceptions import (
     TokenRejected,
 )
 from .exchange import IssuedToken
+from .exchange_rate import ExchangeRate, Priority
 from .local_copy import LocalCopy
 from .policy import (
     Outcome,
@@ -61,11 +63,19 @@ class Renewer:
     _: dataclasses.KW_ONLY
     clock: Callable[[], float]
     sleep: Callable[[float], None]
+    rate: ExchangeRate | None = None  # the host's fleet-wide permits; None: unlimited
 
-    def renew(self, reason: RenewalReason, *, probe: bool = False) -> Token:
+    def renew(
+        self,
+        reason: RenewalReason,
+        *,
+        probe: bool = False,
+        first: Callable[[], None] | None = None,
+    ) -> Token:
         """Exchange (retrying a failing endpoint a few times, once for a half-open probe)
         and store the answer if it is better than the stored token; else mark the stored
-        one final."""
+        one final. ``first`` runs once the first permit is granted, before the exchange
+        (the forced-renewal budget: a renewal refused a permit spends none of it)."""
         expected = self.store.generation()
         current = self.store.load()
         now = self.clock()
@@ -77,7 +87,10 @@ class Renewer:
         if current is not None and not current.valid_at(issued_at):
             current = None
         try:
-            issued = self._exchange(reason, current, attempts=1 if probe else EXCHANGE_ATTEMPTS)
+            attempts = 1 if probe else EXCHANGE_ATTEMPTS
+            issued = self._exchange(reason, current, attempts, [first] if first else [])
+        except ExchangesThrottled:
+            raise  # the host's fleet-wide rate, not this account's endpoint: no pause
         except TokenExchangeError as exc:
             self.store.records.record_renewal(reason, outcome_of(exc))
             self.breaker.trip(exc)
@@ -100,14 +113,27 @@ class Renewer:
         )
         return self._store_new(token, expected, issued.expires_in)
 
-    def _exchange(self, reason: RenewalReason, current: Token | None, attempts: int) -> IssuedToken:
+    def _exchange(
+        self,
+        reason: RenewalReason,
+        current: Token | None,
+        attempts: int,
+        first: list[Callable[[], None]],
+    ) -> IssuedToken:
         """The exchange, retried while the endpoint fails; each HTTP attempt counted."""
 
         def attempt() -> IssuedToken:
+            if self.rate is not None:
+                urgent = reason != RenewalReason.SCHEDULED
+                self.rate.take(Priority.CALLER if urgent else Priority.BACKGROUND)
+            if first:
+                first.pop()()
             try:
                 issued = self.exchange()
             except TokenExchangeError as exc:
                 self.store.records.record_attempt(reason, outcome_of(exc), self.clock())
+                if isinstance(exc, ExchangeRateLimited) and self.rate is not None:
+                    self.rate.rate_limited()
                 raise
             self.store.records.record_attempt(reason, Outcome.OK, self.clock())
             if issued.expires_in <= 0 and current is None:
@@ -123,6 +149,7 @@ class Renewer:
             retry=retry_if_exception(
                 lambda exc: (
                     isinstance(exc, TokenEndpointUnavailable | MalformedTokenResponse)
+                    and not isinstance(exc, ExchangesThrottled)
                     and (getattr(exc, "retry_after", None) or 0) <= EXCHANGE_RETRY_WAIT_MAX
                 )
             ),

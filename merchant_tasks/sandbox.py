@@ -18,7 +18,9 @@ Token exchange
     415  unsupported_media_type       content-type is not application/json
     400  invalid_json / invalid_body  body is not JSON / not a JSON object
     400  unsupported_grant_type       grant_type is not "client_credential"
-    401  invalid_client               appid or secret wrong (neither is ever echoed)
+    401  invalid_client               appid or secret wrong (neither is ever echoed);
+                                      with key_family, any appid "<api key>.<name>" with
+                                      the secret is right too (one emulator, many accounts)
 
 Business endpoints, with Authorization: Bearer <token>
   GET  /open-api/v1/ping              200 {"ok": true}
@@ -122,6 +124,7 @@ _SETTABLE: dict[str, tuple[Callable[[Any], bool], str]] = {
     "environment": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "hand_back_live_token": (lambda v: isinstance(v, bool), "true or false"),
     "refuse_all_calls": (lambda v: isinstance(v, bool), "true or false"),
+    "key_family": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 
@@ -145,6 +148,7 @@ class SandboxConfig:
     environment: str = "sandbox"
     hand_back_live_token: bool = False
     refuse_all_calls: bool = False
+    key_family: bool = False  # accept "<api_key>.<name>" too: many accounts, one secret
 
     def __post_init__(self) -> None:
         # Messages name the field, never the value: the value may be the secret.
@@ -381,7 +385,11 @@ class SandboxApp:
             raise _Refusal(400, "unsupported_grant_type", f'grant_type must be "{GRANT_TYPE}"')
         with self._lock:  # so a secret reset cannot fall between the check and the issue
             cfg = self.config
-            appid_ok = _same(body.get("appid"), cfg.api_key)
+            appid = body.get("appid")
+            family = (
+                cfg.key_family and isinstance(appid, str) and appid.startswith(cfg.api_key + ".")
+            )
+            appid_ok = _same(appid, cfg.api_key) or family
             # Compared even when the appid is wrong, so timing does not tell which one was.
             secret_ok = _same(body.get("secret"), cfg.secret)
             if not (appid_ok and secret_ok):

@@ -44,6 +44,9 @@ RENEW_INTERVAL = 60  # beat checks once a minute, well inside the 6-minute advis
 CONNECT_TIMEOUT = 3.05  # slightly above a multiple of 3 s, TCP's retransmission step
 READ_TIMEOUT = 10.0  # a token exchange or API call slower than this is treated as failed
 DEFAULT_TIMEOUTS = (CONNECT_TIMEOUT, READ_TIMEOUT)  # requests' (connect, read) pair
+MAX_EXCHANGES_PER_SECOND = 10.0  # per token endpoint host, fleet-wide: gateways limit a token
+# endpoint per client address (a few hundred a minute is common), and one deploy onto an
+# empty Redis would otherwise send one exchange per account at once
 REJECTED_RETRY_WINDOW = 900  # call_api keeps retrying refused credentials this long: time to
 # write a rotated secret to the secret file before the calls fail for good
 PREFIX = "MERCHANT_"
@@ -79,6 +82,13 @@ def _seconds(name: str, text: str) -> float:
         raise ConfigurationError(f"{name} must be a number of seconds, not {text!r}") from None
 
 
+def _per_second(name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigurationError(f"{name} must be a number per second, not {text!r}") from None
+
+
 def _flag(name: str, text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off"):
         return False
@@ -91,6 +101,7 @@ TEXT = Kind("text", lambda name, text: text)
 URL = Kind("URL", lambda name, text: text)
 PATH = Kind("file path", lambda name, text: text)
 SECONDS = Kind("seconds", _seconds, lambda value: repr(float(value)))
+PER_SECOND = Kind("per second", _per_second, lambda value: repr(float(value)))
 FLAG = Kind("1 / 0", _flag, lambda value: "1" if value else "0")
 
 
@@ -221,6 +232,13 @@ VARIABLES = (
         Scope.FLEET,
     ),
     Variable(
+        "MERCHANT_MAX_EXCHANGES_PER_SECOND",
+        "token exchanges per second to one token endpoint host, across every account and "
+        "process sharing the Redis (halved for a while after a 429)",
+        PER_SECOND,
+        Scope.FLEET,
+    ),
+    Variable(
         "MERCHANT_TOKEN_KEY_FILE",
         "seal the stored token under this key: 32 random bytes as base64, mode 0600; "
         "needs the `encryption` extra",
@@ -324,6 +342,7 @@ class FleetSettings:
     key_prefix: str = DEFAULT_KEY_PREFIX
     renew_interval: float = RENEW_INTERVAL
     rejected_retry_window: float = REJECTED_RETRY_WINDOW
+    max_exchanges_per_second: float = MAX_EXCHANGES_PER_SECOND
     token_key_file: str | None = None  # seals the token at rest (sealing.py)
     token_key_previous_file: str | None = None  # still opens tokens while rotating
     accounts_file: str | None = None
@@ -336,6 +355,11 @@ class FleetSettings:
             raise ConfigurationError(
                 "MERCHANT_REJECTED_RETRY_WINDOW must be a finite number of seconds, 0 or more "
                 "(0: a call with refused credentials fails at once)"
+            )
+        if not (self.max_exchanges_per_second > 0 and math.isfinite(self.max_exchanges_per_second)):
+            raise ConfigurationError(
+                "MERCHANT_MAX_EXCHANGES_PER_SECOND must be a positive, finite number "
+                "(token exchanges per second to one token endpoint host)"
             )
         codec_for(self.token_key_file, self.token_key_previous_file)  # readable, 32 bytes
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .exchange_rate import ExchangeRate
 from .settings import Settings
 from .store_protocol import Store
 from .token import TokenState
@@ -46,6 +47,9 @@ class AccountStatus:
     lock_holder: str | None = None
     counters: dict[str, int] = field(default_factory=dict)
     histograms: dict[str, int] = field(default_factory=dict)  # raw fields, see store.observe
+    # the token endpoint host's fleet-wide exchange rate: host, rate and cap (per second),
+    # permits in the bucket, and its counts (exchange_rate.RateState)
+    exchange_rate: dict[str, Any] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -56,8 +60,10 @@ class AccountStatus:
         return asdict(self)
 
 
-def account_status(name: str, settings: Settings, store: Store) -> AccountStatus:
-    """Read one account's status from its store."""
+def account_status(
+    name: str, settings: Settings, store: Store, rate: ExchangeRate | None = None
+) -> AccountStatus:
+    """Read one account's status from its store (and its host's exchange rate)."""
     now = store.time()
     token = store.load()
     record = store.records.load_breaker()
@@ -80,6 +86,7 @@ def account_status(name: str, settings: Settings, store: Store) -> AccountStatus
         "lock_holder": store.lock_holder(),
         "counters": store.records.counters(),
         "histograms": store.records.histograms(),
+        "exchange_rate": asdict(rate.state()) if rate is not None else None,
     }
     if token is None:
         return AccountStatus(state=AccountState.MISSING, **common)
@@ -119,6 +126,13 @@ def format_status(status: AccountStatus) -> str:
     else:
         lines.append("  breaker     closed")
     lines.append(f"  lock        {status.lock_holder or 'free'}")
+    if status.exchange_rate is not None:
+        r, counts = status.exchange_rate, status.exchange_rate["counts"]
+        halved = f" (cap {r['cap']:g}, lowered after a 429)" if r["rate"] < r["cap"] else ""
+        lines.append(
+            f"  exch. rate  {r['rate']:g}/s to {r['host']}{halved}; permits waited for "
+            f"{counts['waited']}, refused {counts['gave_up']}, 429 halvings {counts['cuts']}"
+        )
     if status.counters:
         counted = ", ".join(f"{k}={v}" for k, v in sorted(status.counters.items()))
         lines.append(f"  counters    {counted}")

@@ -68,6 +68,7 @@ from .token import Token
 
 log = logging.getLogger(__name__)
 
+MGET_CHUNK = 1000  # keys read by one command in beat's check, not one command each
 CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
 LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding another's renewal under way to a
 # token being stored: recorded by the store's write, not by the waiters
@@ -302,23 +303,28 @@ class TokenStore:
 
 def read_values(client: StoreClient, keys: list[str]) -> tuple[float, list[bytes | None]]:
     """Redis's time and the string value of each key, in one round trip (beat's due check);
-    a key of the wrong type reads as an empty value."""
+    a key of the wrong type reads as absent or empty. Keys go by MGET_CHUNK per script
+    (``READ_STRINGS``; one GET each on a Cluster, whose slots a script may not span):
+    10,000 GETs cost more to pack and parse than the round trip itself."""
     pipe = client.pipeline(transaction=False)
     clustered = isinstance(client, RedisCluster)  # its pipelines refuse TIME: read it apart
-    if not clustered:
+    if clustered:
+        for key in keys:
+            pipe.get(key)
+    else:
         pipe.time()
-    for key in keys:
-        pipe.get(key)
+        for start in range(0, len(keys), MGET_CHUNK):
+            chunk = keys[start : start + MGET_CHUNK]
+            pipe.eval(scripts.READ_STRINGS, len(chunk), *chunk)
     with unavailable_as_error():
         clock = [client.time()] if clustered else []
         replies = [*clock, *pipe.execute(raise_on_error=False)]
-    if isinstance(replies[0], Exception):
-        raise StoreUnavailable(f"token store (Redis) {cause(replies[0])}") from replies[0]
+    for reply in replies:
+        if isinstance(reply, Exception) and not wrong_type(reply):
+            raise StoreUnavailable(f"token store (Redis) {cause(reply)}") from reply
     seconds, micros = cast(tuple[int, int], replies[0])
-    values = [b"" if wrong_type(raw) else cast(bytes | None, raw) for raw in replies[1:]]
-    for raw in replies[1:]:
-        if isinstance(raw, Exception) and not wrong_type(raw):
-            raise StoreUnavailable(f"token store (Redis) {cause(raw)}") from raw
+    found = replies[1:] if clustered else [raw for chunk in replies[1:] for raw in chunk]
+    values = [b"" if wrong_type(raw) else cast(bytes | None, raw) for raw in found]
     return seconds + micros / 1e6, values
 
 

@@ -205,3 +205,94 @@ if redis.call('PTTL', KEYS[1]) == -1 then redis.call('DEL', KEYS[1]) end
 if redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then return 1 end
 return 0
 """
+
+# KEYS: one token endpoint host's exchange rate (a hash). ARGV: what for ('caller',
+# 'background', 'cut' after a 429, 'peek'), the cap (per second), the bucket's size in
+# seconds of the rate, the permits kept for callers, the hold after a halving (ms), the
+# step of the increase (a share of the cap), the step's interval (ms), the lowest rate,
+# the spacing of halvings (ms), the longest wait the asker accepts (ms), how long it has
+# waited so far (ms), the key's lifetime (ms).
+# A token bucket in Redis time. A caller reserves the next permit, the bucket going into
+# debt, and is told how long to wait for it (no polling); beat's renewals take one only
+# while RESERVED permits stay for callers, else they are told when to ask again. The rate
+# is the cap until a 429 halves it (at most once per spacing, down to the lowest rate);
+# after the hold it grows back by one step per interval.
+# Only commands the README's ACL user has (HGETALL, HSET, HINCRBY, PEXPIRE, TIME, TYPE, DEL).
+# Returns {1 granted (wait ms before sending) / 0 ask again after ms / -1 no permit within
+# the asker's wait, wait ms, rate, permits in the bucket}.
+TAKE_EXCHANGE_PERMIT = (
+    _HELPERS
+    + """
+local key, mode, cap = KEYS[1], ARGV[1], tonumber(ARGV[2])
+fit(key, 'hash')
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local fields, state = redis.call('HGETALL', key), {}
+for i = 1, #fields, 2 do state[fields[i]] = fields[i + 1] end
+local cut_rate, cut_at = tonumber(state['cut_rate']), tonumber(state['cut_at'])
+local rate = cap
+if cut_rate and cut_at then
+  local grown = now_ms - cut_at - tonumber(ARGV[5])
+  rate = cut_rate
+  if grown >= 0 then
+    rate = cut_rate + cap * tonumber(ARGV[6]) * (math.floor(grown / tonumber(ARGV[7])) + 1)
+  end
+  rate = math.min(rate, cap)
+end
+local reserved = tonumber(ARGV[4])
+local size = math.max(reserved + 1, rate * tonumber(ARGV[3]))
+local tokens, at = tonumber(state['tokens']), tonumber(state['at'])
+if not tokens or not at then tokens, at = size, now_ms end
+tokens = math.min(size, tokens + math.max(0, now_ms - at) * rate / 1000)
+if mode == 'peek' then return {1, 0, tostring(rate), tostring(tokens)} end
+local result, wait_ms = 1, 0
+local budget_ms, waited_ms = tonumber(ARGV[10]), tonumber(ARGV[11])
+if mode == 'cut' then
+  if not cut_at or now_ms - cut_at >= tonumber(ARGV[9]) then
+    rate = math.max(math.min(tonumber(ARGV[8]), cap), rate / 2)
+    redis.call('HSET', key, 'cut_rate', tostring(rate), 'cut_at', now_ms)
+    incr(key, 'cuts', 1)
+    tokens = math.min(tokens, math.max(reserved + 1, rate * tonumber(ARGV[3])))
+  end
+elseif mode == 'caller' then
+  wait_ms = math.max(0, math.ceil((1 - tokens) * 1000 / rate))
+  if wait_ms > budget_ms then
+    result = -1
+  else
+    tokens = tokens - 1
+    incr(key, 'granted_caller', 1)
+  end
+else
+  local need = reserved + 1
+  if tokens >= need then
+    tokens = tokens - 1
+    incr(key, 'granted_background', 1)
+  else
+    wait_ms = math.ceil((need - tokens) * 1000 / rate)
+    result = 0
+    if wait_ms > budget_ms then result = -1 end
+  end
+end
+if result == -1 then incr(key, 'gave_up', 1) end
+if result == 1 and mode ~= 'cut' and wait_ms + waited_ms > 0 then
+  incr(key, 'waited', 1)
+  incr(key, 'waited_ms', wait_ms + waited_ms)
+end
+if rate >= cap and cut_at then redis.call('HSET', key, 'cut_rate', '', 'cut_at', '') end
+redis.call('HSET', key, 'tokens', string.format('%.6f', tokens), 'at', now_ms)
+redis.call('PEXPIRE', key, ARGV[12])
+return {result, wait_ms, tostring(rate), tostring(tokens)}
+"""
+)
+
+# KEYS: string keys (beat's due check reads up to MGET_CHUNK at once). The value of each,
+# nil for one absent or of the wrong type. MGET would do, but the least-privilege ACL
+# user documented in the README has EVAL and GET, not MGET.
+READ_STRINGS = """
+local values = {}
+for i, key in ipairs(KEYS) do
+  local raw = redis.pcall('GET', key)
+  values[i] = type(raw) == 'string' and raw or false
+end
+return values
+"""

@@ -37,6 +37,7 @@ from merchant_tasks.settings import (
     Secret,
     Settings,
 )
+from merchant_tasks.store import MGET_CHUNK
 from merchant_tasks.token import Token
 
 ACCOUNTS = 1000
@@ -141,6 +142,20 @@ def test_a_thousand_accounts_with_nothing_due_cost_one_round_trip(
     _store_tokens(counting_redis, TOKEN_LIFETIME - 60, *accounts.values())
     before = CountingConnection.sent
     assert due_accounts(accounts, lambda url: counting_redis) == []
+    assert CountingConnection.sent - before == 1
+
+
+def test_accounts_past_one_read_cost_one_round_trip_and_keep_their_order(
+    counting_redis: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
+) -> None:
+    accounts = _fleet(merchant_key_prefix, merchant_redis_url, 2 * MGET_CHUNK + 500)  # three MGETs
+    names = list(accounts)
+    due = {names[1], names[MGET_CHUNK], names[-1]}  # first in a chunk, and the last
+    _store_tokens(
+        counting_redis, TOKEN_LIFETIME - 60, *(accounts[n] for n in names if n not in due)
+    )
+    before = CountingConnection.sent
+    assert due_accounts(accounts, lambda url: counting_redis) == [n for n in names if n in due]
     assert CountingConnection.sent - before == 1
 
 

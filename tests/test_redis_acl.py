@@ -88,6 +88,10 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     assert store.note_wait(store.seen_generation, 30.0)
     client.manager.renew(force=True)
     assert merchant_sandbox.exchanges()["ok"] == 3
+    rate = client.manager.rate  # the host's exchange rate: every exchange took a permit
+    assert rate is not None
+    rate.rate_limited()
+    assert rate.state().counts == {**rate.state().counts, "granted_caller": 3, "cuts": 1}
     assert f"{LOCK_WAIT_SECONDS}:sum_us" in store.records.histograms()
     wait_until(lambda: signal.heard >= heard + 2, "both renewals announced", 10.0)
     # completion records of calls that succeeded (completions.py)

@@ -178,6 +178,17 @@ def test_exchange_with_wrong_credentials_is_401_invalid_client(changes: dict[str
     assert response.data == INVALID_CLIENT
 
 
+def test_a_key_family_stands_for_many_accounts_with_one_secret() -> None:
+    family = Client(make_app(key_family=True))
+    assert exchange(family, {**GOOD_BODY, "appid": f"{API_KEY}.shop-7"}).status_code == 200
+    for appid in (f"{API_KEY}shop-7", f"other.{API_KEY}.x"):
+        assert exchange(family, {**GOOD_BODY, "appid": appid}).data == INVALID_CLIENT
+    wrong_secret = {**GOOD_BODY, "appid": f"{API_KEY}.shop-7", "secret": "nope"}
+    assert exchange(family, wrong_secret).data == INVALID_CLIENT
+    alone = Client(make_app())
+    assert exchange(alone, {**GOOD_BODY, "appid": f"{API_KEY}.shop-7"}).data == INVALID_CLIENT
+
+
 def test_exchange_without_credentials_is_401() -> None:
     response = exchange(Client(make_app()), {"grant_type": "client_credential"})
     assert error_of(response) == "invalid_client"

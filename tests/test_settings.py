@@ -508,6 +508,7 @@ def test_to_env_gives_back_every_field_when_read_again(secret_path: Path) -> Non
             key_prefix="acme",
             renew_interval=15.0,
             rejected_retry_window=0.5,
+            max_exchanges_per_second=2.5,
             token_key_file=str(keys[0]),
             token_key_previous_file=str(keys[1]),
             redis_sentinel_master="payments",
@@ -582,6 +583,18 @@ def test_an_invalid_renew_interval_is_refused_by_fleet_settings_naming_the_varia
 def test_an_invalid_rejected_retry_window_is_refused_naming_the_variable(raw: str) -> None:
     with pytest.raises(ConfigurationError, match="MERCHANT_REJECTED_RETRY_WINDOW"):
         FleetSettings.from_env({"MERCHANT_REJECTED_RETRY_WINDOW": raw})
+
+
+@pytest.mark.parametrize("raw", ["ten", "0", "-3", "nan", "inf"])
+def test_an_invalid_exchange_rate_is_refused_naming_the_variable(raw: str) -> None:
+    with pytest.raises(ConfigurationError, match="MERCHANT_MAX_EXCHANGES_PER_SECOND"):
+        FleetSettings.from_env({"MERCHANT_MAX_EXCHANGES_PER_SECOND": raw})
+
+
+def test_the_exchange_rate_is_ten_a_second_per_host_unless_set() -> None:
+    assert FleetSettings.from_env({}).max_exchanges_per_second == 10
+    rate = FleetSettings.from_env({"MERCHANT_MAX_EXCHANGES_PER_SECOND": "0.5"})
+    assert rate.max_exchanges_per_second == 0.5
 
 
 def test_a_rejected_retry_window_of_zero_means_fail_at_once() -> None:

@@ -35,7 +35,7 @@ from opentelemetry.trace import StatusCode
 
 from celery_fleet import CALL_API, PING, READY_TIMEOUT, Fleet
 from conftest import TEST_SECRET
-from merchant_tasks.accounts import client_for
+from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.exceptions import CredentialsRejected
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
@@ -257,17 +257,26 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
     }
 
 
+def two_processes(
+    settings: Settings, redis_client: redis.Redis, other_name: str
+) -> tuple[FleetClient, FleetClient]:
+    """Two clients of one account with their own copies of the token, as two processes have,
+    both holding the first token; the second keeps sending its copy (it meets a 401 itself)."""
+    renewing = client_for(settings, redis_client=redis_client, name="renewing")
+    other = client_for(settings, redis_client=redis_client, name=other_name)
+    other.manager.copy.ttl = 600.0
+    renewing.request("GET", PING)
+    other.request("GET", PING)
+    return renewing, other
+
+
 def test_a_refused_request_links_to_the_renewal_another_process_stored(
     traced: Telemetry,
     merchant_settings: Settings,
     redis_client: redis.Redis,
     merchant_sandbox: MerchantSandbox,
 ) -> None:
-    renewing = client_for(merchant_settings, redis_client=redis_client, name="renewing")
-    other = client_for(merchant_settings, redis_client=redis_client, name="other")  # its own copy
-    other.manager.copy.ttl = 600.0  # it keeps sending the revoked token: it meets the 401
-    renewing.request("GET", PING)
-    other.request("GET", PING)
+    renewing, other = two_processes(merchant_settings, redis_client, "other")
     merchant_sandbox.app.revoke_all()
     traced.exporter.clear()
 
@@ -292,11 +301,7 @@ def test_a_process_that_waited_for_another_renewal_shows_its_wait_and_links_to_i
     redis_client: redis.Redis,
     merchant_sandbox: MerchantSandbox,
 ) -> None:
-    renewing = client_for(merchant_settings, redis_client=redis_client, name="renewing")
-    waiting = client_for(merchant_settings, redis_client=redis_client, name="waiting")
-    waiting.manager.copy.ttl = 600.0  # it sends the revoked token and meets the 401 itself
-    renewing.request("GET", PING)
-    waiting.request("GET", PING)
+    renewing, waiting = two_processes(merchant_settings, redis_client, "waiting")
     merchant_sandbox.app.revoke_all()
     traced.exporter.clear()
     store = renewing.manager.store

@@ -22,6 +22,7 @@ from .accounts import AccountClients, FleetClient, client_for, client_from_env
 from .client import MerchantClient, TokenSource
 from .exceptions import (
     ApiError,
+    ApiOutcomeUnknown,
     ApiUnavailable,
     ConfigurationError,
     CredentialsRejected,
@@ -47,6 +48,7 @@ except PackageNotFoundError:  # a source tree used without installing it
 __all__ = [
     "AccountClients",
     "ApiError",
+    "ApiOutcomeUnknown",
     "ApiUnavailable",
     "ConfigurationError",
     "CredentialsRejected",

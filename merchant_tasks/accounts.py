@@ -39,7 +39,7 @@ import requests
 
 from . import redis_topology
 from .client import MerchantClient, new_session
-from .due import claim_renewals, due_accounts, release_renewal
+from .due import claim_renewals, due_accounts, namespace_of, release_renewal
 from .exceptions import ConfigurationError
 from .exchange import TokenExchange
 from .exchange_rate import ExchangeRate
@@ -198,9 +198,7 @@ def client_for(
     fleet = settings.fleet
     store = TokenStore(
         redis_client or redis_for(fleet),
-        TokenStore.namespace_for(
-            fleet.key_prefix, settings.environment, settings.api_key, hash_tag=fleet.redis_cluster
-        ),
+        namespace_of(settings),
         codec_for(fleet.token_key_file, fleet.token_key_previous_file),
         account=name,
     )

@@ -38,7 +38,13 @@ from tenacity import (
 from urllib3.exceptions import NewConnectionError
 
 from . import telemetry
-from .exceptions import ApiError, ApiUnavailable, MalformedApiResponse, TokenRejected
+from .exceptions import (
+    ApiError,
+    ApiOutcomeUnknown,
+    ApiUnavailable,
+    MalformedApiResponse,
+    TokenRejected,
+)
 from .exchange import TOKEN_PATH, error_code, parse_retry_after
 from .refusals import refused_after_renewal_message
 from .settings import DEFAULT_TIMEOUTS
@@ -48,6 +54,8 @@ log = logging.getLogger(__name__)
 
 API_PREFIX = "/open-api/v1/"
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})  # RFC 9110 9.2.2
+IDEMPOTENCY_HEADER = "Idempotency-Key"  # the header most payment APIs read (IETF draft name):
+# a request carrying one may be sent again whatever its method, the server answers it once
 SAFE_TO_RESEND_STATUSES = frozenset({429, 503})  # the server refused before processing
 TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 CALL_ATTEMPTS = 4  # one call plus three retries, then the caller (or Celery) decides
@@ -95,6 +103,14 @@ class _Call:
     params: Mapping[str, Any] | None
     headers: Mapping[str, str] | None
     span: telemetry.Recorder = telemetry.NO_SPAN  # its ``merchant_tasks.request`` span
+
+    @property
+    def resendable(self) -> bool:
+        """Whether sending it twice does no more than sending it once (RFC 9110 9.2.2, or
+        an idempotency key the server answers once)."""
+        return self.method in IDEMPOTENT_METHODS or any(
+            name.lower() == IDEMPOTENCY_HEADER.lower() for name in self.headers or {}
+        )
 
 
 class TokenSource(Protocol):
@@ -193,8 +209,8 @@ class MerchantClient(Generic[SourceT]):
 
         try:
             return self._retry_transient(attempt)
-        except _Transient as exc:  # not retryable for this method: report it as it came
-            raise ApiUnavailable(
+        except _Transient as exc:  # not resendable: report it as it came, never resent
+            raise ApiOutcomeUnknown(
                 f"{call.method} {call.path} failed ({exc}); "
                 "not retried: the server may have processed it",
                 status=exc.status,
@@ -237,12 +253,12 @@ class MerchantClient(Generic[SourceT]):
             never_sent = isinstance(exc, requests.ConnectTimeout) or _connection_refused(exc)
             raise _Transient(
                 f"connection to {_host(self.base_url)} failed: {type(exc).__name__}",
-                resendable=never_sent or method in IDEMPOTENT_METHODS,
+                resendable=never_sent or call.resendable,
             ) from None
         except requests.Timeout:
             raise _Transient(
                 f"timed out waiting for {_host(self.base_url)}",
-                resendable=method in IDEMPOTENT_METHODS,
+                resendable=call.resendable,
             ) from None
         status = response.status_code
         log.debug("%s %s answered %d", method, path, status)
@@ -260,7 +276,7 @@ class MerchantClient(Generic[SourceT]):
                 status=status,
                 excerpt=excerpt,
                 retry_after=parse_retry_after(response.headers.get("Retry-After")),
-                resendable=status in SAFE_TO_RESEND_STATUSES or method in IDEMPOTENT_METHODS,
+                resendable=status in SAFE_TO_RESEND_STATUSES or call.resendable,
             )
         found = error_code(response, token.value)
         raise ApiError(

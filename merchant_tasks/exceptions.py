@@ -17,6 +17,7 @@ MerchantError                      base; ``retryable`` says whether trying later
 ├── TokenRejected                  401 on a token renewing cannot mend (never accepted)
 └── ApiError                       a business call failed (``status``, ``code``, ``excerpt``)
     ├── ApiUnavailable             429/5xx/connection failure the client gave up on  retryable
+    │   └── ApiOutcomeUnknown      a non-idempotent call failed after it may have been processed
     └── MalformedApiResponse       a 2xx whose body is not JSON
 ```
 
@@ -155,6 +156,14 @@ class ApiUnavailable(ApiError):
     """The API kept answering 429/5xx or could not be reached, and the client gave up."""
 
     retryable = True
+
+
+class ApiOutcomeUnknown(ApiUnavailable):
+    """A call that is not idempotent (a POST with no idempotency key) timed out or got 502 or
+    504: the server may have processed it, so neither the client nor Celery sends it again.
+    Check the outcome with the API, or send such calls with an idempotency key."""
+
+    retryable = False
 
 
 class MalformedApiResponse(ApiError):

@@ -96,8 +96,12 @@ class AccountRedis:
     def __init__(self, client: StoreClient, keys: AccountKeys) -> None:
         self.client = client
         self.keys = keys
-        self.address = redis_address(client)  # for error messages: host only, no password
         self._reported: set[str] = set()  # keys whose corrupt value was logged
+
+    @property
+    def address(self) -> str:
+        """host:port of the client in use, for error messages (never a password)."""
+        return redis_address(self.client)
 
     def command(self, command: Callable[[], T]) -> T:
         with unavailable_as_error(self.address):
@@ -183,10 +187,13 @@ def cause(exc: Exception) -> str:
 def unavailable_as_error(address: str | None = None) -> Iterator[None]:
     """Every Redis error as StoreUnavailable naming ``address`` (host:port) and the cause
     (unreachable, read-only, out of memory, a refused command); the original is chained."""
-    where = f"Redis at {address}" if address else "Redis"
     try:
         yield
     except REDIS_ERRORS as exc:
-        raise StoreUnavailable(
-            f"token store ({where}) {cause(exc)}; check MERCHANT_REDIS_URL"
-        ) from exc
+        raise store_error(exc, address) from exc
+
+
+def store_error(exc: Exception, address: str | None = None) -> StoreUnavailable:
+    """The StoreUnavailable a Redis error ``exc`` becomes (chain it with ``from``)."""
+    where = f"Redis at {address}" if address else "Redis"
+    return StoreUnavailable(f"token store ({where}) {cause(exc)}; check MERCHANT_REDIS_URL")

@@ -57,8 +57,8 @@ from .redis_commands import (
     CORRUPT,
     AccountKeys,
     AccountRedis,
-    cause,
     milliseconds,
+    store_error,
     unavailable_as_error,
     wrong_type,
 )
@@ -127,7 +127,6 @@ class TokenStore:
         self.keys = AccountKeys.of(namespace)
         self.codec = codec  # how the token value is kept at rest (sealing.py)
         self.commands = AccountRedis(client, self.keys)
-        self.address = self.commands.address
         self.records: AccountRecords = AccountRecords(self.commands, account)
         self._parsed: tuple[bytes, Token] | None = None
         self._parsed_lock = threading.Lock()
@@ -321,7 +320,7 @@ def read_values(client: StoreClient, keys: list[str]) -> tuple[float, list[bytes
         replies = [*clock, *pipe.execute(raise_on_error=False)]
     for reply in replies:
         if isinstance(reply, Exception) and not wrong_type(reply):
-            raise StoreUnavailable(f"token store (Redis) {cause(reply)}") from reply
+            raise store_error(reply) from reply
     seconds, micros = cast(tuple[int, int], replies[0])
     found = replies[1:] if clustered else [raw for chunk in replies[1:] for raw in chunk]
     values = [b"" if wrong_type(raw) else cast(bytes | None, raw) for raw in found]

@@ -27,6 +27,7 @@ from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 
 from .accounts import AccountClients, FleetClient
+from .client import IDEMPOTENCY_HEADER
 from .completions import RECORD_TTL_FACTOR, CompletionRecords
 from .due import claim_ttl
 from .exceptions import CredentialsRejected, MerchantError, TokenRejected
@@ -39,7 +40,6 @@ TRANSIENT_MAX_RETRIES = 8  # with the back-off below: about 10 minutes of an una
 TRANSIENT_BACKOFF_FACTOR = 2  # seconds; doubles per retry, full jitter
 COUNTDOWN_MAX = 300  # far below the broker's visibility timeout (3600 s), so no redelivery
 REJECTED_RETRY_PACE = 60  # seconds between retries while the credentials are refused
-IDEMPOTENCY_HEADER = "Idempotency-Key"  # the header most payment APIs read (IETF draft name)
 
 # every task of merchant-tasks by name: its function and Celery options, for install()
 TASKS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}

@@ -20,6 +20,7 @@ from merchant_tasks.accounts import FleetClient
 from merchant_tasks.client import CALL_ATTEMPTS, CALL_WAIT_MAX, EXCERPT_LENGTH, MerchantClient
 from merchant_tasks.exceptions import (
     ApiError,
+    ApiOutcomeUnknown,
     ApiUnavailable,
     CredentialsRejected,
     MalformedApiResponse,
@@ -441,6 +442,18 @@ def test_502_504_and_read_timeouts_are_not_retried_for_post(
         client.request("POST", ORDERS, json={"amount": 1})
     assert caught.value.status == status
     assert len(transport.sent) == 1
+    # nor may Celery send it again: call_api retries only what is retryable
+    assert isinstance(caught.value, ApiOutcomeUnknown)
+    assert not caught.value.retryable
+
+
+@pytest.mark.parametrize("header", ["Idempotency-Key", "idempotency-key"])
+def test_a_post_with_an_idempotency_key_is_retried_like_get(
+    client: FleetClient, transport: FakeTransport, header: str
+) -> None:
+    transport.reply(response(502), requests.ReadTimeout("read"), dropped(), response(201, [1]))
+    assert client.request("POST", ORDERS, json={"amount": 1}, headers={header: "order-42"}) == [1]
+    assert len(transport.sent) == 4
 
 
 def test_a_connection_dropped_after_sending_is_not_retried_for_post(

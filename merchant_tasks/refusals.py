@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from . import telemetry
 from .breaker import Breaker
-from .exceptions import StoreUnavailable, TokenRejected
+from .exceptions import RenewalTimeout, StoreUnavailable, TokenRejected
 from .local_copy import LocalCopy
 from .policy import BreakerKind, CounterName
 from .renewal_lock import RenewalLock
@@ -162,12 +162,15 @@ class Refusals:
                 return found
             if renewer:  # this thread renews for the process
                 break
+        else:  # a sibling still renews: renewing too would be a second forced renewal
+            raise RenewalTimeout("another thread of this process still renews the refused token")
         log.info("token %s was refused: renewing", stale.fingerprint)
         try:
             return self.copy.keep(renew(stale, started, prelude, self._spend_budget))
         finally:
             with self._forcing_changed:
-                self._forcing = 0
+                if self._forcing == stale.generation:  # this thread's mark, not a later one
+                    self._forcing = 0
                 self._forcing_changed.notify_all()
 
     def _look(self, stale: Token) -> tuple[Token | None, bool, Prelude | None]:

@@ -40,8 +40,10 @@ from .wakeup import RenewalSignal
 
 log = logging.getLogger(__name__)
 
-FORCED_RENEWAL_BUDGET = 10  # forced renewals per account and period, fleet-wide: revocations
-# by operators and rotations come far less often; more means a fight over the API key
+FORCED_RENEWAL_BUDGET = 4  # forced renewals per account and period, fleet-wide: revocations
+# by operators and rotations come far less often; more means a fight over the API key. Each
+# revocation meets a 401 on every request in flight (one per calling thread), so the budget
+# bounds those too: 16 threads see at most 16 x (4 + 1) = 80 401s whatever the revocations
 FORCED_RENEWAL_PERIOD = 60.0  # seconds; also the pause once the budget is spent
 REFUSED_BACKOFF = 60.0  # seconds before a token refused before first use is renewed again
 REFUSED_BACKOFF_MAX = 1800.0  # ... doubling per refusal in a row, up to 30 minutes: a key
@@ -156,6 +158,7 @@ class Refusals:
             newer = self._newer_copy(stale) or self._sibling_renewal(stale)
             if newer is not None:
                 return newer  # a sibling thread got the token that replaces it
+            self.known_refused(stale)  # the sibling's renewal failed with a back-off: share it
             started = self.copy.now()
             found, renewer, prelude = self._look(stale)
             if found is not None:

@@ -63,8 +63,8 @@ from merchant_tasks.local_copy import LOCAL_COPY_TTL
 from merchant_tasks.policy import BreakerKind
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.records import BreakerRecord
-from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET
 from merchant_tasks.redis_topology import redis_from_url
+from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET
 from merchant_tasks.renewal import TokenManager
 from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env

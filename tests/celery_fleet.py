@@ -70,6 +70,7 @@ class Fleet:
         self.workdir.mkdir()
         self.children: list[Child] = []
         self._app: Any = None
+        self._sent: list[Any] = []  # every AsyncResult handed out, for _stop_waiting
         self._redis_clients: list[redis.Redis] = []
         self.settings = Settings(
             api_key=sandbox.api_key,
@@ -160,9 +161,21 @@ class Fleet:
         """Stop every child, all at once, and close the client app."""
         stop_all(self.children)
         self.children.clear()
+        self._stop_waiting()
         if self._app is not None:
             self._app.close()
             self._app = None
+
+    def _stop_waiting(self) -> None:
+        """Unsubscribe every result handed out from its channel while our Redis answers.
+
+        An AsyncResult unsubscribes when it is collected, which may be in a later test, once
+        this Redis is gone: Celery then retries the unsubscribe for about 20 s, inside that
+        test, and raises from ``__del__`` (an error of that test under pytest).
+        """
+        for result in self._sent:
+            result.backend.remove_pending_result(result)
+        self._sent.clear()
 
     def leftovers(self) -> str:
         """Processes still running with this fleet's marker in their command line."""
@@ -210,9 +223,11 @@ class Fleet:
         """Enqueue call_api; ``options`` are more of its keyword arguments, or ``task_id``."""
         task_id = options.pop("task_id", None)
         kwargs = {} if json is None else {"json": json}
-        return self.app.send_task(
+        result = self.app.send_task(
             CALL_API, args=[method, path], kwargs={**kwargs, **options}, task_id=task_id
         )
+        self._sent.append(result)
+        return result
 
     def get(self, result: Any, timeout: float = RESULT_TIMEOUT) -> Any:
         try:

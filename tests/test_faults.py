@@ -519,7 +519,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
 
     beat_thread = threading.Thread(target=beat, daemon=True)
     outage_end = first.expires_at - mandatory + 1.0
-    with CallLoop(client, 4, evidence, f"row 2 {fault}", pause=0.02) as loop:
+    with CallLoop(client, 4, evidence, f"row 2 {fault}", pause=0.1) as loop:
         beat_thread.start()
         wait_until(lambda: store.time() >= outage_end, "the end of the outage", lifetime)
         merchant_sandbox.app.configure({"token_error_rate": 0.0, "token_latency": 0.0})

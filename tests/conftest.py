@@ -95,8 +95,11 @@ LONG_RUNNING_FIXTURES = ("sentinel_group", "fleet", "callers")
 
 
 def _expected_length(item: pytest.Item) -> tuple[int, int]:
-    """Sorts the longest kinds of test first: those of LONG_RUNNING_FIXTURES in that order,
-    then the other integration tests, then the unit tests."""
+    """Sorts the longest kinds of test first: those marked ``long`` and those of
+    LONG_RUNNING_FIXTURES in that order, then the other integration tests, then the unit
+    tests."""
+    if item.get_closest_marker("long"):
+        return (0, 0)
     used = getattr(item, "fixturenames", ())
     for rank, name in enumerate(LONG_RUNNING_FIXTURES):
         if name in used:

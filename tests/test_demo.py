@@ -47,6 +47,7 @@ def _processes_working_in(directory: Path) -> list[int]:
     return found
 
 
+@pytest.mark.long
 def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
     tmp_path: Path,
 ) -> None:

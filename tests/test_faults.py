@@ -1037,6 +1037,7 @@ _api_replies = st.lists(
 )
 
 
+@pytest.mark.long
 @hypothesis_settings(
     max_examples=300,
     deadline=None,

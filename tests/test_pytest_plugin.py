@@ -33,6 +33,7 @@ def run_example_suite(name: str, redis_url: str) -> str:
     return done.stdout
 
 
+@pytest.mark.long
 def test_the_example_projects_tests_pass_with_the_plugins_fixtures_alone(
     merchant_redis_url: str,
 ) -> None:
@@ -40,6 +41,7 @@ def test_the_example_projects_tests_pass_with_the_plugins_fixtures_alone(
     assert not (EXAMPLES / "shop" / "conftest.py").exists()  # the fixtures come from the plugin
 
 
+@pytest.mark.long
 def test_the_django_shops_tests_pass_against_its_own_worker_and_beat(
     merchant_redis_url: str,
 ) -> None:

@@ -215,6 +215,7 @@ def test_a_redis_refusing_writes_is_a_typed_store_error_and_calls_recover_after(
     assert merchant_sandbox.exchanges()["ok"] == 2
 
 
+@pytest.mark.long
 def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     fast_settings: Settings,
     merchant_sandbox: MerchantSandbox,

@@ -192,7 +192,8 @@ def client_for(
     manager.
 
     ``redis_client`` and ``session`` are shared when given (``AccountClients`` shares one
-    Redis pool per server); otherwise the client gets its own.
+    Redis pool per server); otherwise the client gets its own. The exchange always has its
+    own session, whose transport cuts each exchange at its deadline.
     """
     session = session or new_session()
     fleet = settings.fleet
@@ -205,7 +206,7 @@ def client_for(
     server = urlsplit(settings.base_url).hostname or ""
     manager = TokenManager(
         store,
-        TimedExchange(TokenExchange.from_settings(settings, session), store, server=server),
+        TimedExchange(TokenExchange.from_settings(settings), store, server=server),
         lambda: fingerprint(settings.secret.reveal()),
         renew_before=settings.renew_before,
         renew_mandatory=settings.renew_mandatory,

@@ -99,7 +99,8 @@ class Refusals:
 
     def __post_init__(self) -> None:
         self._accepted = 0  # the highest generation this process saw accepted
-        self._known: dict[int, float] = {}  # refused generation -> end of its back-off
+        # refused generation -> (end of its back-off, fingerprint of the secret then)
+        self._known: dict[int, tuple[float, str]] = {}
         self.remake_locks()
 
     def remake_locks(self) -> None:
@@ -123,14 +124,16 @@ class Refusals:
         """Whether ``token`` is known to be refused: a sibling thread is renewing it after a
         401, or its back-off is over (then renew it, or wait for the sibling's token).
 
-        Raises TokenRejected while the back-off lasts: the token is not sent again."""
+        Raises TokenRejected while the back-off lasts, unless the secret was replaced since:
+        the token is not sent again."""
         if self._forcing >= token.generation:
             return True
-        until = self._known.get(token.generation)
-        if until is None:
+        known = self._known.get(token.generation)
+        if known is None:
             return False
+        until, refused_with = known
         left = until - self.clock()
-        if left > 0:
+        if left > 0 and not self.breaker.secret_replaced(refused_with):
             raise TokenRejected(
                 f"the stored token is known to be refused (HTTP 401); the account is renewed "
                 f"in {left:.0f} s. {LIKELY_CAUSES}",
@@ -145,8 +148,9 @@ class Refusals:
             token = self._renew_after(stale, renew)
         except TokenRejected as exc:
             if exc.retry_after:  # a back-off: no call sends this token until it is over
-                self._known = {g: t for g, t in self._known.items() if g >= stale.generation}
-                self._known[stale.generation] = self.clock() + exc.retry_after
+                self._known = {g: k for g, k in self._known.items() if g >= stale.generation}
+                until = self.clock() + exc.retry_after
+                self._known[stale.generation] = (until, self.breaker.secret_fingerprint())
             raise
         telemetry.link_renewal(token.traceparent)  # the call's span, to what replaced it
         return token
@@ -169,7 +173,10 @@ class Refusals:
             raise RenewalTimeout("another thread of this process still renews the refused token")
         log.info("token %s was refused: renewing", stale.fingerprint)
         try:
-            return self.copy.keep(renew(stale, started, prelude, self._spend_budget))
+            renewed = renew(stale, started, prelude, self._spend_budget)
+            if not renewed.replaces(stale, self.clock()):  # the endpoint handed it back
+                raise TokenRejected(_handed_back(renewed.expires_at - self.clock()))
+            return self.copy.keep(renewed)
         finally:
             with self._forcing_changed:
                 if self._forcing == stale.generation:  # this thread's mark, not a later one
@@ -217,6 +224,10 @@ class Refusals:
         record = self.store.records.load_breaker()
         earlier = record if record is not None and record.kind == BreakerKind.REFUSED else None
         now = self.clock()
+        if earlier is not None and self.breaker.secret_replaced(earlier.secret_fingerprint):
+            if earlier.generation == stale.generation:
+                return  # refused under the secret since replaced: renew with the new one
+            earlier = None  # refusals in a row are counted per secret
         if earlier is not None and earlier.generation == stale.generation:
             if earlier.until <= now:
                 return  # its back-off is over: renew it
@@ -273,6 +284,13 @@ def _never_accepted(pause: float) -> str:
     return (
         "the API refused a token it never accepted (HTTP 401); the account is renewed "
         f"again in {pause:.0f} s, fleet-wide, and calls fail until then. " + LIKELY_CAUSES
+    )
+
+
+def _handed_back(left: float) -> str:
+    return (
+        "the token endpoint handed back the token the API refuses (HTTP 401); "
+        f"it is renewed once it expires, in {left:.0f} s"
     )
 
 

@@ -264,7 +264,7 @@ class TokenManager:
             if acceptable(current):
                 return current
             try:
-                return self.breaker.check(fallback)
+                return self.breaker.check(fallback, operator=reason == RenewalReason.MANUAL)
             except TokenEndpointUnavailable:  # the endpoint's pause: half-open
                 if probing or (probe and self.breaker.take_probe()):
                     probing.append(True)

@@ -141,11 +141,12 @@ class Refusals:
             )
         return True
 
-    def renew_after(self, stale: Token, renew: ForcedRenewal) -> Token:
+    def renew_after(self, stale: Token, renew: ForcedRenewal, *, new_401: bool = True) -> Token:
         """The token that replaces ``stale``, refused by the API: another's, or a forced
-        renewal if the evidence says it was revoked; else TokenRejected."""
+        renewal if the evidence says it was revoked; else TokenRejected. ``new_401``: False
+        when no request met a 401 now (``stale`` is known refused from an earlier one)."""
         try:
-            token = self._renew_after(stale, renew)
+            token = self._renew_after(stale, renew, new_401)
         except TokenRejected as exc:
             if exc.retry_after:  # a back-off: no call sends this token until it is over
                 self._known = {g: k for g, k in self._known.items() if g >= stale.generation}
@@ -155,7 +156,7 @@ class Refusals:
         telemetry.link_renewal(token.traceparent)  # the call's span, to what replaced it
         return token
 
-    def _renew_after(self, stale: Token, renew: ForcedRenewal) -> Token:
+    def _renew_after(self, stale: Token, renew: ForcedRenewal, new_401: bool) -> Token:
         self.known_refused(stale)
         prelude: Prelude | None = None
         for _ in range(2):  # a second round if a sibling's renewal failed
@@ -164,7 +165,7 @@ class Refusals:
                 return newer  # a sibling thread got the token that replaces it
             self.known_refused(stale)  # the sibling's renewal failed with a back-off: share it
             started = self.copy.now()
-            found, renewer, prelude = self._look(stale)
+            found, renewer, prelude = self._look(stale, new_401)
             if found is not None:
                 return found
             if renewer:  # this thread renews for the process
@@ -183,7 +184,7 @@ class Refusals:
                     self._forcing = 0
                 self._forcing_changed.notify_all()
 
-    def _look(self, stale: Token) -> tuple[Token | None, bool, Prelude | None]:
+    def _look(self, stale: Token, new_401: bool) -> tuple[Token | None, bool, Prelude | None]:
         """In this process's turn: a newer token (copy or store), or TokenRejected, or this
         thread registered as the process's renewer of ``stale``'s generation, with its
         look at the store and the lock (one round trip) as the renewal's first attempt."""
@@ -197,7 +198,12 @@ class Refusals:
             locked, (current, outcome) = self.lock.acquire_with(
                 lambda value: _taken(
                     self.store.look_after_401(
-                        stale.generation, value, self.lock.prefix, self.lock.lease, self.wait_limit
+                        stale.generation,
+                        value,
+                        self.lock.prefix,
+                        self.lock.lease,
+                        self.wait_limit,
+                        count=new_401,
                     )
                 )
             )

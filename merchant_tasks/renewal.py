@@ -160,7 +160,7 @@ class TokenManager:
         copy = self.copy.trusted()
         if copy is not None and self.policy.usable(copy, self.clock()):
             if self.refusals.known_refused(copy):  # its back-off is over: renew it
-                return self.renew(stale_token=copy)
+                return self.refusals.renew_after(copy, self._renew_forced, new_401=False)
             return copy
         try:
             now = self.clock()
@@ -176,7 +176,7 @@ class TokenManager:
         if self.policy.usable(current, now):
             assert current is not None
             if self.refusals.known_refused(current):
-                return self.renew(stale_token=current)
+                return self.refusals.renew_after(current, self._renew_forced, new_401=False)
             return self.copy.keep(current)
         usable = current if current is not None and current.valid_at(now) else None
         try:

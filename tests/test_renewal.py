@@ -310,6 +310,7 @@ def test_a_token_known_refused_is_not_sent_again_until_its_backoff_ends_then_is_
     assert renewed.replaces(refused, clock.now)
     assert renewed.reason == RenewalReason.FORCED
     assert len(exchange.calls) == 1
+    assert store.records.counters()["unauthorized"] == 1  # its renewal met no new 401
 
 
 def test_two_revocations_before_first_use_heal_after_one_backoff(

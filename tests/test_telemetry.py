@@ -186,9 +186,9 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
     renew_after = client.manager.refusals.renew_after
     exchange = client.manager.exchange
 
-    def counted(stale: Token, renew: Callable[..., Token]) -> Token:
+    def counted(stale: Token, renew: Callable[..., Token], *, new_401: bool = True) -> Token:
         refused.release()
-        return renew_after(stale, renew)
+        return renew_after(stale, renew, new_401=new_401)
 
     def after_every_refusal() -> IssuedToken:
         for _ in range(THREADS):

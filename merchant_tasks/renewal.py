@@ -92,7 +92,6 @@ class TokenManager:
         self.store = store
         self.policy = RenewalPolicy(renew_before, renew_mandatory)
         self.clock: Clock = clock or RedisClock(store.time)  # the store's, shared by every part
-        self._sleep = sleep
         self.copy = LocalCopy(local_copy_ttl, monotonic)
         self.breaker = Breaker(store, self.clock, secret_fingerprint, rng or random.Random())
         self.signal = RenewalSignal(store) if wake_ups else None
@@ -135,23 +134,6 @@ class TokenManager:
 
     def __repr__(self) -> str:
         return f"TokenManager(store={self.store!r})"
-
-    @property
-    def exchange(self) -> Callable[[], IssuedToken]:
-        """The exchange (a test or a benchmark may wrap it)."""
-        return self.renewer.exchange
-
-    @exchange.setter
-    def exchange(self, exchange: Callable[[], IssuedToken]) -> None:
-        self.renewer.exchange = exchange
-
-    @property
-    def sleep(self) -> Callable[[float], None]:
-        return self._sleep
-
-    @sleep.setter
-    def sleep(self, sleep: Callable[[float], None]) -> None:
-        self._sleep = self.renewer.sleep = self.flight.sleep = sleep
 
     # -- callers -------------------------------------------------------------------------
 

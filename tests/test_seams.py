@@ -408,7 +408,7 @@ def test_two_revocations_before_first_use_heal_after_one_backoff(
     backoff = 3.0
     monkeypatch.setattr(refusals, "REFUSED_BACKOFF", backoff)
     assert merchant_client.request("GET", PING) == {"ok": True}
-    exchange = merchant_client.manager.exchange
+    exchange = merchant_client.manager.renewer.exchange
     revoking = [2]
 
     def revoked_on_issue() -> IssuedToken:
@@ -418,7 +418,7 @@ def test_two_revocations_before_first_use_heal_after_one_backoff(
             merchant_sandbox.app.revoke_all()  # the new token too, before anyone uses it
         return issued
 
-    merchant_client.manager.exchange = revoked_on_issue
+    merchant_client.manager.renewer.exchange = revoked_on_issue
     merchant_sandbox.app.revoke_all()
     started = time.monotonic()
     outcomes: Counter[str] = Counter()

@@ -441,11 +441,6 @@ class Settings:
             )
 
     @property
-    def account(self) -> str:
-        """The account's name in keys and logs: environment and API key."""
-        return f"{self.environment}:{self.api_key}"
-
-    @property
     def origin(self) -> str:
         """scheme://host:port of the base URL, as a server sees it (see ``origin``)."""
         return origin(self.base_url)

@@ -47,10 +47,11 @@ from .redis_commands import AccountKeys
 from .redis_topology import StoreClient
 from .renewal import TokenManager
 from .sealing import codec_for
-from .settings import FleetSettings, Settings, read_text_file, read_variable
+from .settings import FleetSettings, Settings, read_variable
 from .store import TokenStore
 from .timing import TimedExchange
 from .token import fingerprint
+from .variable_files import read_text_file
 
 DEFAULT_ACCOUNT = "default"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")

@@ -52,7 +52,7 @@ from redis.cluster import RedisCluster
 from . import store_scripts as scripts
 from .exceptions import StoreUnavailable
 from .policy import CounterName
-from .records import DURATION_BUCKETS, AccountRecords
+from .records import AccountRecords, Histogram
 from .redis_commands import (
     CORRUPT,
     AccountKeys,
@@ -72,7 +72,7 @@ MGET_CHUNK = 1000  # keys read by one command in beat's check, not one command e
 CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
 LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding another's renewal under way to a
 # token being stored: recorded by the store's write, not by the waiters
-_WAIT_BUCKETS = [x for b in DURATION_BUCKETS for x in (round(b * 1e6), f"{b:g}")]  # ARGV pairs
+_LOCK_WAIT_ARGS = Histogram(LOCK_WAIT_SECONDS).script_args()  # the same for every write
 
 
 class RedisClock:
@@ -234,8 +234,7 @@ class TokenStore:
                 replace(token, value=self.codec.seal(token.value, self.namespace)).to_json(),
                 repr(token.kept_until),
                 self._seen_generation,
-                LOCK_WAIT_SECONDS,
-                *_WAIT_BUCKETS,
+                *_LOCK_WAIT_ARGS,
             ],
         )
         if written == 1:

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from . import redis_topology
+from . import redis_topology, telemetry
 from .client import MerchantClient, new_session
 from .due import claim_renewals, due_accounts, namespace_of, release_renewal
 from .exceptions import ConfigurationError
@@ -48,6 +48,7 @@ from .redis_topology import StoreClient
 from .renewal import TokenManager
 from .sealing import codec_for
 from .settings import FleetSettings, Settings, read_variable
+from .status import breaker_states
 from .store import TokenStore
 from .timing import TimedExchange
 from .token import fingerprint
@@ -203,6 +204,7 @@ def client_for(
         codec_for(fleet.token_key_file, fleet.token_key_previous_file),
         account=name,
     )
+    telemetry.watch_breaker(name, store, breaker_states)
     server = urlsplit(settings.base_url).hostname or ""
     manager = TokenManager(
         store,

@@ -24,7 +24,7 @@ need), all named by ``redis_commands.AccountKeys``:
 - ``forced``     forced renewals of the last period (a sorted set by time), the budget
 - ``probe``      the half-open breaker's probe slot
 - ``waits``      when each caller waiting for another's renewal began (and its limit); the
-                 next write turns them into the lock-wait histogram
+                 next write turns them into the lock-wait histogram (and its meter's)
 - ``completed:<task id>`` a call's result (``completions``); ``renewal-sent`` beat's claim
 - channel ``renewed``: the generation of each token written, to wake waiting processes
 
@@ -50,6 +50,7 @@ from redis.client import PubSub
 from redis.cluster import RedisCluster
 
 from . import store_scripts as scripts
+from . import telemetry
 from .exceptions import StoreUnavailable
 from .policy import CounterName
 from .records import AccountRecords, Histogram
@@ -226,7 +227,7 @@ class TokenStore:
         ``token.generation`` must be the stored generation plus one. Returns whether it was
         written and the generation now stored.
         """
-        written, generation = self.commands.run(
+        written, generation, *waits = self.commands.run(
             scripts.SAVE_IF_GENERATION,
             keys=[self.keys.token, self.keys.generation, self.keys.waits, self.keys.histograms],
             args=[
@@ -239,6 +240,8 @@ class TokenStore:
         )
         if written == 1:
             self._see(int(generation))
+            for micros in waits:  # this process's meter gets the waits its write ended
+                telemetry.observe_lock_wait(self.account, int(micros) / 1e6)
         return written == 1, int(generation)
 
     def _see(self, generation: int) -> None:

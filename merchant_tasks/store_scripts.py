@@ -70,8 +70,9 @@ end
 # KEYS: token, generation, waits, histograms. ARGV: expected generation, token JSON, kept
 # until (Redis seconds), the highest generation the writer saw stored, then the lock-wait
 # histogram's ``Histogram.script_args``.
-# Returns {1, new generation} when written, {0, current generation} when another write
-# came first, {-1, expected generation} when the token has already expired. A stored
+# Returns {1, new generation, then each wait it recorded (microseconds)} when written,
+# {0, current generation} when another write came first, {-1, expected generation} when
+# the token has already expired. A stored
 # generation below the expected one is accepted only when the writer saw the expected one
 # stored: Redis lost writes (a failover, a restart without persistence), and the token is
 # written above them. A write ends the noted waits: each one that has not outlasted its
@@ -92,6 +93,7 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
 redis.call('SET', KEYS[2], expected + 1)
 fit(KEYS[3], 'list')
 local waits = redis.call('LRANGE', KEYS[3], 0, -1)
+local reply = {1, expected + 1}
 if #waits > 0 then
   redis.call('DEL', KEYS[3])
   local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -100,10 +102,11 @@ if #waits > 0 then
     local waited = since and now_us - tonumber(since)
     if waited and waited >= 0 and waited <= tonumber(limit_ms) * 1000 then
       observe(KEYS[4], waited, 5)
+      table.insert(reply, waited)
     end
   end
 end
-return {1, expected + 1}
+return reply
 """
 )
 

@@ -95,7 +95,7 @@ class BreakerRecord:
     kind: BreakerKind
     until: float
     failures: int = 1
-    secret_fingerprint: str = ""  # for "rejected": the secret that was refused
+    secret_fingerprint: str = ""  # "rejected", "refused": the secret in use; a new one ends it
     detail: str = ""  # the error's message, free of secrets by construction
     generation: int = 0  # for "refused": the refused token's generation
 

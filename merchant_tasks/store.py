@@ -192,8 +192,11 @@ class TokenStore:
         owner_prefix: str,
         lease: float,
         wait_limit: float,
+        *,
+        count: bool = True,
     ) -> tuple[Token | None, int]:
-        """After a 401, in one round trip: count it, load the token and, if it is still the
+        """After a 401, in one round trip: count it (unless ``count`` is False: no new 401
+        came, the call follows an earlier one), load the token and, if it is still the
         refused generation (or none is stored), try the renewal lock with ``lock_value``
         (None: a thread of this process holds it; only ``renewal_lock`` calls this).
 
@@ -208,7 +211,7 @@ class TokenStore:
                 lock_value or "",
                 owner_prefix,
                 milliseconds(lease),
-                CounterName.UNAUTHORIZED,
+                CounterName.UNAUTHORIZED if count else "",
                 CounterName.LOCK_WAITS,
                 milliseconds(wait_limit),
             ],

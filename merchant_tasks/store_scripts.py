@@ -136,14 +136,15 @@ return 1
 
 # KEYS: token, lock, counters, waits. ARGV: refused generation, the lock value to take it
 # with ('' : do not take it, a thread of this process holds it), the process's owner
-# prefix, lease (ms), the 401 counter, the lock-wait counter, the wait's limit (ms). Counts
-# the 401 and reads the token; when the stored token is the refused one (or none is
-# stored), tries the renewal lock, and notes the wait if another holds it.
+# prefix, lease (ms), the 401 counter ('' : no new 401, do not count), the lock-wait
+# counter, the wait's limit (ms). Counts the 401 and reads the token; when the stored token
+# is the refused one (or none is stored), tries the renewal lock, and notes the wait if
+# another holds it.
 # Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (noted)}.
 LOOK_AFTER_401 = (
     _HELPERS
     + """
-incr(KEYS[3], ARGV[5], 1)
+if ARGV[5] ~= '' then incr(KEYS[3], ARGV[5], 1) end
 local raw = read_string(KEYS[1])
 local generation = token_generation(raw)
 if generation and generation ~= tonumber(ARGV[1]) then return {raw or false, 0} end

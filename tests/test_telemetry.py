@@ -187,11 +187,11 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
     # renewing it), so that no thread can start late with the new token
     refused = threading.Semaphore(0)
     renew_after = client.manager.refusals.renew_after
-    exchange = client.manager.exchange
+    exchange = client.manager.renewer.exchange
 
-    def counted(stale: Token, renew: Callable[..., Token]) -> Token:
+    def counted(stale: Token, renew: Callable[..., Token], *, new_401: bool = True) -> Token:
         refused.release()
-        return renew_after(stale, renew)
+        return renew_after(stale, renew, new_401=new_401)
 
     def after_every_refusal() -> IssuedToken:
         for _ in range(THREADS):
@@ -199,7 +199,7 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
         return exchange()
 
     client.manager.refusals.renew_after = counted  # type: ignore[method-assign]
-    client.manager.exchange = after_every_refusal
+    client.manager.renewer.exchange = after_every_refusal
     start = threading.Barrier(THREADS)
 
     def call(_: int) -> Any:
@@ -308,14 +308,14 @@ def test_a_process_that_waited_for_another_renewal_shows_its_wait_and_links_to_i
     merchant_sandbox.app.revoke_all()
     traced.exporter.clear()
     store = renewing.manager.store
-    exchange = renewing.manager.exchange
+    exchange = renewing.manager.renewer.exchange
     other_waits = threading.Event()
 
     def once_the_other_waits() -> IssuedToken:
         assert other_waits.wait(timeout=60)
         return exchange()
 
-    renewing.manager.exchange = once_the_other_waits
+    renewing.manager.renewer.exchange = once_the_other_waits
     waits_before = traced.points(LOCK_WAIT_DURATION, "renewing").get(frozenset(), 0)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(renewing.request, "GET", PING)

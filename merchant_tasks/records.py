@@ -28,6 +28,7 @@ EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last
 # for another process's exchange as long, up to the read timeout (10 s) and its retries
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 OVERFLOW = "+Inf"  # the bucket of durations above every bound (Prometheus's name for it)
+_BOUNDS = [(bound, f"{bound:g}") for bound in DURATION_BUCKETS]  # seconds, and as fields say
 BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
 # failures in a row are counted and the back-off grows; a success deletes it
 
@@ -73,8 +74,8 @@ class Histogram:
         """ARGV for the scripts' ``observe``: the sum's field, the overflow bucket's field,
         then pairs of (upper bound in microseconds, field), bounds ascending."""
         args: list[str | int] = [self.sum_field, self.field(OVERFLOW)]
-        for bound in DURATION_BUCKETS:
-            args += [round(bound * 1e6), self.field(f"{bound:g}")]
+        for bound, label in _BOUNDS:
+            args += [round(bound * 1e6), self.field(label)]
         return args
 
     def cumulative(self, raw: Mapping[str, int]) -> tuple[list[tuple[str, float]], float]:
@@ -82,9 +83,9 @@ class Histogram:
         the hash's fields ``raw``."""
         buckets: list[tuple[str, float]] = []
         running = 0
-        for bound in [*(f"{b:g}" for b in DURATION_BUCKETS), OVERFLOW]:
-            running += raw.get(self.field(bound), 0)
-            buckets.append((bound, running))
+        for label in [*(label for _, label in _BOUNDS), OVERFLOW]:
+            running += raw.get(self.field(label), 0)
+            buckets.append((label, running))
         return buckets, raw.get(self.sum_field, 0) / 1e6
 
 

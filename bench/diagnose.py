@@ -218,14 +218,14 @@ def _instrument(client: FleetClient, timers: dict[str, list[float]]) -> None:
     manager = client.manager
     client.session.request = _timed(client.session.request, timers["http"])  # type: ignore[method-assign]
     manager.renew = _timed(manager.renew, timers["renew"])  # type: ignore[method-assign]
-    manager.exchange = _timed(manager.exchange, timers["exchange"])
-    sleep = manager.sleep
+    manager.renewer.exchange = _timed(manager.renewer.exchange, timers["exchange"])
+    sleep = manager.flight.sleep
 
     def counted_sleep(seconds: float) -> None:
         timers["sleep"].append(seconds)
         sleep(seconds)
 
-    manager.sleep = counted_sleep
+    manager.flight.sleep = manager.renewer.sleep = counted_sleep
 
 
 def main() -> None:

@@ -433,7 +433,7 @@ def storm_process(bench: Bench, prefix: str) -> StormProcess:
     pool = redis.ConnectionPool.from_url(bench.redis_url, connection_class=counting)
     client = bench.client(prefix, redis_client=redis.Redis(connection_pool=pool))
     timed: list[float] = []
-    exchange = client.manager.exchange
+    exchange = client.manager.renewer.exchange
 
     def timed_exchange() -> Any:
         started = time.perf_counter()
@@ -442,7 +442,7 @@ def storm_process(bench: Bench, prefix: str) -> StormProcess:
         finally:
             timed.append(time.perf_counter() - started)
 
-    client.manager.exchange = timed_exchange
+    client.manager.renewer.exchange = timed_exchange
     return StormProcess(client, counting.counts, timed)
 
 

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from . import redis_topology
+from . import redis_topology, telemetry
 from .client import MerchantClient, new_session
 from .due import claim_renewals, due_accounts, namespace_of, release_renewal
 from .exceptions import ConfigurationError
@@ -47,10 +47,12 @@ from .redis_commands import AccountKeys
 from .redis_topology import StoreClient
 from .renewal import TokenManager
 from .sealing import codec_for
-from .settings import FleetSettings, Settings, read_text_file, read_variable
+from .settings import FleetSettings, Settings, read_variable
+from .status import breaker_states
 from .store import TokenStore
 from .timing import TimedExchange
 from .token import fingerprint
+from .variable_files import read_text_file
 
 DEFAULT_ACCOUNT = "default"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -192,7 +194,8 @@ def client_for(
     manager.
 
     ``redis_client`` and ``session`` are shared when given (``AccountClients`` shares one
-    Redis pool per server); otherwise the client gets its own.
+    Redis pool per server); otherwise the client gets its own. The exchange always has its
+    own session, whose transport cuts each exchange at its deadline.
     """
     session = session or new_session()
     fleet = settings.fleet
@@ -202,10 +205,11 @@ def client_for(
         codec_for(fleet.token_key_file, fleet.token_key_previous_file),
         account=name,
     )
+    telemetry.watch_breaker(name, store, breaker_states)
     server = urlsplit(settings.base_url).hostname or ""
     manager = TokenManager(
         store,
-        TimedExchange(TokenExchange.from_settings(settings, session), store, server=server),
+        TimedExchange(TokenExchange.from_settings(settings), store, server=server),
         lambda: fingerprint(settings.secret.reveal()),
         renew_before=settings.renew_before,
         renew_mandatory=settings.renew_mandatory,

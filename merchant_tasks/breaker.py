@@ -34,6 +34,9 @@ RETRY_AFTER_MARGIN = 0.5  # Retry-After is in whole seconds and each host estima
 # clock to within milliseconds: without a margin, one may knock a moment too early
 UNAVAILABLE_BACKOFF = 2.0  # first pause after the endpoint failed; doubles per failure
 UNAVAILABLE_BACKOFF_MAX = 60.0  # ... up to a minute, so recovery is noticed within one
+OPERATOR_ENDS = (BreakerKind.REVOKED, BreakerKind.REFUSED)  # pauses over refused tokens: an
+# operator's forced renewal says the cause is fixed (access restored, the other exchanger
+# stopped); pauses over the endpoint's answers (rejected, rate limited, unavailable) hold
 PROBE_INTERVAL = 2.0  # half-open: with no valid token, one caller per interval fleet-wide
 # makes one exchange attempt during an `unavailable` pause, so recovery after an outage is
 # not held back by the rest of a pause of up to a minute (the first back-off's length)
@@ -48,24 +51,30 @@ class Breaker:
     secret_fingerprint: Callable[[], str]  # of the secret in use: a replaced one may try again
     rng: random.Random
 
-    def check(self, fallback: Token | None) -> Token | None:
+    def check(self, fallback: Token | None, *, operator: bool = False) -> Token | None:
         """While exchanges are paused: the still-valid ``fallback``, else the pause's error.
 
-        Returns None when an exchange may go ahead: no pause, or a rejected secret since
-        replaced.
+        Returns None when an exchange may go ahead: no pause, a pause opened against a
+        secret since replaced, or (``operator``: ``renew --force``) a pause in
+        ``OPERATOR_ENDS``.
         """
         record = self.store.records.load_breaker()
         now = self.clock()
         if record is None or record.until <= now:
             return None  # the record outlives its pause only to remember the failure count
-        if (
-            record.kind == BreakerKind.REJECTED
-            and record.secret_fingerprint != self.secret_fingerprint()
-        ):
+        if self.secret_replaced(record.secret_fingerprint):
             return None  # a new secret is in place: try it now
+        if operator and record.kind in OPERATOR_ENDS:
+            log.info("an operator's forced renewal ends the %s pause", record.kind)
+            return None
         if fallback is not None and fallback.valid_at(now):
             return fallback
         raise self._error(record, max(0.0, record.until - now))
+
+    def secret_replaced(self, refused_with: str) -> bool:
+        """Whether a pause opened against the secret of fingerprint ``refused_with`` ('':
+        none recorded) may end because another secret is in place now."""
+        return bool(refused_with) and refused_with != self.secret_fingerprint()
 
     def take_probe(self) -> bool:
         """Half-open: whether this caller may probe the endpoint during an ``unavailable``
@@ -108,7 +117,9 @@ class Breaker:
         """Pause renewals because token ``generation`` was refused before first use, the
         ``failures``-th time in a row (``refusals`` decides the pause)."""
         now = self.clock()
-        record = BreakerRecord(BreakerKind.REFUSED, now + pause, failures, "", detail, generation)
+        secret = self.secret_fingerprint()  # a new secret ends the pause (``check``)
+        kind = BreakerKind.REFUSED
+        record = BreakerRecord(kind, now + pause, failures, secret, detail, generation)
         self._open(record, now)
 
     def reset(self) -> None:

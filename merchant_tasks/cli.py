@@ -22,11 +22,11 @@ from .extras import require
 from .settings import (
     SANDBOX_DEFAULT_PORT,
     TOKEN_LIFETIME,
-    read_text_file,
     read_variable,
     refuse_unknown_names,
 )
 from .status import AccountStatus, account_status, format_status
+from .variable_files import read_text_file
 
 EXIT_FAILED = 1
 EXIT_CONFIGURATION = 2

@@ -73,10 +73,9 @@ POOL_SIZE = 32  # connections kept per host, for threaded callers
 class _Unauthorized(Exception):
     """Internal: a call got 401 with ``token``."""
 
-    def __init__(self, token: Token, excerpt: str) -> None:
+    def __init__(self, token: Token) -> None:
         super().__init__("HTTP 401")
         self.token = token
-        self.excerpt = excerpt
 
 
 @dataclass(eq=False)  # compared and hashed by identity, as exceptions are
@@ -266,10 +265,10 @@ class MerchantClient(Generic[SourceT]):
         if 200 <= status < 300:
             self.manager.accepted(token)
             return _decode(response, method, path)
-        excerpt = _excerpt(response, token)
         if status == 401:
             call.span.count(telemetry.UNAUTHORIZED)
-            raise _Unauthorized(token, excerpt)
+            raise _Unauthorized(token)
+        excerpt = _excerpt(response, token)
         if status in TRANSIENT_STATUSES:
             raise _Transient(
                 f"HTTP {status}",

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from .exceptions import MerchantError
 from .policy import BreakerKind, CounterName, Outcome
-from .records import DURATION_BUCKETS, attempt_counter, opening_counter, renewal_counter
+from .records import Histogram, attempt_counter, opening_counter, renewal_counter
 from .status import AccountStatus
 from .timing import HISTOGRAMS
 from .token import RenewalReason
@@ -118,7 +118,7 @@ def _families(statuses: Mapping[str, AccountStatus]) -> Iterable[Metric]:
         for counter, family in simple.items():
             family.add_metric(account, counts.get(counter, 0))
         for histogram, histogram_family in histograms.items():
-            buckets, total = _cumulative(status.histograms, histogram)
+            buckets, total = Histogram(histogram).cumulative(status.histograms)
             histogram_family.add_metric(account, buckets, total)
         time_left.add_metric(account, status.time_left or 0.0)
         generation.add_metric(account, status.generation or 0)
@@ -159,13 +159,3 @@ def _rate_families(statuses: Mapping[str, AccountStatus]) -> Iterable[Metric]:
         for field, family in counters.items():
             family.add_metric([host], state["counts"].get(field, 0))
     yield from (rate, cap, *counters.values())
-
-
-def _cumulative(raw: Mapping[str, int], name: str) -> tuple[list[tuple[str, float]], float]:
-    """Prometheus buckets (cumulative, ending with +Inf) and the sum, from store.observe."""
-    buckets: list[tuple[str, float]] = []
-    running = 0
-    for bound in [*(f"{b:g}" for b in DURATION_BUCKETS), "+Inf"]:
-        running += raw.get(f"{name}:le:{bound}", 0)
-        buckets.append((bound, running))
-    return buckets, raw.get(f"{name}:sum_us", 0) / 1e6

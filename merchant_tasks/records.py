@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,6 +27,8 @@ EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last
 # upper bounds (seconds) of the fleet-wide histograms: an exchange takes ~0.1-1 s, a wait
 # for another process's exchange as long, up to the read timeout (10 s) and its retries
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+OVERFLOW = "+Inf"  # the bucket of durations above every bound (Prometheus's name for it)
+_BOUNDS = [(bound, f"{bound:g}") for bound in DURATION_BUCKETS]  # seconds, and as fields say
 BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
 # failures in a row are counted and the back-off grows; a success deletes it
 
@@ -48,13 +51,52 @@ def opening_counter(kind: BreakerKind) -> str:
 
 
 @dataclass(frozen=True)
+class Histogram:
+    """A fleet-wide duration histogram's fields in the account's ``histograms`` hash.
+
+    ``<name>:le:<bound>`` counts the durations of that bucket (not cumulative; ``+Inf`` for
+    longer ones; their total is the count) and ``<name>:sum_us`` adds them up in
+    microseconds (integers only). The field names are made here only: the store's scripts
+    get them as arguments (``script_args``) and only pick the bucket.
+    """
+
+    name: str
+
+    def field(self, bound: str) -> str:
+        """The field counting the durations of the bucket whose upper bound is ``bound``."""
+        return f"{self.name}:le:{bound}"
+
+    @property
+    def sum_field(self) -> str:
+        return f"{self.name}:sum_us"
+
+    def script_args(self) -> list[str | int]:
+        """ARGV for the scripts' ``observe``: the sum's field, the overflow bucket's field,
+        then pairs of (upper bound in microseconds, field), bounds ascending."""
+        args: list[str | int] = [self.sum_field, self.field(OVERFLOW)]
+        for bound, label in _BOUNDS:
+            args += [round(bound * 1e6), self.field(label)]
+        return args
+
+    def cumulative(self, raw: Mapping[str, int]) -> tuple[list[tuple[str, float]], float]:
+        """Prometheus buckets (cumulative, ending with +Inf) and the sum in seconds, from
+        the hash's fields ``raw``."""
+        buckets: list[tuple[str, float]] = []
+        running = 0
+        for label in [*(label for _, label in _BOUNDS), OVERFLOW]:
+            running += raw.get(self.field(label), 0)
+            buckets.append((label, running))
+        return buckets, raw.get(self.sum_field, 0) / 1e6
+
+
+@dataclass(frozen=True)
 class BreakerRecord:
     """Why token exchanges are paused fleet-wide, and until when (Redis time)."""
 
     kind: BreakerKind
     until: float
     failures: int = 1
-    secret_fingerprint: str = ""  # for "rejected": the secret that was refused
+    secret_fingerprint: str = ""  # "rejected", "refused": the secret in use; a new one ends it
     detail: str = ""  # the error's message, free of secrets by construction
     generation: int = 0  # for "refused": the refused token's generation
 
@@ -165,21 +207,19 @@ class AccountRecords:
         return numbers
 
     def observe(self, name: str, seconds: float) -> None:
-        """Add one duration to the fleet-wide histogram ``name`` (buckets DURATION_BUCKETS).
+        """Add one duration to the fleet-wide histogram ``name`` (see ``Histogram``).
 
-        Kept as ``name:le:<bound>`` counts (not cumulative; ``+Inf`` for longer ones; their
-        total is the count) and ``name:sum_us`` (microseconds: integers only).
         Best effort: a failure is logged, never raised, so it cannot fail what it measures.
         """
-        bound = next((f"{b:g}" for b in DURATION_BUCKETS if seconds <= b), "+Inf")
-        increments = [(f"{name}:le:{bound}", 1), (f"{name}:sum_us", round(max(0.0, seconds) * 1e6))]
+        micros = round(max(0.0, seconds) * 1e6)
+        args = [micros, *Histogram(name).script_args()]
         try:
-            self._add(self.keys.histograms, increments)
+            self.commands.run(scripts.OBSERVE, [self.keys.histograms], args)
         except StoreUnavailable as exc:
             log.warning("could not record %s in Redis: %s", name, exc)
 
     def histograms(self) -> dict[str, int]:
-        """The raw fields written by ``observe``."""
+        """The raw fields of every histogram (``Histogram``)."""
         return self._numbers(self.keys.histograms)
 
     # -- completion records ----------------------------------------------------------------

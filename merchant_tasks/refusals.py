@@ -99,7 +99,8 @@ class Refusals:
 
     def __post_init__(self) -> None:
         self._accepted = 0  # the highest generation this process saw accepted
-        self._known: dict[int, float] = {}  # refused generation -> end of its back-off
+        # refused generation -> (end of its back-off, fingerprint of the secret then)
+        self._known: dict[int, tuple[float, str]] = {}
         self.remake_locks()
 
     def remake_locks(self) -> None:
@@ -123,14 +124,16 @@ class Refusals:
         """Whether ``token`` is known to be refused: a sibling thread is renewing it after a
         401, or its back-off is over (then renew it, or wait for the sibling's token).
 
-        Raises TokenRejected while the back-off lasts: the token is not sent again."""
+        Raises TokenRejected while the back-off lasts, unless the secret was replaced since:
+        the token is not sent again."""
         if self._forcing >= token.generation:
             return True
-        until = self._known.get(token.generation)
-        if until is None:
+        known = self._known.get(token.generation)
+        if known is None:
             return False
+        until, refused_with = known
         left = until - self.clock()
-        if left > 0:
+        if left > 0 and not self.breaker.secret_replaced(refused_with):
             raise TokenRejected(
                 f"the stored token is known to be refused (HTTP 401); the account is renewed "
                 f"in {left:.0f} s. {LIKELY_CAUSES}",
@@ -138,20 +141,22 @@ class Refusals:
             )
         return True
 
-    def renew_after(self, stale: Token, renew: ForcedRenewal) -> Token:
+    def renew_after(self, stale: Token, renew: ForcedRenewal, *, new_401: bool = True) -> Token:
         """The token that replaces ``stale``, refused by the API: another's, or a forced
-        renewal if the evidence says it was revoked; else TokenRejected."""
+        renewal if the evidence says it was revoked; else TokenRejected. ``new_401``: False
+        when no request met a 401 now (``stale`` is known refused from an earlier one)."""
         try:
-            token = self._renew_after(stale, renew)
+            token = self._renew_after(stale, renew, new_401)
         except TokenRejected as exc:
             if exc.retry_after:  # a back-off: no call sends this token until it is over
-                self._known = {g: t for g, t in self._known.items() if g >= stale.generation}
-                self._known[stale.generation] = self.clock() + exc.retry_after
+                self._known = {g: k for g, k in self._known.items() if g >= stale.generation}
+                until = self.clock() + exc.retry_after
+                self._known[stale.generation] = (until, self.breaker.secret_fingerprint())
             raise
         telemetry.link_renewal(token.traceparent)  # the call's span, to what replaced it
         return token
 
-    def _renew_after(self, stale: Token, renew: ForcedRenewal) -> Token:
+    def _renew_after(self, stale: Token, renew: ForcedRenewal, new_401: bool) -> Token:
         self.known_refused(stale)
         prelude: Prelude | None = None
         for _ in range(2):  # a second round if a sibling's renewal failed
@@ -160,7 +165,7 @@ class Refusals:
                 return newer  # a sibling thread got the token that replaces it
             self.known_refused(stale)  # the sibling's renewal failed with a back-off: share it
             started = self.copy.now()
-            found, renewer, prelude = self._look(stale)
+            found, renewer, prelude = self._look(stale, new_401)
             if found is not None:
                 return found
             if renewer:  # this thread renews for the process
@@ -169,14 +174,17 @@ class Refusals:
             raise RenewalTimeout("another thread of this process still renews the refused token")
         log.info("token %s was refused: renewing", stale.fingerprint)
         try:
-            return self.copy.keep(renew(stale, started, prelude, self._spend_budget))
+            renewed = renew(stale, started, prelude, self._spend_budget)
+            if not renewed.replaces(stale, self.clock()):  # the endpoint handed it back
+                raise TokenRejected(_handed_back(renewed.expires_at - self.clock()))
+            return self.copy.keep(renewed)
         finally:
             with self._forcing_changed:
                 if self._forcing == stale.generation:  # this thread's mark, not a later one
                     self._forcing = 0
                 self._forcing_changed.notify_all()
 
-    def _look(self, stale: Token) -> tuple[Token | None, bool, Prelude | None]:
+    def _look(self, stale: Token, new_401: bool) -> tuple[Token | None, bool, Prelude | None]:
         """In this process's turn: a newer token (copy or store), or TokenRejected, or this
         thread registered as the process's renewer of ``stale``'s generation, with its
         look at the store and the lock (one round trip) as the renewal's first attempt."""
@@ -190,7 +198,12 @@ class Refusals:
             locked, (current, outcome) = self.lock.acquire_with(
                 lambda value: _taken(
                     self.store.look_after_401(
-                        stale.generation, value, self.lock.prefix, self.lock.lease, self.wait_limit
+                        stale.generation,
+                        value,
+                        self.lock.prefix,
+                        self.lock.lease,
+                        self.wait_limit,
+                        count=new_401,
                     )
                 )
             )
@@ -217,6 +230,10 @@ class Refusals:
         record = self.store.records.load_breaker()
         earlier = record if record is not None and record.kind == BreakerKind.REFUSED else None
         now = self.clock()
+        if earlier is not None and self.breaker.secret_replaced(earlier.secret_fingerprint):
+            if earlier.generation == stale.generation:
+                return  # refused under the secret since replaced: renew with the new one
+            earlier = None  # refusals in a row are counted per secret
         if earlier is not None and earlier.generation == stale.generation:
             if earlier.until <= now:
                 return  # its back-off is over: renew it
@@ -273,6 +290,13 @@ def _never_accepted(pause: float) -> str:
     return (
         "the API refused a token it never accepted (HTTP 401); the account is renewed "
         f"again in {pause:.0f} s, fleet-wide, and calls fail until then. " + LIKELY_CAUSES
+    )
+
+
+def _handed_back(left: float) -> str:
+    return (
+        "the token endpoint handed back the token the API refuses (HTTP 401); "
+        f"it is renewed once it expires, in {left:.0f} s"
     )
 
 

@@ -92,7 +92,6 @@ class TokenManager:
         self.store = store
         self.policy = RenewalPolicy(renew_before, renew_mandatory)
         self.clock: Clock = clock or RedisClock(store.time)  # the store's, shared by every part
-        self._sleep = sleep
         self.copy = LocalCopy(local_copy_ttl, monotonic)
         self.breaker = Breaker(store, self.clock, secret_fingerprint, rng or random.Random())
         self.signal = RenewalSignal(store) if wake_ups else None
@@ -136,23 +135,6 @@ class TokenManager:
     def __repr__(self) -> str:
         return f"TokenManager(store={self.store!r})"
 
-    @property
-    def exchange(self) -> Callable[[], IssuedToken]:
-        """The exchange (a test or a benchmark may wrap it)."""
-        return self.renewer.exchange
-
-    @exchange.setter
-    def exchange(self, exchange: Callable[[], IssuedToken]) -> None:
-        self.renewer.exchange = exchange
-
-    @property
-    def sleep(self) -> Callable[[float], None]:
-        return self._sleep
-
-    @sleep.setter
-    def sleep(self, sleep: Callable[[float], None]) -> None:
-        self._sleep = self.renewer.sleep = self.flight.sleep = sleep
-
     # -- callers -------------------------------------------------------------------------
 
     def token(self) -> Token:
@@ -160,7 +142,7 @@ class TokenManager:
         copy = self.copy.trusted()
         if copy is not None and self.policy.usable(copy, self.clock()):
             if self.refusals.known_refused(copy):  # its back-off is over: renew it
-                return self.renew(stale_token=copy)
+                return self.refusals.renew_after(copy, self._renew_forced, new_401=False)
             return copy
         try:
             now = self.clock()
@@ -176,7 +158,7 @@ class TokenManager:
         if self.policy.usable(current, now):
             assert current is not None
             if self.refusals.known_refused(current):
-                return self.renew(stale_token=current)
+                return self.refusals.renew_after(current, self._renew_forced, new_401=False)
             return self.copy.keep(current)
         usable = current if current is not None and current.valid_at(now) else None
         try:
@@ -264,7 +246,7 @@ class TokenManager:
             if acceptable(current):
                 return current
             try:
-                return self.breaker.check(fallback)
+                return self.breaker.check(fallback, operator=reason == RenewalReason.MANUAL)
             except TokenEndpointUnavailable:  # the endpoint's pause: half-open
                 if probing or (probe and self.breaker.take_probe()):
                     probing.append(True)

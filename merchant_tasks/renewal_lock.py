@@ -70,11 +70,6 @@ class RenewalLock:
     def __repr__(self) -> str:
         return f"RenewalLock(store={self.store!r}, lease={self.lease})"
 
-    @property
-    def held(self) -> bool:
-        """Whether a thread of this process holds the lock (its lease kept alive)."""
-        return self._value is not None
-
     def acquire(self) -> bool:
         """Take the lock for this process; False if a sibling thread or another process
         holds it."""

@@ -30,7 +30,6 @@ from .exceptions import (
     RenewalTimeout,
     TokenEndpointUnavailable,
     TokenExchangeError,
-    TokenRejected,
 )
 from .exchange import IssuedToken
 from .exchange_rate import ExchangeRate, Priority
@@ -182,12 +181,10 @@ class Renewer:
         return self._newer_than_ours(stored_generation)
 
     def _keep_final(self, current: Token, expected: int, forced: bool) -> Token:
-        """The exchange handed back ``current`` (or worse): no exchange before it expires."""
+        """The exchange handed back ``current`` (or worse): no exchange before it expires.
+        After a 401 (``forced``) ``current`` is the refused token: ``refusals`` says so."""
         if forced:
-            raise TokenRejected(
-                "the token endpoint handed back the token the API refuses (HTTP 401); "
-                f"it is renewed once it expires, in {current.expires_at - self.clock():.0f} s"
-            )
+            return current
         if current.final:
             return current
         final = dataclasses.replace(current, generation=expected + 1, final=True)

@@ -425,7 +425,7 @@ class SandboxApp:
             self._authenticate(request)
             cfg = self._snapshot()
             self._inject(cfg.api_latency, cfg.api_error_rate, cfg.error_status)
-            response, outcome = self._answer(*_route(_API_ROUTES, request)[1:], request), "ok"
+            response, outcome = _answer(self, *_route(_API_ROUTES, request)[1:], request), "ok"
         except _Refusal as refusal:
             response = refusal.response
             outcomes = {"injected_failure": "failed", "not_found": "not_found"}
@@ -457,21 +457,22 @@ class SandboxApp:
         if now >= record.expires_at:
             raise _unauthorized("token_expired", "the access token has expired")
 
-    def _answer(self, endpoint: str, args: dict[str, str], request: Request) -> Response:
-        """The business endpoints, once the caller is authenticated."""
-        if endpoint == "ping":
-            return _json(200, {"ok": True})
-        if endpoint == "profile":
-            cfg = self._snapshot()
-            return _json(200, {"appid": cfg.api_key, "environment": cfg.environment})
-        if endpoint == "echo":
-            return _json(200, {"echo": _json_body(request)})
-        if endpoint == "create_payment":
-            body = _json_object(request)
-            if "amount" not in body:
-                raise _Refusal(400, "invalid_body", "a payment needs an amount")
-            return self._payments.create(body, request.headers.get(IDEMPOTENCY_HEADER))
-        return self._payments.get(args["id"])  # get_payment
+
+def _answer(app: SandboxApp, endpoint: str, args: dict[str, str], request: Request) -> Response:
+    """The business endpoints, once the caller is authenticated."""
+    if endpoint == "ping":
+        return _json(200, {"ok": True})
+    if endpoint == "profile":
+        cfg = app._snapshot()
+        return _json(200, {"appid": cfg.api_key, "environment": cfg.environment})
+    if endpoint == "echo":
+        return _json(200, {"echo": _json_body(request)})
+    if endpoint == "create_payment":
+        body = _json_object(request)
+        if "amount" not in body:
+            raise _Refusal(400, "invalid_body", "a payment needs an amount")
+        return app._payments.create(body, request.headers.get(IDEMPOTENCY_HEADER))
+    return app._payments.get(args["id"])  # get_payment
 
 
 def _control(app: SandboxApp, request: Request) -> Response:

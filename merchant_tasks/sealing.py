@@ -27,12 +27,11 @@ import base64
 import binascii
 import functools
 import os
-import stat
 import warnings
-from pathlib import Path
 from typing import Any, Protocol
 
 from .exceptions import ConfigurationError, TokenUnreadable
+from .variable_files import permission_bits, read_file
 
 SEALED_PREFIX = "sealed:v1:"  # marks a sealed value; v1 = AES-256-GCM, 12-byte random nonce
 KEY_BYTES = 32  # AES-256
@@ -131,11 +130,8 @@ def codec_for(key_file: str | None, previous_file: str | None = None) -> TokenCo
 def read_key(variable: str, path: str) -> bytes:
     """The 32-byte key in ``path`` (base64, strictly: nothing else in the file); the
     message never shows the file's content. A file others may read is warned about."""
-    try:
-        data = Path(path).read_bytes().strip()
-        mode = Path(path).stat().st_mode
-    except OSError as exc:
-        raise ConfigurationError(f"{variable}: cannot read {path} ({exc.strerror})") from None
+    data = read_file(variable, path).strip()
+    mode = permission_bits(variable, path)
     try:
         key = base64.b64decode(data, altchars=b"-_", validate=True)
     except (binascii.Error, ValueError):
@@ -145,7 +141,7 @@ def read_key(variable: str, path: str) -> bytes:
             f"{variable}: {path} must hold {KEY_BYTES} random bytes as base64, and nothing else"
         )
     if mode & KEY_FILE_PRIVATE:
-        _warn_open_key_file(variable, path, stat.S_IMODE(mode))
+        _warn_open_key_file(variable, path, mode)
     return key
 
 

@@ -29,6 +29,7 @@ from urllib.parse import SplitResult, urlsplit
 from .exceptions import ConfigurationError
 from .redis_topology import DEFAULT_SENTINEL_MASTER, is_sentinel_url, parse_sentinel_url
 from .sealing import codec_for
+from .variable_files import read_text_file
 
 log = logging.getLogger(__name__)
 
@@ -441,11 +442,6 @@ class Settings:
             )
 
     @property
-    def account(self) -> str:
-        """The account's name in keys and logs: environment and API key."""
-        return f"{self.environment}:{self.api_key}"
-
-    @property
     def origin(self) -> str:
         """scheme://host:port of the base URL, as a server sees it (see ``origin``)."""
         return origin(self.base_url)
@@ -548,22 +544,6 @@ def refuse_unknown_names(environ: Mapping[str, str] | None = None) -> None:
     you mean ..."): it would otherwise be ignored. Other MERCHANT_* names may be the
     application's own (MERCHANT_ID, MERCHANT_DB_URL): they are logged as ignored, once."""
     _Environment(environ).refuse_unknown_names()
-
-
-def read_text_file(variable: str, path: Path | str) -> str:
-    """The stripped text of the file a ``*_FILE`` variable names; an unreadable, non-UTF-8
-    or empty file is a ConfigurationError naming the variable, never showing the content."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigurationError(f"{variable}: cannot read {path} ({exc.strerror})") from None
-    try:
-        text = data.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise ConfigurationError(f"{variable}: {path} is not UTF-8 text") from None
-    if not text:
-        raise ConfigurationError(f"{variable}: {path} is empty")
-    return text
 
 
 def child_env(settings: Settings, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .exchange_rate import ExchangeRate
+from .policy import BreakerKind
+from .records import BreakerRecord
 from .settings import Settings
 from .store_protocol import Store
 from .token import TokenState
@@ -66,9 +68,9 @@ def account_status(
     """Read one account's status from its store (and its host's exchange rate)."""
     now = store.time()
     token = store.load()
-    record = store.records.load_breaker()
+    record = open_breaker(store, now)
     breaker = None
-    if record is not None and record.until > now:
+    if record is not None:
         breaker = {
             "kind": record.kind,
             "failures": record.failures,
@@ -102,6 +104,20 @@ def account_status(
         renewed_by=token.renewed_by,
         **common,
     )
+
+
+def open_breaker(store: Store, now: float) -> BreakerRecord | None:
+    """The breaker record while its pause runs at ``now`` (Redis time); a record kept past
+    its pause only remembers failures in a row, and reads as closed."""
+    record = store.records.load_breaker()
+    return record if record is not None and record.until > now else None
+
+
+def breaker_states(store: Store) -> list[tuple[BreakerKind, int]]:
+    """Each kind with 1 if the breaker paused now is of that kind, else 0: the exporter's
+    ``breaker_open`` of one account, for the meter's gauge (``telemetry.watch_breaker``)."""
+    record = open_breaker(store, store.time())
+    return [(kind, int(record is not None and record.kind == kind)) for kind in BreakerKind]
 
 
 def format_status(status: AccountStatus) -> str:

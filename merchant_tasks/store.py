@@ -24,7 +24,7 @@ need), all named by ``redis_commands.AccountKeys``:
 - ``forced``     forced renewals of the last period (a sorted set by time), the budget
 - ``probe``      the half-open breaker's probe slot
 - ``waits``      when each caller waiting for another's renewal began (and its limit); the
-                 next write turns them into the lock-wait histogram
+                 next write turns them into the lock-wait histogram (and its meter's)
 - ``completed:<task id>`` a call's result (``completions``); ``renewal-sent`` beat's claim
 - channel ``renewed``: the generation of each token written, to wake waiting processes
 
@@ -50,9 +50,10 @@ from redis.client import PubSub
 from redis.cluster import RedisCluster
 
 from . import store_scripts as scripts
+from . import telemetry
 from .exceptions import StoreUnavailable
 from .policy import CounterName
-from .records import DURATION_BUCKETS, AccountRecords
+from .records import AccountRecords, Histogram
 from .redis_commands import (
     CORRUPT,
     AccountKeys,
@@ -72,7 +73,7 @@ MGET_CHUNK = 1000  # keys read by one command in beat's check, not one command e
 CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
 LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding another's renewal under way to a
 # token being stored: recorded by the store's write, not by the waiters
-_WAIT_BUCKETS = [x for b in DURATION_BUCKETS for x in (round(b * 1e6), f"{b:g}")]  # ARGV pairs
+_LOCK_WAIT_ARGS = Histogram(LOCK_WAIT_SECONDS).script_args()  # the same for every write
 
 
 class RedisClock:
@@ -191,8 +192,11 @@ class TokenStore:
         owner_prefix: str,
         lease: float,
         wait_limit: float,
+        *,
+        count: bool = True,
     ) -> tuple[Token | None, int]:
-        """After a 401, in one round trip: count it, load the token and, if it is still the
+        """After a 401, in one round trip: count it (unless ``count`` is False: no new 401
+        came, the call follows an earlier one), load the token and, if it is still the
         refused generation (or none is stored), try the renewal lock with ``lock_value``
         (None: a thread of this process holds it; only ``renewal_lock`` calls this).
 
@@ -207,7 +211,7 @@ class TokenStore:
                 lock_value or "",
                 owner_prefix,
                 milliseconds(lease),
-                CounterName.UNAUTHORIZED,
+                CounterName.UNAUTHORIZED if count else "",
                 CounterName.LOCK_WAITS,
                 milliseconds(wait_limit),
             ],
@@ -226,7 +230,7 @@ class TokenStore:
         ``token.generation`` must be the stored generation plus one. Returns whether it was
         written and the generation now stored.
         """
-        written, generation = self.commands.run(
+        written, generation, *waits = self.commands.run(
             scripts.SAVE_IF_GENERATION,
             keys=[self.keys.token, self.keys.generation, self.keys.waits, self.keys.histograms],
             args=[
@@ -234,12 +238,13 @@ class TokenStore:
                 replace(token, value=self.codec.seal(token.value, self.namespace)).to_json(),
                 repr(token.kept_until),
                 self._seen_generation,
-                LOCK_WAIT_SECONDS,
-                *_WAIT_BUCKETS,
+                *_LOCK_WAIT_ARGS,
             ],
         )
         if written == 1:
             self._see(int(generation))
+            for micros in waits:  # this process's meter gets the waits its write ended
+                telemetry.observe_lock_wait(self.account, int(micros) / 1e6)
         return written == 1, int(generation)
 
     def _see(self, generation: int) -> None:

@@ -86,6 +86,8 @@ class Store(Protocol):
         owner_prefix: str,
         lease: float,
         wait_limit: float,
+        *,
+        count: bool = True,
     ) -> tuple[Token | None, int]: ...
 
     def note_wait(self, stale_generation: int, wait_limit: float) -> bool: ...

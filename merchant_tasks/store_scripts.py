@@ -12,7 +12,8 @@ writes one).
 from __future__ import annotations
 
 # Helpers every script starts with. ``redis.pcall`` returns an error as a table instead of
-# raising: a wrong-typed key reads as absent.
+# raising: a wrong-typed key reads as absent. ``observe`` adds a duration (microseconds) to
+# a histogram whose field names are ARGV from ``first`` on (``records.Histogram``).
 _HELPERS = """
 local function read_string(key)
   local raw = redis.pcall('GET', key)
@@ -48,6 +49,14 @@ local function take_lock(key, value, prefix, lease_ms)
   redis.call('SET', key, value, 'PX', lease_ms)
   return true
 end
+local function observe(hash, micros, first)
+  local field = ARGV[first + 1]
+  for i = first + 2, #ARGV, 2 do
+    if micros <= tonumber(ARGV[i]) then field = ARGV[i + 1]; break end
+  end
+  incr(hash, field, 1)
+  incr(hash, ARGV[first], micros)
+end
 local function note_wait(counters, counter, waits, limit_ms)
   incr(counters, counter, 1)
   fit(waits, 'list')
@@ -59,10 +68,11 @@ end
 """
 
 # KEYS: token, generation, waits, histograms. ARGV: expected generation, token JSON, kept
-# until (Redis seconds), the highest generation the writer saw stored, the lock-wait
-# histogram's name, then pairs of (bucket bound in microseconds, bucket label).
-# Returns {1, new generation} when written, {0, current generation} when another write
-# came first, {-1, expected generation} when the token has already expired. A stored
+# until (Redis seconds), the highest generation the writer saw stored, then the lock-wait
+# histogram's ``Histogram.script_args``.
+# Returns {1, new generation, then each wait it recorded (microseconds)} when written,
+# {0, current generation} when another write came first, {-1, expected generation} when
+# the token has already expired. A stored
 # generation below the expected one is accepted only when the writer saw the expected one
 # stored: Redis lost writes (a failover, a restart without persistence), and the token is
 # written above them. A write ends the noted waits: each one that has not outlasted its
@@ -83,6 +93,7 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
 redis.call('SET', KEYS[2], expected + 1)
 fit(KEYS[3], 'list')
 local waits = redis.call('LRANGE', KEYS[3], 0, -1)
+local reply = {1, expected + 1}
 if #waits > 0 then
   redis.call('DEL', KEYS[3])
   local now_us = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -90,16 +101,12 @@ if #waits > 0 then
     local since, limit_ms = string.match(wait, '^(%d+):(%d+)$')
     local waited = since and now_us - tonumber(since)
     if waited and waited >= 0 and waited <= tonumber(limit_ms) * 1000 then
-      local label = '+Inf'
-      for i = 6, #ARGV, 2 do
-        if waited <= tonumber(ARGV[i]) then label = ARGV[i + 1]; break end
-      end
-      incr(KEYS[4], ARGV[5] .. ':le:' .. label, 1)
-      incr(KEYS[4], ARGV[5] .. ':sum_us', waited)
+      observe(KEYS[4], waited, 5)
+      table.insert(reply, waited)
     end
   end
 end
-return {1, expected + 1}
+return reply
 """
 )
 
@@ -129,14 +136,15 @@ return 1
 
 # KEYS: token, lock, counters, waits. ARGV: refused generation, the lock value to take it
 # with ('' : do not take it, a thread of this process holds it), the process's owner
-# prefix, lease (ms), the 401 counter, the lock-wait counter, the wait's limit (ms). Counts
-# the 401 and reads the token; when the stored token is the refused one (or none is
-# stored), tries the renewal lock, and notes the wait if another holds it.
+# prefix, lease (ms), the 401 counter ('' : no new 401, do not count), the lock-wait
+# counter, the wait's limit (ms). Counts the 401 and reads the token; when the stored token
+# is the refused one (or none is stored), tries the renewal lock, and notes the wait if
+# another holds it.
 # Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (noted)}.
 LOOK_AFTER_401 = (
     _HELPERS
     + """
-incr(KEYS[3], ARGV[5], 1)
+if ARGV[5] ~= '' then incr(KEYS[3], ARGV[5], 1) end
 local raw = read_string(KEYS[1])
 local generation = token_generation(raw)
 if generation and generation ~= tonumber(ARGV[1]) then return {raw or false, 0} end
@@ -181,6 +189,16 @@ if ARGV[1] ~= '' then
   redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[3])
 end
+return 1
+"""
+)
+
+# KEYS: histograms. ARGV: a duration (microseconds), then the histogram's
+# ``Histogram.script_args``.
+OBSERVE = (
+    _HELPERS
+    + """
+observe(KEYS[1], tonumber(ARGV[1]), 2)
 return 1
 """
 )

@@ -23,11 +23,13 @@ error is recorded by its type only (its message may quote an error body).
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 try:
     from opentelemetry import metrics as _metrics
@@ -68,6 +70,9 @@ URL_PATH = "url.path"
 ERROR_TYPE = "error.type"
 
 AttributeValue = str | bool | int | float
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class Recorder(Protocol):
@@ -280,10 +285,23 @@ class _Instruments:
             unit="s",
             description="Seconds one token exchange attempt took, any outcome.",
         )
+        self.lock_wait_duration = meter.create_histogram(
+            "merchant_tasks.lock_wait.duration",
+            unit="s",
+            description="Seconds from a caller finding another's renewal under way to a "
+            "token being stored; recorded by the process whose write stored it.",
+        )
         self.breaker_openings = meter.create_counter(
             "merchant_tasks.breaker.openings",
             unit="{opening}",
             description="Times exchanges were paused, by kind.",
+        )
+        self.breaker_open = meter.create_observable_gauge(
+            "merchant_tasks.breaker.open",
+            callbacks=[_observe_breakers],
+            unit="1",
+            description="1 while token exchanges are paused, by kind; read from Redis at "
+            "each collection, the fleet's state (the same in every process).",
         )
         self.calls = meter.create_counter(
             "merchant_tasks.calls",
@@ -293,6 +311,8 @@ class _Instruments:
 
 
 _cached_instruments: tuple[object, _Instruments] | None = None
+# the breaker gauge's readings by account: the store (held weakly) and how to read it
+_breakers: dict[str, tuple[weakref.ref[Any], Callable[[Any], Iterable[tuple[str, int]]]]] = {}
 
 
 def _instruments() -> _Instruments | None:
@@ -332,12 +352,41 @@ def observe_exchange(account: str, seconds: float) -> None:
     _measure(lambda i: i.exchange_duration.record(seconds, {ACCOUNT: account}))
 
 
+def observe_lock_wait(account: str, seconds: float) -> None:
+    _measure(lambda i: i.lock_wait_duration.record(seconds, {ACCOUNT: account}))
+
+
+def watch_breaker(account: str, store: T, read: Callable[[T], Iterable[tuple[str, int]]]) -> None:
+    """Report ``account``'s breaker on the ``merchant_tasks.breaker.open`` gauge: at each
+    collection, ``read(store)`` gives each kind with its value (1 paused, 0 not). The store is
+    held weakly, so a client dropped leaves the gauge; the last one watched per account
+    is the one read."""
+    _breakers[account] = (weakref.ref(store), read)
+    _instruments()  # the gauge is read from now on, even before anything is measured
+
+
 def count_breaker_opening(account: str, kind: str) -> None:
     _measure(lambda i: i.breaker_openings.add(1, {ACCOUNT: account, BREAKER_KIND: kind}))
 
 
 def count_call(account: str, outcome: str) -> None:
     _measure(lambda i: i.calls.add(1, {ACCOUNT: account, CALL_OUTCOME: outcome}))
+
+
+def _observe_breakers(_: Any) -> Iterator[Any]:
+    """The breaker gauge's callback: every watched account's reading, as observations."""
+    for account, (store_ref, read) in list(_breakers.items()):
+        store = store_ref()
+        if store is None:  # its client is gone; a new one of the account replaces the entry
+            continue
+        try:
+            states = list(read(store))
+        except Exception as exc:  # Redis down: leave this account out of this collection
+            # rather than raise into the SDK, which would drop every account's reading
+            log.warning("could not read %s's breaker for the meter: %s", account, exc)
+            continue
+        for kind, value in states:
+            yield _metrics.Observation(value, {ACCOUNT: account, BREAKER_KIND: kind})
 
 
 def _measure(record: Callable[[_Instruments], None]) -> None:

@@ -485,7 +485,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
     client = client_for(account, redis_client=redis_client)
     manager, store = client.manager, client.manager.store
     attempts: list[str] = []
-    real_exchange = manager.exchange
+    real_exchange = manager.renewer.exchange
 
     def counted_exchange() -> IssuedToken:
         try:
@@ -496,7 +496,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
         attempts.append("ok")
         return issued
 
-    manager.exchange = counted_exchange
+    manager.renewer.exchange = counted_exchange
     first = manager.renew(force=True)
     if fault == "503":
         merchant_sandbox.app.configure({"token_error_rate": 1.0, "error_status": 503})

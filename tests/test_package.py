@@ -1,4 +1,5 @@
-"""The package's shape: modules import one another without a cycle."""
+"""The package's shape: modules import one another without a cycle, and each class and
+function stays small enough to read in one sitting."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import merchant_tasks
 
 PACKAGE = Path(merchant_tasks.__file__).parent
+CLASS_LINES_MAX = 200  # a class a newcomer reads whole before changing it
+FUNCTION_LINES_MAX = 60
 
 
 def _imported_at_load(path: Path) -> set[str]:
@@ -62,3 +65,16 @@ def test_a_cycle_is_found_where_there_is_one() -> None:
 
 def test_no_module_imports_itself_through_others() -> None:
     assert _first_cycle(_graph()) is None
+
+
+def test_no_class_is_over_200_lines_and_no_function_over_60() -> None:
+    too_long = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            limit = CLASS_LINES_MAX if isinstance(node, ast.ClassDef) else FUNCTION_LINES_MAX
+            if lines > limit:
+                too_long.append(f"{path.name}: {node.name} has {lines} lines (at most {limit})")
+    assert too_long == []

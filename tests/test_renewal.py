@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
@@ -309,6 +310,7 @@ def test_a_token_known_refused_is_not_sent_again_until_its_backoff_ends_then_is_
     assert renewed.replaces(refused, clock.now)
     assert renewed.reason == RenewalReason.FORCED
     assert len(exchange.calls) == 1
+    assert store.records.counters()["unauthorized"] == 1  # its renewal met no new 401
 
 
 def test_two_revocations_before_first_use_heal_after_one_backoff(
@@ -347,6 +349,78 @@ def test_a_key_whose_every_token_is_refused_costs_at_most_8_exchanges_in_2_hours
     assert 2 <= len(exchange.calls) <= 8
     assert pauses[0] <= 60.0
     assert max(pauses) <= 1800.0
+
+
+def test_a_replaced_secret_ends_a_refused_pause_in_the_process_that_met_it(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    secret: list[str],
+) -> None:
+    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
+    with pytest.raises(TokenRejected):
+        manager.renew(stale_token=refused)
+    with pytest.raises(TokenRejected, match="known to be refused"):
+        manager.token()
+    secret[0] = "secret-two-rotated-5f6e7d"
+    renewed = manager.token()  # not the rest of a back-off of up to 30 minutes
+    assert renewed.replaces(refused, clock.now)
+    assert len(exchange.calls) == 1
+
+
+def test_a_replaced_secret_ends_a_refused_pause_fleet_wide_and_counts_refusals_anew(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    secret: list[str],
+) -> None:
+    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
+    with pytest.raises(TokenRejected):
+        manager.renew(stale_token=refused)
+    record = store.records.load_breaker()
+    assert record is not None
+    assert record.secret_fingerprint == fingerprint(secret[0])
+    secret[0] = "secret-two-rotated-5f6e7d"
+    other = make_manager(store, exchange, secret_fingerprint=lambda: fingerprint(secret[0]))
+    renewed = other.renew(stale_token=refused)  # another process's first 401 on it
+    assert renewed.replaces(refused, clock.now)
+    with pytest.raises(TokenRejected) as caught:  # the new secret's token is refused too
+        other.renew(stale_token=renewed)
+    assert caught.value.retry_after == REFUSED_BACKOFF  # the first refusal under this secret
+    assert len(exchange.calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "ends"),
+    [
+        (BreakerKind.REFUSED, True),
+        (BreakerKind.REVOKED, True),
+        (BreakerKind.REJECTED, False),
+        (BreakerKind.RATE_LIMITED, False),
+        (BreakerKind.UNAVAILABLE, False),
+    ],
+)
+def test_an_operators_forced_renewal_ends_only_the_pauses_over_refused_tokens(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    secret: list[str],
+    kind: BreakerKind,
+    ends: bool,
+) -> None:
+    """``renew --force`` says the cause is fixed (access restored, the other exchanger
+    stopped); a pause over the endpoint's own answers still holds."""
+    record = BreakerRecord(kind, clock.now + 600.0, 1, fingerprint(secret[0]), "paused", 1)
+    store.records.open_breaker(record, clock.now)
+    if ends:
+        assert manager.renew(force=True).value == "tok-issued-1"
+    else:
+        with pytest.raises(TokenExchangeError, match="paused"):
+            manager.renew(force=True)
+    assert len(exchange.calls) == (1 if ends else 0)
 
 
 def test_a_token_accepted_by_another_process_and_refused_is_renewed_at_once_however_fresh(
@@ -1162,6 +1236,78 @@ def test_a_401_does_not_wait_behind_a_thread_waiting_for_another_process(
         newer = stored(store, clock, left=3600.0, value="tok-newer")
         waiting.join(timeout=30)
     assert outcome == [newer]
+
+
+def test_threads_waiting_on_a_renewal_that_spent_the_budget_share_its_token_rejected(
+    copying_manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """Eight threads meet a 401 on a revoked token once the forced-renewal budget is spent:
+    one asks the store and opens the ``revoked`` pause; the others get its TokenRejected
+    instead of trying again themselves (no second opening, nothing exchanged)."""
+    old = stored(store, clock, left=3600.0)
+    copying_manager.accepted(old)
+    for moment in range(FORCED_RENEWAL_BUDGET):
+        store.records.log_forced(clock.now - moment)
+    counted = store.records.forced_in_period
+
+    def slow_count(now: float, period: float) -> int:
+        time.sleep(0.2)  # the siblings arrive while it decides
+        return counted(now, period)
+
+    store.records.forced_in_period = slow_count  # type: ignore[method-assign]
+    start = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def after_401() -> None:
+        start.wait()
+        try:
+            copying_manager.renew(stale_token=old)
+            outcomes.append("token")
+        except (TokenRejected, RenewalTimeout) as exc:
+            outcomes.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=after_401) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes == ["TokenRejected"] * 8
+    assert exchange.calls == []
+    assert store.records.counters()["breaker_openings:revoked"] == 1
+
+
+def test_a_thread_whose_sibling_renews_past_the_wait_limit_gets_renewal_timeout(
+    copying_manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """A sibling still renewing after two waits of the wait limit (here it has not even
+    reached the exchange): the caller gets the retryable RenewalTimeout rather than make a
+    second forced renewal beside it."""
+    old = stored(store, clock, left=3600.0)
+    copying_manager.accepted(old)
+    copying_manager.flight.wait_limit = 0.2
+    renewing, release = threading.Event(), threading.Event()
+    renew_forced = copying_manager._renew_forced
+
+    def slow_renewal(*args: Any) -> Token:
+        renewing.set()
+        assert release.wait(10)
+        return renew_forced(*args)
+
+    copying_manager._renew_forced = slow_renewal  # type: ignore[method-assign,assignment]
+    renewer_got: list[Token] = []
+    renewer = threading.Thread(
+        target=lambda: renewer_got.append(copying_manager.renew(stale_token=old))
+    )
+    renewer.start()
+    try:
+        assert renewing.wait(10)
+        with pytest.raises(RenewalTimeout, match="another thread of this process"):
+            copying_manager.renew(stale_token=old)
+    finally:
+        release.set()
+        renewer.join()
+    assert renewer_got[0].replaces(old, clock.now)
+    assert len(exchange.calls) == 1
 
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # Python 3.12+: we mean it

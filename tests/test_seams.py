@@ -396,6 +396,24 @@ def test_status_reports_an_account_whose_tokens_are_refused_as_failing(
     assert merchant_sandbox.exchanges()["ok"] == 1
 
 
+def test_renew_force_ends_the_refused_pause_once_access_is_restored(
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
+) -> None:
+    """API access revoked, then restored: the operator's ``renew --force`` ends the
+    ``refused`` pause at once instead of the rest of its back-off."""
+    merchant_sandbox.app.configure({"refuse_all_calls": True})
+    env = {"MERCHANT_API_SECRET": None, **merchant_env}
+    assert CliRunner().invoke(main, ["call", "GET", PING], env=env).exit_code != 0
+    again = CliRunner().invoke(main, ["call", "GET", PING], env=env)
+    assert "known to be refused" in again.stderr or "never accepted" in again.stderr
+    merchant_sandbox.app.configure({"refuse_all_calls": False})  # access restored
+    renew = CliRunner().invoke(main, ["renew", "--force"], env=env)
+    assert renew.exit_code == 0, renew.stdout + renew.stderr
+    call = CliRunner().invoke(main, ["call", "GET", PING], env=env)
+    assert call.exit_code == 0, call.stderr
+    assert merchant_sandbox.exchanges()["ok"] == 2
+
+
 def test_two_revocations_before_first_use_heal_after_one_backoff(
     merchant_client: FleetClient,
     merchant_sandbox: MerchantSandbox,
@@ -409,7 +427,7 @@ def test_two_revocations_before_first_use_heal_after_one_backoff(
     backoff = 3.0
     monkeypatch.setattr(refusals, "REFUSED_BACKOFF", backoff)
     assert merchant_client.request("GET", PING) == {"ok": True}
-    exchange = merchant_client.manager.exchange
+    exchange = merchant_client.manager.renewer.exchange
     revoking = [2]
 
     def revoked_on_issue() -> IssuedToken:
@@ -419,7 +437,7 @@ def test_two_revocations_before_first_use_heal_after_one_backoff(
             merchant_sandbox.app.revoke_all()  # the new token too, before anyone uses it
         return issued
 
-    merchant_client.manager.exchange = revoked_on_issue
+    merchant_client.manager.renewer.exchange = revoked_on_issue
     merchant_sandbox.app.revoke_all()
     started = time.monotonic()
     outcomes: Counter[str] = Counter()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from merchant_tasks import settings as settings_module
+from merchant_tasks.due import namespace_of
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.redis_topology import parse_sentinel_url
 from merchant_tasks.settings import (
@@ -73,7 +74,7 @@ def test_defaults_apply_when_only_key_and_secret_are_given(env: dict[str, str]) 
     assert settings.connect_timeout == CONNECT_TIMEOUT
     assert settings.read_timeout == READ_TIMEOUT
     assert settings.allow_insecure_http is False
-    assert settings.account == f"sandbox:{API_KEY}"
+    assert namespace_of(settings) == f"{DEFAULT_KEY_PREFIX}:sandbox:{API_KEY}"
 
 
 def _field(settings: Settings, attribute: str) -> object:
@@ -261,7 +262,7 @@ def test_production_accepts_plain_http_when_insecure_http_is_allowed(env: dict[s
     }
     settings = Settings.from_env(env)
     assert (settings.environment, settings.base_url) == ("production", "http://127.0.0.1:9000")
-    assert settings.account == f"production:{API_KEY}"
+    assert namespace_of(settings) == f"{DEFAULT_KEY_PREFIX}:production:{API_KEY}"
 
 
 def test_production_accepts_an_https_base_url(env: dict[str, str]) -> None:

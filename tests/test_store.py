@@ -11,7 +11,7 @@ import redis
 from conftest import UNIT_NAMESPACE, dead_redis
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.policy import BreakerKind, CounterName, Outcome
-from merchant_tasks.records import BREAKER_MEMORY, BreakerRecord
+from merchant_tasks.records import BREAKER_MEMORY, BreakerRecord, Histogram
 from merchant_tasks.store import LOCK_WAIT_SECONDS, RedisClock, TokenStore
 from merchant_tasks.token import RenewalReason, Token
 
@@ -220,6 +220,35 @@ def test_a_noted_wait_is_recorded_by_the_write_that_ends_it(
     assert store.records.counters()[CounterName.LOCK_WAITS] == 2
     store.save(make_token(3))
     assert _lock_waits(store)[0] == 2  # each wait is recorded once
+
+
+def test_a_duration_goes_into_the_first_bucket_that_holds_it_from_either_writer(
+    store: TokenStore, fake_redis: redis.Redis
+) -> None:
+    for seconds in (0.05, 0.3, 31.0, -1.0):  # a bound holds itself; below 0 counts as 0
+        store.records.observe("exchange_seconds", seconds)
+    fields = store.records.histograms()
+    assert fields == {
+        "exchange_seconds:le:0.05": 2,
+        "exchange_seconds:le:0.5": 1,
+        "exchange_seconds:le:+Inf": 1,
+        "exchange_seconds:sum_us": 31_350_000,
+    }
+    buckets, total = Histogram("exchange_seconds").cumulative(fields)
+    assert (buckets[0], buckets[2], buckets[-1], total) == (
+        ("0.05", 2),
+        ("0.25", 2),
+        ("+Inf", 4),
+        31.35,
+    )
+    seconds, micros = fake_redis.time()
+    began = seconds * 1_000_000 + micros - 1_500_000  # a wait that began 1.5 s ago
+    fake_redis.rpush(store.keys.waits, f"{began}:30000")
+    store.save(make_token(1))  # the write that ends it records it, in the same layout
+    waits = {k: v for k, v in store.records.histograms().items() if k not in fields}
+    assert waits.keys() == {f"{LOCK_WAIT_SECONDS}:le:2.5", f"{LOCK_WAIT_SECONDS}:sum_us"}
+    assert waits[f"{LOCK_WAIT_SECONDS}:le:2.5"] == 1
+    assert 1_500_000 <= waits[f"{LOCK_WAIT_SECONDS}:sum_us"] < 2_500_000
 
 
 def test_a_wait_that_outlasted_its_limit_is_not_recorded(

@@ -10,6 +10,7 @@ searched for the secret, every token the emulator issued and any Authorization h
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -34,12 +35,12 @@ from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import StatusCode
 
 from celery_fleet import CALL_API, PING, READY_TIMEOUT, Fleet
-from conftest import TEST_SECRET
+from conftest import TEST_SECRET, dead_redis
 from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.exceptions import CredentialsRejected
 from merchant_tasks.exchange import IssuedToken
 from merchant_tasks.local import wait_until
-from merchant_tasks.policy import CounterName
+from merchant_tasks.policy import BreakerKind, CounterName
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.telemetry import (
@@ -68,6 +69,8 @@ from traced_worker import SPANS_FILE
 pytestmark = pytest.mark.integration
 
 THREADS = 8
+LOCK_WAIT_DURATION = "merchant_tasks.lock_wait.duration"
+BREAKER_OPEN = "merchant_tasks.breaker.open"
 WRONG_SECRET = "wrong-secret-9d2e51c0"  # searched for too
 Attributes = frozenset[tuple[str, Any]]
 
@@ -184,11 +187,11 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
     # renewing it), so that no thread can start late with the new token
     refused = threading.Semaphore(0)
     renew_after = client.manager.refusals.renew_after
-    exchange = client.manager.exchange
+    exchange = client.manager.renewer.exchange
 
-    def counted(stale: Token, renew: Callable[..., Token]) -> Token:
+    def counted(stale: Token, renew: Callable[..., Token], *, new_401: bool = True) -> Token:
         refused.release()
-        return renew_after(stale, renew)
+        return renew_after(stale, renew, new_401=new_401)
 
     def after_every_refusal() -> IssuedToken:
         for _ in range(THREADS):
@@ -196,7 +199,7 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
         return exchange()
 
     client.manager.refusals.renew_after = counted  # type: ignore[method-assign]
-    client.manager.exchange = after_every_refusal
+    client.manager.renewer.exchange = after_every_refusal
     start = threading.Barrier(THREADS)
 
     def call(_: int) -> Any:
@@ -305,14 +308,15 @@ def test_a_process_that_waited_for_another_renewal_shows_its_wait_and_links_to_i
     merchant_sandbox.app.revoke_all()
     traced.exporter.clear()
     store = renewing.manager.store
-    exchange = renewing.manager.exchange
+    exchange = renewing.manager.renewer.exchange
     other_waits = threading.Event()
 
     def once_the_other_waits() -> IssuedToken:
         assert other_waits.wait(timeout=60)
         return exchange()
 
-    renewing.manager.exchange = once_the_other_waits
+    renewing.manager.renewer.exchange = once_the_other_waits
+    waits_before = traced.points(LOCK_WAIT_DURATION, "renewing").get(frozenset(), 0)
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(renewing.request, "GET", PING)
         wait_until(lambda: store.lock_holder() is not None, "the renewal lock taken", 30.0)
@@ -340,6 +344,9 @@ def test_a_process_that_waited_for_another_renewal_shows_its_wait_and_links_to_i
     assert dict(request.attributes or {})[ACCOUNT] == "waiting"
     assert linked_to(request) == [ran.context.span_id]
     assert len(traced.spans(EXCHANGE_SPAN)) == 1
+    # the wait is on the meter of the process whose write ended it, as in Redis
+    assert traced.points(LOCK_WAIT_DURATION, "renewing") == {frozenset(): waits_before + 1}
+    assert traced.points(LOCK_WAIT_DURATION, "waiting") == {}
 
 
 def parent_id(span: ReadableSpan) -> int:
@@ -384,6 +391,30 @@ def test_refused_credentials_show_on_the_spans_and_meters_by_type_only(
     assert traced.points("merchant_tasks.calls", "wrong") == {
         frozenset({(CALL_OUTCOME, "CredentialsRejected")}): 1
     }
+    assert traced.points(BREAKER_OPEN, "wrong") == breaker_gauge(BreakerKind.REJECTED)
+
+
+def breaker_gauge(open_kind: BreakerKind | None) -> dict[Attributes, int]:
+    """The breaker gauge's points of one account whose paused kind is ``open_kind``."""
+    return {frozenset({(BREAKER_KIND, kind.value)}): int(kind == open_kind) for kind in BreakerKind}
+
+
+def test_the_breaker_gauge_reads_each_accounts_redis_and_leaves_out_one_it_cannot_read(
+    traced: Telemetry,
+    merchant_settings: Settings,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    closed = client_for(merchant_settings, redis_client=redis_client, name="closed")
+    unreachable = client_for(merchant_settings, redis_client=dead_redis(), name="unreachable")
+    assert traced.points(BREAKER_OPEN, "closed") == breaker_gauge(None)
+    assert traced.points(BREAKER_OPEN, "unreachable") == {}
+    assert "could not read unreachable's breaker for the meter" in caplog.text
+    closed.manager.breaker.trip_revoked(30.0, "revoked over and over")  # another process's
+    assert traced.points(BREAKER_OPEN, "closed") == breaker_gauge(BreakerKind.REVOKED)
+    del closed, unreachable
+    gc.collect()
+    assert traced.points(BREAKER_OPEN, "closed") == {}  # a client dropped leaves the gauge
 
 
 NO_OP_CHECK = """
@@ -396,6 +427,8 @@ assert telemetry.renewal_span("forced", "a") is telemetry.NO_SPAN
 assert telemetry.exchange_span("localhost") is telemetry.NO_SPAN
 assert telemetry.renewal_traceparent() == ""
 telemetry.count_call("a", "ok")
+telemetry.observe_lock_wait("a", 0.5)
+telemetry.watch_breaker("a", telemetry, lambda module: [("rejected", 1)])
 telemetry.link_renewal("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
 print("no-op")
 """

@@ -88,9 +88,12 @@ class ExchangeRate:
         """Wait for a permit to send one exchange; ExchangesThrottled when none comes
         within PERMIT_WAIT, StoreUnavailable when Redis cannot be asked."""
         started = self._monotonic()
+        asked: list[bool] = []
 
         def ask() -> tuple[int, float, float, float]:
-            waited = self._monotonic() - started
+            # the first ask waited for nothing: a busy process's own delay is no wait
+            waited = self._monotonic() - started if asked else 0.0
+            asked.append(True)
             return self._run(priority, budget=PERMIT_WAIT - waited, waited=waited)
 
         retrying = Retrying(

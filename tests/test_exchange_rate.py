@@ -84,6 +84,27 @@ def test_a_quiet_host_answers_at_once_then_callers_wait_for_a_reserved_permit(
     assert counts["waited"] == 1
 
 
+def test_a_permit_granted_at_once_counts_no_wait_however_busy_the_process(
+    control: redis.Redis, merchant_key_prefix: str
+) -> None:
+    """The process's own delay before it asks (a loaded machine) is no wait for a permit."""
+    ticks = iter(range(0, 1000, 5))  # each reading of the clock 5 s after the last
+    commands = AccountRedis(control, AccountKeys.of(f"{merchant_key_prefix}:sandbox:k"))
+    rate = ExchangeRate(
+        commands,
+        AccountKeys.exchange_rate(merchant_key_prefix, "h:1"),
+        "h:1",
+        1.0,
+        sleep=lambda seconds: None,
+        monotonic=lambda: float(next(ticks)),
+    )
+    rate.take(Priority.BACKGROUND)  # a full bucket of 2: one may go
+    rate.take(Priority.CALLER)
+    counts = rate.state().counts
+    assert counts["granted_caller"] == counts["granted_background"] == 1
+    assert counts.get("waited", 0) == 0
+
+
 def test_beat_never_takes_the_permits_kept_for_callers(
     control: redis.Redis, merchant_key_prefix: str
 ) -> None:

@@ -1,6 +1,6 @@
 """The token store: one account's keys in Redis. With ``records`` (the account's breaker,
-budget, counters and completion records) and ``redis_commands`` (under both) it is the only
-code that speaks to Redis.
+budget, counters and completion records), ``redis_commands`` (under both) and
+``store_reading`` (many accounts' status at once) it is the only code that speaks to Redis.
 
 Keys, under ``<prefix>:<environment>:<api key>:`` (``<prefix>:{<environment>:<api key>}:``
 on a Redis Cluster: the hash tag keeps them in one slot, as the save script and the lock

@@ -196,6 +196,8 @@ def client_for(
 
     ``redis_client`` (or the ``store`` itself) and ``session`` are shared when given
     (``AccountClients`` shares one Redis pool per server); otherwise the client gets its own.
+    The exchange always has its own session, whose transport cuts each exchange at its
+    deadline.
     """
     session = session or new_session()
     store = store or store_for(settings, redis_client or redis_for(settings.fleet), name=name)
@@ -203,7 +205,7 @@ def client_for(
     server = urlsplit(settings.base_url).hostname or ""
     manager = TokenManager(
         store,
-        TimedExchange(TokenExchange.from_settings(settings, session), store, server=server),
+        TimedExchange(TokenExchange.from_settings(settings), store, server=server),
         lambda: fingerprint(settings.secret.reveal()),
         renew_before=settings.renew_before,
         renew_mandatory=settings.renew_mandatory,

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import redis
 from celery import Celery
 
 from .celery_app import isolated_config, package_defaults, write_config_module
 from .local import RedisServer, free_port, redis_answers, running, wait_until
+from .redis_topology import probe_redis, redis_from_url
 from .sandbox import SandboxApp, SandboxConfig, SandboxServer
 from .settings import DEFAULT_REDIS_URL, FleetSettings, Secret, Settings, child_env, read_variable
 from .store import TokenStore
@@ -45,6 +45,7 @@ DEMO_API_KEY = "demo-app-id"
 CALL_API_TASK = "merchant_tasks.call_api"
 VIEW_INTERVAL = 0.5  # seconds between two refreshes of the live view
 DRAIN_TIMEOUT = 30.0  # seconds to wait for calls still queued when the duration ends
+REDIS_PROBE_TIMEOUT = 0.5  # a MERCHANT_REDIS_URL that takes longer is not the demo's Redis
 
 
 @dataclass
@@ -106,7 +107,7 @@ def run_demo(
         os.environ.update(env)
         _start_worker_and_beat(stack, workdir, env, workers)
         store = TokenStore(
-            redis.Redis.from_url(redis_url),
+            redis_from_url(redis_url),
             TokenStore.namespace_for(key_prefix, "sandbox", DEMO_API_KEY),
         )
         summary = DemoSummary(redis=redis_kind)
@@ -252,11 +253,7 @@ def _summary_text(summary: DemoSummary) -> str:
 def _redis_for_demo(workdir: Path) -> Iterator[tuple[str, str]]:
     """MERCHANT_REDIS_URL if it answers, else a private redis-server, else fakeredis."""
     url = read_variable("MERCHANT_REDIS_URL") or DEFAULT_REDIS_URL
-    try:
-        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
-    except redis.RedisError:
-        pass
-    else:
+    if probe_redis(url, connect_timeout=REDIS_PROBE_TIMEOUT):
         yield url, f"{url.split('@')[-1]} (MERCHANT_REDIS_URL)"
         return
     if shutil.which("redis-server") is not None:

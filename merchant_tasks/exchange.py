@@ -7,18 +7,22 @@ errors carry status codes and the short error code the server gave, nothing else
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import logging
 import math
 import re
+import socket
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import requests
-from urllib3 import HTTPResponse
+from requests.adapters import HTTPAdapter
+from urllib3 import HTTPConnectionPool, HTTPResponse, HTTPSConnectionPool
 from urllib3.exceptions import HTTPError
 
 from .exceptions import (
@@ -29,6 +33,9 @@ from .exceptions import (
     TokenEndpointUnavailable,
 )
 from .settings import DEFAULT_TIMEOUTS, TOKEN_LIFETIME, Secret, Settings
+
+if TYPE_CHECKING:
+    from urllib3._base_connection import BaseHTTPConnection
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +50,7 @@ MAX_TOKEN_LENGTH = 8 * 1024  # a longer access_token is not a bearer token we ca
 TOKEN_BODY_LIMIT = 64 * 1024  # a token response is read up to this much, no further
 ERROR_BODY_LIMIT = 4 * 1024  # an error body: enough for its error code and an excerpt
 _READ_CHUNK = 16 * 1024
-_DEADLINE_SLACK = 0.05  # a read that failed this close to the deadline timed out on it
+_RECUT_INTERVAL = 0.05  # after the deadline, a connection made late is cut within this
 
 
 class Answered(Protocol):
@@ -80,7 +87,11 @@ class IssuedToken:
 
 
 class TokenExchange:
-    """Exchanges the API key and secret for a token at ``base_url``."""
+    """Exchanges the API key and secret for a token at ``base_url``.
+
+    Its own session (``exchange_session``) ends every exchange at its deadline; an injected
+    ``session`` (a test's fake transport) is cut there once its answer's headers are in.
+    """
 
     def __init__(
         self,
@@ -95,7 +106,7 @@ class TokenExchange:
         self.url = base_url.rstrip("/") + TOKEN_PATH
         self.api_key = api_key
         self.secret = secret
-        self.session = session or requests.Session()
+        self.session = session or exchange_session()
         self.timeout = timeout
         self.default_lifetime = default_lifetime
 
@@ -126,30 +137,13 @@ class TokenExchange:
         secret = self.secret.reveal()
         body = {"grant_type": GRANT_TYPE, "appid": self.api_key, "secret": secret}
         started = time.monotonic()
-        try:
-            response = self.session.post(
-                self.url,
-                json=body,
-                headers={"accept": "application/json"},
-                timeout=self.timeout,
-                allow_redirects=False,  # a redirect would resend the secret elsewhere
-                stream=True,  # the body is read below, within the deadline
-            )
-        except requests.Timeout:
-            raise TokenEndpointUnavailable(
-                f"token endpoint {self.url} timed out (timeouts {self.timeout})"
-            ) from None
-        except requests.RequestException as exc:
-            raise TokenEndpointUnavailable(
-                f"token endpoint {self.url} unreachable ({type(exc).__name__})"
-            ) from None
-        with response:  # closed, not returned to the pool, if not read to the end
-            limit = TOKEN_BODY_LIMIT if 200 <= response.status_code < 300 else ERROR_BODY_LIMIT
-            answer = Answer(
-                response.status_code,
-                response.headers,
-                self._read_body(response, limit, started + self.deadline),
-            )
+        with _Cutoff(self.deadline) as cutoff:
+            try:
+                answer = self._send(body)
+            except (requests.RequestException, HTTPError, OSError) as exc:
+                raise self._failure(exc, cutoff.passed) from None
+        if cutoff.passed:  # the socket was shut mid-answer: what came may be cut short
+            raise self._failure(None, passed=True)
         log.debug(
             "token exchange for %s answered %s in %.3f s",
             self.api_key,
@@ -158,34 +152,129 @@ class TokenExchange:
         )
         return classify(answer, self.default_lifetime, secret=secret)
 
-    def _read_body(self, response: requests.Response, limit: int, deadline: float) -> bytes:
-        """The body, up to ``limit`` bytes (one more if longer), read by ``deadline``."""
-        raw = response.raw
-        if not isinstance(raw, HTTPResponse):  # a transport that read the body already
-            return response.content[: limit + 1]
-        body = bytearray()
-        late = TokenEndpointUnavailable(
-            f"token endpoint {self.url} did not finish its answer within {self.deadline:g} s"
+    def _send(self, body: Mapping[str, str]) -> Answer:
+        """Post the request and read the answer, up to its size limit."""
+        response = self.session.post(
+            self.url,
+            json=body,
+            headers={"accept": "application/json"},
+            timeout=self.timeout,
+            allow_redirects=False,  # a redirect would resend the secret elsewhere
+            stream=True,  # the body is read below, up to its limit
         )
-        try:
-            while len(body) <= limit:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise late
-                sock = getattr(raw.connection, "sock", None)
-                if sock is not None:  # each read waits at most until the deadline
-                    sock.settimeout(min(left, self.timeout[1]))
-                chunk = raw.read1(min(_READ_CHUNK, limit + 1 - len(body)))
-                if not chunk:
-                    break
-                body += chunk
-        except (HTTPError, OSError) as exc:
-            if time.monotonic() >= deadline - _DEADLINE_SLACK:  # the read waited until it
-                raise late from None
-            raise TokenEndpointUnavailable(
-                f"token endpoint {self.url} broke off its answer ({type(exc).__name__})"
-            ) from None
-        return bytes(body)
+        if isinstance(response.raw, HTTPResponse) and response.raw.connection is not None:
+            _shown(response.raw.connection)  # an injected session's pools show nothing
+        with response:  # closed, not returned to the pool, if not read to the end
+            limit = TOKEN_BODY_LIMIT if 200 <= response.status_code < 300 else ERROR_BODY_LIMIT
+            return Answer(response.status_code, response.headers, _read_body(response, limit))
+
+    def _failure(self, exc: Exception | None, passed: bool) -> TokenEndpointUnavailable:
+        """The error for an exchange that broke off; ``passed``: its deadline cut it."""
+        if passed:
+            reason = f"did not finish its answer within {self.deadline:g} s"
+        elif isinstance(exc, requests.Timeout):
+            reason = f"timed out (timeouts {self.timeout})"
+        elif isinstance(exc, requests.RequestException):
+            reason = f"unreachable ({type(exc).__name__})"
+        else:  # urllib3 or the socket, reading the body
+            reason = f"broke off its answer ({type(exc).__name__})"
+        return TokenEndpointUnavailable(f"token endpoint {self.url} {reason}")
+
+
+def _read_body(response: requests.Response, limit: int) -> bytes:
+    """The body, up to ``limit`` bytes (one more if longer)."""
+    raw = response.raw
+    if not isinstance(raw, HTTPResponse):  # a transport that read the body already
+        return response.content[: limit + 1]
+    body = bytearray()
+    while len(body) <= limit:
+        chunk = raw.read1(min(_READ_CHUNK, limit + 1 - len(body)))
+        if not chunk:
+            break
+        body += chunk
+    return bytes(body)
+
+
+def exchange_session() -> requests.Session:
+    """The exchange's own session: every exchange made through it ends at its deadline."""
+    session = requests.Session()
+    adapter = _DeadlineAdapter()
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+_exchanging = threading.local()  # the ``_Cutoff`` of the exchange this thread is making
+
+
+class _Cutoff:
+    """Shuts the exchange's connection down at its deadline, so that whatever read it is
+    waiting in ends then, status line and headers included: ``requests`` and urllib3 bound
+    each socket read only, so a server sending one byte per read timeout is never cut."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.connection: BaseHTTPConnection | None = None  # shown by the pool, see _shown
+        self.passed = False  # the deadline came before the exchange ended
+        self._ended = threading.Event()
+
+    def __enter__(self) -> _Cutoff:
+        _exchanging.cutoff = self
+        threading.Thread(target=self._watch, name="exchange-deadline", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        _exchanging.cutoff = None
+        self._ended.set()
+
+    def _watch(self) -> None:
+        if self._ended.wait(self.seconds):
+            return
+        self.passed = True  # before the cut: the exchange reads it once its read ends
+        while True:  # until the exchange ends: a connection still being opened is cut too
+            sock = getattr(self.connection, "sock", None)
+            if isinstance(sock, socket.socket):
+                with contextlib.suppress(OSError):  # closed meanwhile: nothing left to cut
+                    # the plain socket's shutdown, also under TLS: no close_notify to send
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            if self._ended.wait(_RECUT_INTERVAL):
+                return
+
+
+def _shown(connection: BaseHTTPConnection) -> BaseHTTPConnection:
+    """Show the connection a pool lends to this thread to the exchange it is making."""
+    cutoff: _Cutoff | None = getattr(_exchanging, "cutoff", None)
+    if cutoff is not None:
+        cutoff.connection = connection
+    return connection
+
+
+class _CutoffHTTPPool(HTTPConnectionPool):
+    """Shows each exchange its connection, and keeps none open between exchanges (they
+    are minutes apart, and nobody closes the exchange's session)."""
+
+    def _get_conn(self, timeout: float | None = None) -> BaseHTTPConnection:
+        return _shown(super()._get_conn(timeout))
+
+    def _put_conn(self, conn: BaseHTTPConnection | None) -> None:
+        if conn is not None:
+            conn.close()  # the pool opens it again for the next exchange
+        super()._put_conn(conn)
+
+
+class _CutoffHTTPSPool(_CutoffHTTPPool, HTTPSConnectionPool):
+    pass
+
+
+class _DeadlineAdapter(HTTPAdapter):
+    """The exchange's transport: its pools show each exchange the connection it uses."""
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {
+            "http": _CutoffHTTPPool,
+            "https": _CutoffHTTPSPool,
+        }
 
 
 def classify(response: Answered, default_lifetime: float, secret: str = "") -> IssuedToken:

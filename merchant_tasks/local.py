@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
-import redis
+from .redis_topology import probe_redis
 
 STOP_TIMEOUT = 10.0  # seconds a child gets to exit after SIGTERM before SIGKILL
 START_TIMEOUT = 10.0  # seconds a redis-server gets to answer
+PROBE_CONNECT_TIMEOUT = 0.2  # a redis-server on this host that is up accepts at once
 
 
 def free_port() -> int:
@@ -206,13 +208,10 @@ def redis_server_command(port: int, workdir: Path, *options: str) -> list[str]:
 
 
 def redis_answers(port: int, password: str | None = None) -> bool:
-    probe = redis.Redis(port=port, password=password, socket_connect_timeout=0.2)
-    try:
-        return bool(probe.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        probe.close()
+    """Whether a Redis on this host's ``port`` answers (a private one starting, say)."""
+    credentials = f":{quote(password, safe='')}@" if password else ""
+    url = f"redis://{credentials}localhost:{port}"
+    return probe_redis(url, connect_timeout=PROBE_CONNECT_TIMEOUT)
 
 
 class RedisServer:

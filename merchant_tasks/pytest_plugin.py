@@ -107,11 +107,11 @@ def merchant_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
 @pytest.fixture
 def merchant_key_prefix(merchant_redis_url: str) -> Iterator[str]:
     """A Redis key prefix of this test alone; its keys are deleted afterwards."""
-    import redis
+    from .redis_topology import redis_from_url
 
     prefix = f"mt-test-{uuid.uuid4().hex[:12]}"
     yield prefix
-    client = redis.Redis.from_url(merchant_redis_url)
+    client = redis_from_url(merchant_redis_url)
     try:
         keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
         if keys:

@@ -132,3 +132,14 @@ def redis_from_url(
     if cluster:
         return RedisCluster.from_url(url, **timeouts)
     return redis.Redis.from_url(url, health_check_interval=HEALTH_CHECK_INTERVAL, **timeouts)
+
+
+def probe_redis(url: str, *, connect_timeout: float) -> bool:
+    """Whether the Redis at ``url`` answers a PING; the probe's connection is not kept."""
+    probe = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout)
+    try:
+        return bool(probe.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        probe.close()

@@ -469,25 +469,34 @@ def test_a_token_response_longer_than_64_kib_is_a_malformed_response() -> None:
 
 
 class _Dripping(http.server.BaseHTTPRequestHandler):
-    """Answers the token request with its headers at once, then one body byte at a time."""
+    """Answers the token request one byte at a time (``server.dripped``): its status line
+    and headers, then its body at once; or its headers at once, then its body."""
 
     server: _DripServer
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
         body = json.dumps({"access_token": TOKEN_VALUE, "expires_in": 7200}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
+        head = (
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode()
+        # dripped headers, then the body at once: a client still connected when the headers
+        # are done (past its deadline) gets the whole answer, and the server counts it finished
+        before, dripped, after = (
+            (head, body, b"") if self.server.dripped == "body" else (b"", head, body)
+        )
         with self.server.lock:
             self.server.in_flight += 1
             self.server.most_in_flight = max(self.server.most_in_flight, self.server.in_flight)
         try:
-            for byte in body:
+            self.wfile.write(before)
+            for byte in dripped:
+                self._wait(self.server.drip)
                 self.wfile.write(bytes([byte]))
                 self.wfile.flush()
-                self._wait(self.server.drip)
+            self.wfile.write(after)
+            self.wfile.flush()
             self.server.finished += 1
         except OSError:  # the client hung up: its deadline passed
             self.server.hung_up += 1
@@ -510,9 +519,10 @@ class _Dripping(http.server.BaseHTTPRequestHandler):
 class _DripServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, drip: float) -> None:
+    def __init__(self, drip: float, dripped: str) -> None:
         super().__init__(("127.0.0.1", 0), _Dripping)
         self.drip = drip
+        self.dripped = dripped
         self.lock = threading.Lock()
         self.in_flight = self.most_in_flight = self.finished = self.hung_up = 0
 
@@ -521,9 +531,9 @@ class _DripServer(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
-@pytest.fixture
-def dripping() -> Iterator[_DripServer]:
-    server = _DripServer(drip=0.3)  # ~50 bytes: 15 s for the whole answer
+@pytest.fixture(params=["headers", "body"])
+def dripping(request: pytest.FixtureRequest) -> Iterator[_DripServer]:
+    server = _DripServer(drip=0.3, dripped=request.param)  # 50-80 bytes dripped: 15-25 s
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -534,8 +544,9 @@ def dripping() -> Iterator[_DripServer]:
 def test_an_endpoint_dripping_its_answer_is_cut_off_at_the_exchanges_deadline(
     dripping: _DripServer,
 ) -> None:
-    """Each byte comes well within the read timeout; the answer as a whole never does.
-    The exchange gives up at its deadline and hangs up, leaving nothing in flight."""
+    """Each byte comes well within the read timeout, of the headers or of the body; the
+    answer as a whole never does. The exchange gives up at its deadline and hangs up,
+    leaving nothing in flight."""
     exchange = TokenExchange(dripping.url, API_KEY, Secret(SECRET), timeout=(0.5, 1.0))
     with pytest.raises(TokenEndpointUnavailable, match=r"did not finish its answer within 1.5 s"):
         exchange()
@@ -569,3 +580,23 @@ def test_a_dripping_endpoint_never_has_two_exchanges_in_flight(
     assert dripping.most_in_flight == 1
     assert dripping.finished == 0
     assert set(errors) <= {"TokenEndpointUnavailable", "RenewalTimeout"}, errors
+
+
+def test_an_injected_session_is_cut_off_at_the_deadline_once_its_headers_are_in() -> None:
+    """A session of the caller's own (not the exchange's) has pools that show nothing: the
+    exchange finds the connection on the answer and still cuts its body at the deadline."""
+    server = _DripServer(drip=0.3, dripped="body")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    session = requests.Session()
+    try:
+        exchange = TokenExchange(
+            server.url, API_KEY, Secret(SECRET), session=session, timeout=(0.5, 1.0)
+        )
+        with pytest.raises(TokenEndpointUnavailable, match=r"did not finish its answer"):
+            exchange()
+        wait_until(lambda: server.hung_up == 1, "the server notices the hang-up", timeout=10.0)
+        assert server.finished == 0
+    finally:
+        session.close()
+        server.shutdown()
+        server.server_close()

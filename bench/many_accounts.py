@@ -8,7 +8,9 @@
    under a fleet-wide exchange rate (``MERCHANT_MAX_EXCHANGES_PER_SECOND``): the busiest
    second, the time to every first token, and how long a call for an account not yet
    served waits meanwhile; then the renewals, spread over the advisory window;
-7. the hot path with the token sealed at rest against the same calls in clear.
+7. the hot path with the token sealed at rest against the same calls in clear;
+8. ten thousand accounts: beat's check, `merchant-tasks status` over them (its wall time,
+   and its reading's round trips), and a real worker configured with them.
 
 Also the accounts source of the worker in scenario 6: ``many_accounts:accounts_source``
 reads BENCH_ACCOUNTS (how many); the accounts share the fleet's key prefix, each with an
@@ -18,8 +20,10 @@ API key of the emulator's key family (``<key>.shop-<n>``, one secret).
 from __future__ import annotations
 
 import base64
+import json
 import math
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -43,6 +47,8 @@ if TYPE_CHECKING:
 
 PING = "/open-api/v1/ping"
 CHECK_REPEATS = 7  # timed checks of each kind; the median is reported
+STATUS_TIMEOUT = 300.0  # seconds for `status` of 10,000 accounts (one account at a time
+# took about 25 s; pipelined, a few)
 
 
 @dataclass(frozen=True)
@@ -506,7 +512,8 @@ TEN_THOUSAND = 10_000
 
 
 class TenThousandAccounts(AccountsScenario):
-    """Beat's check of 10,000 accounts, and a real worker configured with them."""
+    """Beat's check and `status` of 10,000 accounts, and a real worker configured with
+    them."""
 
     name: ClassVar[str] = "10k accounts"
 
@@ -540,6 +547,7 @@ class TenThousandAccounts(AccountsScenario):
                     raise ScenarioError("the check found other accounts due than the one")
 
             samples = [_timed(check) for _ in range(CHECK_REPEATS)]
+            status = _status(accounts, env, workdir, counting, bench.redis_url)
             worker = bench.spawn(
                 "10k-worker",
                 [
@@ -581,13 +589,16 @@ class TenThousandAccounts(AccountsScenario):
         check_ms = median([ms for ms, _ in samples])
         trips = max(trips for _, trips in samples)
         return Result(
-            title=f"8. Ten thousand accounts: beat's check (median of {CHECK_REPEATS}), and a "
-            "worker (prefork, 2 children) configured with them serving one call",
+            title=f"8. Ten thousand accounts: beat's check (median of {CHECK_REPEATS}), "
+            "`status` (once), and a worker (prefork, 2 children) configured with them serving "
+            "one call",
             table=Table(
                 ["", "value"],
                 [
                     ["beat's check of 10,000 accounts (ms)", f"{check_ms:.1f}"],
                     ["its Redis round trips", str(trips)],
+                    ["`status --json` of 10,000 accounts (s)", f"{status.seconds:.2f}"],
+                    ["its Redis round trips (reading the accounts)", str(status.round_trips)],
                     ["worker: largest process RSS after one call (MB)", f"{rss_mb:.1f}"],
                     ["the call (first token of its account, s)", f"{call_s:.2f}"],
                 ],
@@ -595,6 +606,8 @@ class TenThousandAccounts(AccountsScenario):
             json={
                 "accounts_10k_check_ms": round(check_ms, 1),
                 "accounts_10k_check_roundtrips": trips,
+                "accounts_10k_status_s": round(status.seconds, 2),
+                "accounts_10k_status_roundtrips": status.round_trips,
                 "accounts_10k_worker_rss_mb": round(rss_mb, 1),
                 "accounts_10k_call_s": round(call_s, 2),
                 "accounts_10k_call_ok": answer == {"ok": True},
@@ -611,6 +624,40 @@ class TenThousandAccounts(AccountsScenario):
                 ),
             ],
         )
+
+
+@dataclass(frozen=True)
+class StatusRun:
+    seconds: float  # the command's wall time: start-up, loading the accounts, reading, JSON
+    round_trips: int  # of its reading (``AccountClients.statuses``)
+
+
+def _status(
+    accounts: dict[str, Settings],
+    env: dict[str, str],
+    workdir: Path,
+    counting: redis.Redis,
+    redis_url: str,
+) -> StatusRun:
+    """`merchant-tasks status --json` over the accounts, as an operator runs it, then the
+    same reading in this process on the counting connection (its packets: round trips)."""
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "merchant_tasks.cli", "status", "--json"],
+        env=env,
+        cwd=workdir,
+        capture_output=True,
+        timeout=STATUS_TIMEOUT,
+        check=False,
+    )
+    seconds = time.perf_counter() - t0
+    shown = json.loads(done.stdout).get("accounts", []) if done.stdout else []
+    if len(shown) != len(accounts):
+        raise ScenarioError(f"status showed {len(shown)} accounts: {done.stderr[-300:]!r}")
+    fleet = AccountClients(accounts)
+    fleet._redis_by_url[redis_url] = counting  # its reading on the counting connection
+    _, round_trips = _timed(fleet.statuses)
+    return StatusRun(seconds, round_trips)
 
 
 def _store_fresh_tokens(client: redis.Redis, accounts: list[Settings]) -> None:

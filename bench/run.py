@@ -119,6 +119,8 @@ HEADLINE_KEYS = (  # first in the JSON line, null when their scenario could not 
     "cold_start_call_wait_s",
     "accounts_10k_check_ms",
     "accounts_10k_check_roundtrips",
+    "accounts_10k_status_s",
+    "accounts_10k_status_roundtrips",
     "accounts_10k_worker_rss_mb",
     "sealing_hot_path_ratio",
 )

@@ -46,9 +46,9 @@ from .exchange_rate import ExchangeRate
 from .redis_commands import AccountKeys
 from .redis_topology import StoreClient
 from .renewal import TokenManager
-from .sealing import codec_for
+from .sealing import TokenCodec, codec_for
 from .settings import FleetSettings, Settings, read_variable
-from .status import breaker_states
+from .status import AccountStatus, breaker_states, fleet_statuses
 from .store import TokenStore
 from .timing import TimedExchange
 from .token import fingerprint
@@ -189,22 +189,18 @@ def client_for(
     redis_client: StoreClient | None = None,
     session: requests.Session | None = None,
     name: str = DEFAULT_ACCOUNT,
+    store: TokenStore | None = None,
 ) -> FleetClient:
     """The client of account ``name``: its settings wired to a store, an exchange and a
     manager.
 
-    ``redis_client`` and ``session`` are shared when given (``AccountClients`` shares one
-    Redis pool per server); otherwise the client gets its own. The exchange always has its
-    own session, whose transport cuts each exchange at its deadline.
+    ``redis_client`` (or the ``store`` itself) and ``session`` are shared when given
+    (``AccountClients`` shares one Redis pool per server); otherwise the client gets its own.
+    The exchange always has its own session, whose transport cuts each exchange at its
+    deadline.
     """
     session = session or new_session()
-    fleet = settings.fleet
-    store = TokenStore(
-        redis_client or redis_for(fleet),
-        namespace_of(settings),
-        codec_for(fleet.token_key_file, fleet.token_key_previous_file),
-        account=name,
-    )
+    store = store or store_for(settings, redis_client or redis_for(settings.fleet), name=name)
     telemetry.watch_breaker(name, store, breaker_states)
     server = urlsplit(settings.base_url).hostname or ""
     manager = TokenManager(
@@ -223,6 +219,21 @@ def client_for(
         timeout=(settings.connect_timeout, settings.read_timeout),
         account=name,
     )
+
+
+def store_for(
+    settings: Settings,
+    redis_client: StoreClient,
+    *,
+    name: str = DEFAULT_ACCOUNT,
+    codec: TokenCodec | None = None,
+) -> TokenStore:
+    """The token store of account ``name`` (all that `status` needs of it); ``codec`` is
+    shared when given, else made from the fleet's key files."""
+    fleet = settings.fleet
+    if codec is None:
+        codec = codec_for(fleet.token_key_file, fleet.token_key_previous_file)
+    return TokenStore(redis_client, namespace_of(settings), codec, account=name)
 
 
 def exchange_rate_for(settings: Settings, store: TokenStore) -> ExchangeRate:
@@ -251,11 +262,15 @@ def client_from_env(environ: Mapping[str, str] | None = None) -> FleetClient:
 
 class AccountClients:
     """This process's clients, one per account, each made on its first use (one HTTP
-    session each; one Redis pool per Redis server)."""
+    session each; one Redis pool per Redis server). `status` and the exporter use the
+    accounts' stores only, and one exchange rate per host."""
 
     def __init__(self, accounts: Mapping[str, Settings]) -> None:
         self.accounts = dict(accounts)
         self._clients: dict[str, FleetClient] = {}
+        self._stores: dict[str, TokenStore] = {}
+        self._rates: dict[tuple[str, str, str, float], ExchangeRate] = {}
+        self._codecs: dict[tuple[str | None, str | None], TokenCodec] = {}
         self._redis_by_url: dict[str, StoreClient] = {}
         self._lock = threading.Lock()
 
@@ -280,14 +295,44 @@ class AccountClients:
             client = self._clients.get(name)
             if client is None:
                 session: requests.Session = new_session()  # cookies never cross accounts
-                client = client_for(
-                    settings,
-                    redis_client=self._redis_for(settings.fleet.redis_url),
-                    session=session,
-                    name=name,
-                )
+                store = self._store(name)
+                client = client_for(settings, store=store, session=session, name=name)
                 self._clients[name] = client
         return client
+
+    def statuses(self) -> dict[str, AccountStatus]:
+        """Every account's status (``status.fleet_statuses``): a few round trips per Redis
+        server, whatever the number of accounts, and no client built."""
+        with self._lock:
+            stores = {name: self._store(name) for name in self.accounts}
+            rates = {name: self._rate(name) for name in self.accounts}
+        return fleet_statuses(self.accounts, stores, rates)
+
+    def _store(self, name: str) -> TokenStore:
+        """``name``'s store, made once (its client uses the same one); the lock is held."""
+        store = self._stores.get(name)
+        if store is None:
+            settings = self.accounts[name]
+            fleet = settings.fleet
+            files = (fleet.token_key_file, fleet.token_key_previous_file)
+            codec = self._codecs.get(files)
+            if codec is None:
+                codec = self._codecs[files] = codec_for(*files)  # reads the key files once
+            client = self._redis_for(fleet.redis_url)
+            store = self._stores[name] = store_for(settings, client, name=name, codec=codec)
+        return store
+
+    def _rate(self, name: str) -> ExchangeRate:
+        """The exchange rate of ``name``'s host on its Redis, one object per host (status
+        reads each once); the lock is held."""
+        settings = self.accounts[name]
+        fleet = settings.fleet
+        cap = fleet.max_exchanges_per_second
+        shared = (fleet.redis_url, fleet.key_prefix, settings.origin, cap)
+        rate = self._rates.get(shared)
+        if rate is None:
+            rate = self._rates[shared] = exchange_rate_for(settings, self._store(name))
+        return rate
 
     def redis_for(self, url: str) -> StoreClient:
         """This process's Redis client (one pool) for ``url``, shared by its accounts."""

@@ -25,7 +25,7 @@ from .settings import (
     read_variable,
     refuse_unknown_names,
 )
-from .status import AccountStatus, account_status, format_status
+from .status import format_status
 from .variable_files import read_text_file
 
 EXIT_FAILED = 1
@@ -156,7 +156,7 @@ def status(as_json: bool) -> None:
     Exits 0 when every account has a usable token and no breaker is open, 1 otherwise.
     """
     with _exit_codes(as_json=as_json):
-        statuses = _statuses(AccountClients.from_env(read_secrets=False))  # Redis only
+        statuses = AccountClients.from_env(read_secrets=False).statuses()  # Redis only
     if as_json:
         document = {"accounts": [s.as_dict() for s in statuses.values()]}
         click.echo(json.dumps(document, indent=2, sort_keys=True))
@@ -179,7 +179,7 @@ def metrics(host: str, port: int) -> None:
     fleet = _clients(read_secrets=False)  # reads Redis only: needs no secret mounted
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(lambda: _statuses(fleet)))
+    registry.register(FleetCollector(fleet.statuses))
     server, thread = start_http_server(port, addr=host, registry=registry)
     click.echo(f"metrics on http://{host}:{port}/metrics (Ctrl-C stops)")
     try:
@@ -222,14 +222,6 @@ def call(method: str, path: str, body: str | None, account: str | None) -> None:
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
     click.echo(json.dumps(result, indent=2, sort_keys=True))
-
-
-def _statuses(fleet: AccountClients) -> dict[str, AccountStatus]:
-    managers = {name: fleet.get(name).manager for name in fleet.accounts}
-    return {
-        name: account_status(name, settings, managers[name].store, managers[name].rate)
-        for name, settings in fleet.accounts.items()
-    }
 
 
 def _clients(read_secrets: bool = True) -> AccountClients:

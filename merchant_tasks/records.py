@@ -198,6 +198,11 @@ class AccountRecords:
         raw: dict[bytes, bytes] = self.commands.read(
             key, lambda: self.commands.client.hgetall(key), dict, {}
         )
+        return self.numbers(key, raw)
+
+    def numbers(self, key: str, raw: Mapping[bytes, bytes]) -> dict[str, int]:
+        """The fields of hash ``key`` as read (``raw``), as integers; a field that is not
+        one is left out (logged once)."""
         numbers = {}
         for field, value in raw.items():
             try:

@@ -115,6 +115,15 @@ class AccountRedis:
         except StoreUnavailable as exc:
             if not wrong_type(exc.__cause__):
                 raise
+            raw = exc.__cause__
+        return self.reply(key, raw, parse, absent)
+
+    def reply(self, key: str, raw: Any, parse: Callable[[Any], T], absent: T) -> T:
+        """``read`` of a reply already received (a pipeline's, errors left in it): an error
+        other than WRONGTYPE is raised as StoreUnavailable."""
+        if isinstance(raw, Exception):
+            if not wrong_type(raw):
+                raise store_error(raw, self.address) from raw
             self.corrupt(key, "a value of the wrong type")
             return absent
         if raw is None:

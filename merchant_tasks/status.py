@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -10,11 +11,14 @@ from .exchange_rate import ExchangeRate
 from .policy import BreakerKind
 from .records import BreakerRecord
 from .settings import Settings
+from .store import TokenStore
 from .store_protocol import Store
+from .store_reading import AccountReading, read_many, read_one
 from .token import TokenState
 
 HOUR = 3600.0
 DAY = 86400.0
+WINDOWS = (HOUR, DAY)  # the exchange counts status shows: the last hour, the last day
 
 
 class AccountState(enum.StrEnum):
@@ -66,9 +70,35 @@ def account_status(
     name: str, settings: Settings, store: Store, rate: ExchangeRate | None = None
 ) -> AccountStatus:
     """Read one account's status from its store (and its host's exchange rate)."""
-    now = store.time()
-    token = store.load()
-    record = open_breaker(store, now)
+    state = asdict(rate.state()) if rate is not None else None
+    return status_of(name, settings, read_one(store, WINDOWS), state)
+
+
+def fleet_statuses(
+    accounts: Mapping[str, Settings],
+    stores: Mapping[str, TokenStore],
+    rates: Mapping[str, ExchangeRate],
+) -> dict[str, AccountStatus]:
+    """Every account's status, read in a few round trips per Redis server
+    (``store_reading.read_many``), each host's exchange rate read once (accounts sharing a
+    host share one ``ExchangeRate`` in ``rates``)."""
+    readings = read_many(stores, WINDOWS)
+    states: dict[int, dict[str, Any]] = {}
+    for rate in rates.values():
+        if id(rate) not in states:
+            states[id(rate)] = asdict(rate.state())
+    return {
+        name: status_of(name, settings, readings[name], states[id(rates[name])])
+        for name, settings in accounts.items()
+    }
+
+
+def status_of(
+    name: str, settings: Settings, reading: AccountReading, rate: dict[str, Any] | None
+) -> AccountStatus:
+    """An account's status from what was read of it, and its host's rate state."""
+    now, token = reading.now, reading.token
+    record = _paused(reading.breaker, now)
     breaker = None
     if record is not None:
         breaker = {
@@ -77,18 +107,19 @@ def account_status(
             "closes_in": round(record.until - now, 3),
             "detail": record.detail,
         }
+    last_hour, last_day = reading.exchanges
     common: dict[str, Any] = {
         "account": name,
         "environment": settings.environment,
         "api_key": settings.api_key,
         "now": now,
-        "exchanges_last_hour": store.records.exchanges_since(now - HOUR),
-        "exchanges_last_day": store.records.exchanges_since(now - DAY),
+        "exchanges_last_hour": last_hour,
+        "exchanges_last_day": last_day,
         "breaker": breaker,
-        "lock_holder": store.lock_holder(),
-        "counters": store.records.counters(),
-        "histograms": store.records.histograms(),
-        "exchange_rate": asdict(rate.state()) if rate is not None else None,
+        "lock_holder": reading.lock_holder,
+        "counters": reading.counters,
+        "histograms": reading.histograms,
+        "exchange_rate": rate,
     }
     if token is None:
         return AccountStatus(state=AccountState.MISSING, **common)
@@ -107,9 +138,13 @@ def account_status(
 
 
 def open_breaker(store: Store, now: float) -> BreakerRecord | None:
-    """The breaker record while its pause runs at ``now`` (Redis time); a record kept past
-    its pause only remembers failures in a row, and reads as closed."""
-    record = store.records.load_breaker()
+    """The breaker record while its pause runs at ``now`` (Redis time)."""
+    return _paused(store.records.load_breaker(), now)
+
+
+def _paused(record: BreakerRecord | None, now: float) -> BreakerRecord | None:
+    """``record`` while its pause runs at ``now``; a record kept past its pause only
+    remembers failures in a row, and reads as closed."""
     return record if record is not None and record.until > now else None
 
 

@@ -1,6 +1,6 @@
 """The token store: one account's keys in Redis. With ``records`` (the account's breaker,
-budget, counters and completion records) and ``redis_commands`` (under both) it is the only
-code that speaks to Redis.
+budget, counters and completion records), ``redis_commands`` (under both) and
+``store_reading`` (many accounts' status at once) it is the only code that speaks to Redis.
 
 Keys, under ``<prefix>:<environment>:<api key>:`` (``<prefix>:{<environment>:<api key>}:``
 on a Redis Cluster: the hash tag keeps them in one slot, as the save script and the lock
@@ -162,9 +162,10 @@ class TokenStore:
         (Redis lost writes): it is renewed rather than used again.
         """
         key = self.keys.token
-        return self._parse(self.commands.get(key, bytes, None))
+        return self.parse_token(self.commands.get(key, bytes, None))
 
-    def _parse(self, raw: bytes | None) -> Token | None:
+    def parse_token(self, raw: bytes | None) -> Token | None:
+        """The token a GET of its key read (``raw``), opened; see ``load``."""
         if raw is None:
             return None
         parsed = self._parsed
@@ -216,7 +217,7 @@ class TokenStore:
                 milliseconds(wait_limit),
             ],
         )
-        return self._parse(raw), int(outcome)
+        return self.parse_token(raw), int(outcome)
 
     def generation(self) -> int:
         """The generation of the last token written (0 if none ever was), or the highest
@@ -302,7 +303,7 @@ class TokenStore:
     def lock_holder(self) -> str | None:
         """Who holds the renewal lock, if anyone."""
         key = self.keys.lock
-        return self.commands.get(key, _text, None)
+        return self.commands.get(key, bytes.decode, None)
 
 
 def read_values(client: StoreClient, keys: list[str]) -> tuple[float, list[bytes | None]]:
@@ -351,7 +352,3 @@ def open_subscription(client: StoreClient) -> PubSub:
 def delete_key(client: StoreClient, key: str) -> None:
     with unavailable_as_error():
         client.delete(key)
-
-
-def _text(raw: bytes) -> str:
-    return raw.decode()

@@ -4,8 +4,9 @@ The manager's parts (``renewer``, ``refusals``, ``breaker``, ``single_flight``,
 ``renewal_lock``), completions, status and metrics are typed with ``Store``; the Redis
 ``store.TokenStore`` is its one implementation, and a second backend implements these two
 protocols and nothing else. Beat's due check reads many accounts at once in one round
-trip per server (``store.read_values``), and wake-ups subscribe on the Redis client
-(``wakeup``): those two are Redis's own.
+trip per server (``store.read_values``), `status` and the exporter in a few
+(``store_reading.read_many``), and wake-ups subscribe on the Redis client (``wakeup``):
+those three are Redis's own.
 """
 
 from __future__ import annotations

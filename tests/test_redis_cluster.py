@@ -25,6 +25,7 @@ from merchant_tasks.accounts import AccountClients
 from merchant_tasks.local import RedisServer, free_port, wait_until
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.status import account_status
 from merchant_tasks.store import TokenStore
 
 pytestmark = pytest.mark.integration
@@ -218,3 +219,11 @@ def test_accounts_on_different_nodes_call_renew_after_401_and_lock_through_the_c
         assert on_node.exists(store.keys.token, store.keys.counters, store.keys.exchange_log) == 3
         assert store.records.counters()["renewals:forced:ok"] == 1
     assert len(nodes_used) == MASTERS
+
+    # status reads every account across the nodes in pipelines: what each store reads alone
+    statuses = fleet.statuses()
+    for api_key in ACCOUNTS:
+        alone = account_status(api_key, fleet.accounts[api_key], fleet.get(api_key).manager.store)
+        assert statuses[api_key].generation == alone.generation == 2
+        assert statuses[api_key].counters == alone.counters
+        assert statuses[api_key].exchanges_last_hour == alone.exchanges_last_hour == 2

@@ -148,10 +148,7 @@ class Refusals:
         try:
             token = self._renew_after(stale, renew, new_401)
         except TokenRejected as exc:
-            if exc.retry_after:  # a back-off: no call sends this token until it is over
-                self._known = {g: k for g, k in self._known.items() if g >= stale.generation}
-                until = self.clock() + exc.retry_after
-                self._known[stale.generation] = (until, self.breaker.secret_fingerprint())
+            self._remember(stale, exc)
             raise
         telemetry.link_renewal(token.traceparent)  # the call's span, to what replaced it
         return token
@@ -178,11 +175,21 @@ class Refusals:
             if not renewed.replaces(stale, self.clock()):  # the endpoint handed it back
                 raise TokenRejected(_handed_back(renewed.expires_at - self.clock()))
             return self.copy.keep(renewed)
+        except TokenRejected as exc:
+            self._remember(stale, exc)  # before the siblings wake: they share its back-off
+            raise
         finally:
             with self._forcing_changed:
                 if self._forcing == stale.generation:  # this thread's mark, not a later one
                     self._forcing = 0
                 self._forcing_changed.notify_all()
+
+    def _remember(self, stale: Token, refused: TokenRejected) -> None:
+        """A back-off (``refused.retry_after``): no call sends ``stale`` until it is over."""
+        if refused.retry_after:
+            self._known = {g: k for g, k in self._known.items() if g >= stale.generation}
+            until = self.clock() + refused.retry_after
+            self._known[stale.generation] = (until, self.breaker.secret_fingerprint())
 
     def _look(self, stale: Token, new_401: bool) -> tuple[Token | None, bool, Prelude | None]:
         """In this process's turn: a newer token (copy or store), or TokenRejected, or this

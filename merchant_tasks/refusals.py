@@ -258,12 +258,7 @@ class Refusals:
         now = self.clock()
         spent = self.store.records.forced_in_period(now, FORCED_RENEWAL_PERIOD)
         if spent >= FORCED_RENEWAL_BUDGET:
-            message = (
-                f"tokens of this account were revoked over and over: {spent} forced renewals "
-                f"in {FORCED_RENEWAL_PERIOD:.0f} s. Is another system exchanging with the same "
-                "API key (each of its exchanges may revoke ours)? Or was API access revoked "
-                "for this merchant?"
-            )
+            message = _revoked_over_and_over(spent)
             self.breaker.trip_revoked(FORCED_RENEWAL_PERIOD, message)
             raise TokenRejected(message, retry_after=FORCED_RENEWAL_PERIOD)
         self.store.records.log_forced(now)
@@ -297,6 +292,15 @@ def _never_accepted(pause: float) -> str:
     return (
         "the API refused a token it never accepted (HTTP 401); the account is renewed "
         f"again in {pause:.0f} s, fleet-wide, and calls fail until then. " + LIKELY_CAUSES
+    )
+
+
+def _revoked_over_and_over(spent: int) -> str:
+    return (
+        f"tokens of this account were revoked over and over: {spent} forced renewals "
+        f"in {FORCED_RENEWAL_PERIOD:.0f} s. Is another system exchanging with the same "
+        "API key (each of its exchanges may revoke ours)? Or was API access revoked "
+        "for this merchant?"
     )
 
 

@@ -176,7 +176,9 @@ def _drive(
             else:
                 pending.append(call_api("GET", path))
             summary.enqueued += 1
-        if not revoked and elapsed >= duration / 2:
+        # midway, once a call succeeded: a token revoked before its first use looks like a
+        # wrong key (no evidence it ever worked) and waits out a back-off (docs/design.md)
+        if not revoked and elapsed >= duration / 2 and summary.ok > 0:
             sandbox.revoke_all()
             revoked = True
             out.write(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import os
 import random
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -88,6 +89,19 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
     return WORKERS_PER_CORE * (os.cpu_count() or 1)
+
+
+# The suite starts hundreds of Python processes (workers, beats, callers, the command line).
+# Under PYTHONDONTWRITEBYTECODE each compiles the package again: their bytecode goes to a
+# cache of the suite's own in the temporary directory instead, never beside the sources.
+PYCACHE = Path(tempfile.gettempdir()) / "merchant-tasks-test-pycache"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before xdist starts its workers, which, like every process a test starts, inherit it."""
+    if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
+        del os.environ["PYTHONDONTWRITEBYTECODE"]
+        os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
 
 
 # Fixtures whose tests run longest (processes, failovers, token lifetimes), longest first.

@@ -32,6 +32,26 @@ class ScenarioError(RuntimeError):
     """A scenario could not run (as opposed to: it ran and missed a goal)."""
 
 
+def worker_argv(concurrency: int, *options: str) -> list[str]:
+    """``celery -A merchant_tasks worker`` as the benchmarks run it: prefork, quiet, and
+    without the gossip, mingle and heartbeat traffic that would add to what is measured."""
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "merchant_tasks",
+        "worker",
+        "--pool=prefork",
+        f"--concurrency={concurrency}",
+        "--loglevel=WARNING",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        *options,
+    ]
+
+
 def wait_until(ready: Callable[[], bool], what: str, timeout: float = START_TIMEOUT) -> None:
     """``merchant_tasks.local.wait_until``, its time-out a ScenarioError."""
     try:

@@ -33,12 +33,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis
-from harness import BENCH_DIR, SandboxControl, ScenarioError, median, sandbox_process, wait_until
+from harness import (
+    BENCH_DIR,
+    SandboxControl,
+    ScenarioError,
+    median,
+    sandbox_process,
+    wait_until,
+    worker_argv,
+)
 from redis.connection import Connection
 from scenario import Goal, Result, Scenario, Table, yes_no
 
 from merchant_tasks.accounts import AccountClients, FleetClient, client_for
 from merchant_tasks.due import due_accounts, namespace_of
+from merchant_tasks.redis_commands import AccountKeys
 from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.token import Token
 
@@ -241,13 +250,13 @@ class ColdStart(AccountsScenario):
         def generations() -> list[int]:
             pipe = store.pipeline(transaction=False)
             for namespace in namespaces:
-                pipe.get(f"{namespace}:generation")
+                pipe.get(AccountKeys.of(namespace).generation)
             return [int(g or 0) for g in pipe.execute()]
 
         def tokens() -> list[Token]:
             pipe = store.pipeline(transaction=False)
             for namespace in namespaces:
-                pipe.get(f"{namespace}:token")
+                pipe.get(AccountKeys.of(namespace).token)
             return [Token.from_json(raw) for raw in pipe.execute()]
 
         exchanges_before = bench.control.counters()["exchanges"]["ok"]
@@ -255,20 +264,7 @@ class ColdStart(AccountsScenario):
         started = seconds + micros / 1e6
         worker = bench.spawn(
             "cold-start-worker",
-            [
-                *celery,
-                "worker",
-                "--pool=prefork",
-                "--concurrency=2",
-                "--loglevel=WARNING",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-Q",
-                "merchant-renewal",
-                "-n",
-                f"bench-cold-{uuid.uuid4().hex[:6]}@%h",
-            ],
+            worker_argv(2, "-Q", "merchant-renewal", "-n", f"bench-cold-{uuid.uuid4().hex[:6]}@%h"),
             env=env,
             cwd=workdir,
         )
@@ -299,7 +295,7 @@ class ColdStart(AccountsScenario):
         stored = generations()
         pipe = store.pipeline(transaction=False)
         for namespace in namespaces:
-            pipe.zrange(f"{namespace}:exchanges", 0, -1, withscores=True)
+            pipe.zrange(AccountKeys.of(namespace).exchange_log, 0, -1, withscores=True)
         logs: list[list[tuple[bytes, float]]] = pipe.execute()
         per_account = [sorted(score for _, score in log) for log in logs]
         # one exchange per renewal: every exchange stored a generation (accounts renewing
@@ -550,22 +546,7 @@ class TenThousandAccounts(AccountsScenario):
             status = _status(accounts, env, workdir, counting, bench.redis_url)
             worker = bench.spawn(
                 "10k-worker",
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "merchant_tasks",
-                    "worker",
-                    "--pool=prefork",
-                    "--concurrency=2",
-                    "--loglevel=WARNING",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "--without-heartbeat",
-                    "-n",
-                    f"bench-10k-{uuid.uuid4().hex[:6]}@%h",
-                ],
+                worker_argv(2, "-n", f"bench-10k-{uuid.uuid4().hex[:6]}@%h"),
                 env=env,
                 cwd=workdir,
             )
@@ -667,7 +648,7 @@ def _store_fresh_tokens(client: redis.Redis, accounts: list[Settings]) -> None:
     pipe = client.pipeline(transaction=False)
     for settings in accounts:
         token = Token("bench-token", now, now + settings.token_lifetime, 1)
-        pipe.set(f"{namespace_of(settings)}:token", token.to_json(), ex=3600)
+        pipe.set(AccountKeys.of(namespace_of(settings)).token, token.to_json(), ex=3600)
     pipe.execute()
 
 

@@ -71,6 +71,7 @@ from harness import (
     sandbox_process,
     spawn,
     wait_until,
+    worker_argv,
 )
 from scenario import Goal, Result, Scenario, Table, fmt
 
@@ -899,22 +900,7 @@ class Tasks(Scenario):
         pythonpath = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
         worker = bench.spawn(
             "celery-worker",
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "merchant_tasks",
-                "worker",
-                "--pool=prefork",
-                f"--concurrency={self.concurrency}",
-                "--loglevel=WARNING",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-n",
-                f"bench-{uuid.uuid4().hex[:6]}@%h",
-            ],
+            worker_argv(self.concurrency, "-n", f"bench-{uuid.uuid4().hex[:6]}@%h"),
             env=bench.env(
                 bench.settings(prefix),
                 PYTHONPATH=pythonpath,

@@ -19,11 +19,12 @@ import fakeredis
 import pytest
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import Connection
 from redis.retry import Retry
 
 from celery_fleet import Fleet, running_fleet
 from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.local import free_port
+from merchant_tasks.local import RedisServer, free_port
 from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.redis_topology import StoreClient
 from merchant_tasks.renewal import TokenManager
@@ -75,6 +76,24 @@ def fake_redis() -> redis.Redis:
 def store(fake_redis: redis.Redis) -> TokenStore:
     """A token store on this test's fakeredis."""
     return TokenStore(fake_redis, UNIT_NAMESPACE)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own, for tests that stop, fill or reconfigure it."""
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
+
+
+class CountingConnection(Connection):
+    """A Redis connection that counts what it sends: one packet per command, one per
+    pipeline (a round trip each)."""
+
+    sent = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sent += 1
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
 
 
 # -- how the suite runs -------------------------------------------------------------------

@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 import redis
-from redis.connection import Connection
 
-from conftest import TEST_API_KEY
+from conftest import TEST_API_KEY, CountingConnection
 from merchant_tasks import tasks
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.celery_app import RENEWAL_QUEUE
@@ -28,6 +27,7 @@ from merchant_tasks.due import (
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.local import free_port
 from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.redis_commands import AccountKeys
 from merchant_tasks.settings import (
     RENEW_BEFORE,
     RENEW_INTERVAL,
@@ -41,16 +41,6 @@ from merchant_tasks.store import MGET_CHUNK
 from merchant_tasks.token import Token
 
 ACCOUNTS = 1000
-
-
-class CountingConnection(Connection):
-    """A Redis connection that counts what it sends: one packet per round trip."""
-
-    sent = 0
-
-    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        CountingConnection.sent += 1
-        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture
@@ -95,7 +85,9 @@ def _store_tokens(client: redis.Redis, time_left: float, *accounts: Settings) ->
     token = Token("v", now - 60, now + time_left, 1)
     pipe = client.pipeline(transaction=False)
     for settings in accounts:
-        pipe.set(f"{namespace_of(settings)}:token", token.to_json(), px=int(time_left * 1000))
+        pipe.set(
+            AccountKeys.of(namespace_of(settings)).token, token.to_json(), px=int(time_left * 1000)
+        )
     pipe.execute()
 
 
@@ -168,7 +160,7 @@ def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_n
     _store_tokens(redis_client, renewal_point(s[1]) + 5, s[1])  # just before its point
     _store_tokens(redis_client, renewal_point(s[2]) - 5, s[2])  # just past it
     _store_tokens(redis_client, s[3].renew_mandatory / 2, s[3])  # in the mandatory window
-    redis_client.set(f"{namespace_of(s[4])}:token", b"not json", px=60_000)
+    redis_client.set(AccountKeys.of(namespace_of(s[4])).token, b"not json", px=60_000)
     # s[5]: nothing stored
     assert due_accounts(accounts, lambda url: redis_client) == [
         "shop-2",
@@ -176,8 +168,8 @@ def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_n
         "shop-4",
         "shop-5",
     ]
-    redis_client.delete(f"{namespace_of(s[0])}:token")
-    redis_client.hset(f"{namespace_of(s[0])}:token", "a", "b")  # the wrong type: due too
+    redis_client.delete(AccountKeys.of(namespace_of(s[0])).token)
+    redis_client.hset(AccountKeys.of(namespace_of(s[0])).token, "a", "b")  # the wrong type: due too
     assert due_accounts(accounts, lambda url: redis_client)[0] == "shop-0"
 
 
@@ -327,6 +319,6 @@ def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
         tasks.renew_account("bad")
         tasks.renew_account("good")
     assert "scheduled token renewal of account bad failed" in caplog.text
-    assert redis_client.exists(f"{namespace_of(good)}:token")
+    assert redis_client.exists(AccountKeys.of(namespace_of(good)).token)
     assert not redis_client.exists(claim_key(bad), claim_key(good))  # beat may send again
     assert merchant_sandbox.exchanges()["ok"] == 1

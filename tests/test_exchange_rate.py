@@ -10,7 +10,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,11 +43,22 @@ CAP = 5.0  # exchanges per second in the process tests: far below what the loops
 BUCKET = 2  # permits a quiet host holds at CAP (RESERVED_FOR_CALLERS + 1)
 
 
-def rate_on(client: redis.Redis, prefix: str, cap: float, sleeps: list[float]) -> ExchangeRate:
+def rate_on(
+    client: redis.Redis,
+    prefix: str,
+    cap: float,
+    sleeps: list[float],
+    monotonic: Callable[[], float] = time.monotonic,
+) -> ExchangeRate:
     """An ExchangeRate of host ``h:1`` whose sleeps are recorded, not slept."""
     commands = AccountRedis(client, AccountKeys.of(f"{prefix}:sandbox:k"))
     return ExchangeRate(
-        commands, AccountKeys.exchange_rate(prefix, "h:1"), "h:1", cap, sleep=sleeps.append
+        commands,
+        AccountKeys.exchange_rate(prefix, "h:1"),
+        "h:1",
+        cap,
+        sleep=sleeps.append,
+        monotonic=monotonic,
     )
 
 
@@ -89,20 +100,14 @@ def test_a_permit_granted_at_once_counts_no_wait_however_busy_the_process(
 ) -> None:
     """The process's own delay before it asks (a loaded machine) is no wait for a permit."""
     ticks = iter(range(0, 1000, 5))  # each reading of the clock 5 s after the last
-    commands = AccountRedis(control, AccountKeys.of(f"{merchant_key_prefix}:sandbox:k"))
-    rate = ExchangeRate(
-        commands,
-        AccountKeys.exchange_rate(merchant_key_prefix, "h:1"),
-        "h:1",
-        1.0,
-        sleep=lambda seconds: None,
-        monotonic=lambda: float(next(ticks)),
-    )
+    sleeps: list[float] = []
+    rate = rate_on(control, merchant_key_prefix, 1.0, sleeps, lambda: float(next(ticks)))
     rate.take(Priority.BACKGROUND)  # a full bucket of 2: one may go
     rate.take(Priority.CALLER)
     counts = rate.state().counts
     assert counts["granted_caller"] == counts["granted_background"] == 1
     assert counts.get("waited", 0) == 0
+    assert sleeps == []
 
 
 def test_beat_never_takes_the_permits_kept_for_callers(

@@ -26,7 +26,6 @@ from celery_fleet import (
     ECHO,
     Fleet,
 )
-from conftest import TEST_API_KEY
 from fault_harness import CallLoop, Evidence
 from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import StoreUnavailable
@@ -381,7 +380,7 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
     store_now = redis_from_url(
         sentinel_group.url, sentinel_password=SENTINEL_PASSWORD, sentinel_master=MASTER
     )
-    generation_key = f"{merchant_key_prefix}:sandbox:{TEST_API_KEY}:generation"
+    generation_key = client.manager.store.keys.generation
     assert int(store_now.get(generation_key) or 0) > lost.generation  # above the lost one
     store_now.close()
 

@@ -50,12 +50,6 @@ WORKER_START = 60.0  # seconds for a worker to answer a ping on a busy machine
 
 
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
-
-
-@pytest.fixture
 def fast_settings(merchant_settings: Settings, private_redis: RedisServer) -> Settings:
     """The test's account on the private Redis, with 1 s / 2 s HTTP timeouts (lease 8 s)."""
     fleet = dataclasses.replace(merchant_settings.fleet, redis_url=private_redis.url)

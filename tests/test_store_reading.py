@@ -4,14 +4,12 @@ server whatever the number of accounts, and the same statuses as one account at 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from redis.connection import Connection
 
+from conftest import CountingConnection
 from merchant_tasks import accounts as accounts_module
 from merchant_tasks.accounts import AccountClients, exchange_rate_for, store_for
 from merchant_tasks.local import RedisServer
@@ -25,22 +23,6 @@ from merchant_tasks.token import RenewalReason, Token
 pytestmark = pytest.mark.integration
 
 LIFETIME = 7200.0  # seconds, as the real API's tokens
-
-
-class CountingConnection(Connection):
-    """Counts what it sends: one packet per command, one per pipeline (a round trip each)."""
-
-    sent = 0
-
-    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        CountingConnection.sent += 1
-        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
 
 
 def _accounts(settings: Settings, count: int, tag: str = "") -> dict[str, Settings]:

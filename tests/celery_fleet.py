@@ -262,6 +262,12 @@ class Fleet:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        # The test is over: nobody reads the logs any more, and a warm shutdown would only
+        # make it wait (about a second per prefork worker, billiard joining its pool's
+        # threads). A test that reads logs or needs the shutdown calls stop() or close().
+        for child in self.children:
+            child.kill()
+        self.children.clear()
         self.close()
 
     def send_calls_for(self, seconds: float) -> list[Any]:

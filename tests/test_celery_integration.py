@@ -24,12 +24,9 @@ from kombu import Exchange, Queue
 from celery_fleet import (
     CALL_API,
     ECHO,
-    LIFETIME,
     PING,
     READY_TIMEOUT,
-    RENEW_BEFORE,
     RENEW_INTERVAL,
-    RENEW_MANDATORY,
     RESULT_TIMEOUT,
     Fleet,
     echo_calls,
@@ -45,8 +42,16 @@ from merchant_tasks.store import TokenStore
 
 pytestmark = pytest.mark.integration
 
-API_LATENCY = 6.0  # the emulator's delay on business calls in the worker-loss tests
-KILL_VISIBILITY_TIMEOUT = 10  # seconds; above API_LATENCY, so a re-run is not re-delivered
+API_LATENCY = 3.0  # the emulator's delay on business calls in the worker-loss tests: time
+# to see which worker runs the call and kill it while the API processes it
+KILL_VISIBILITY_TIMEOUT = 5  # seconds; above the time to kill, and the re-run has no latency
+# Windows of the tests that wait for beat's renewals (seconds). The advisory window is two
+# beat intervals, so beat renews exactly QUICK_RENEW_BEFORE ahead (due.renewal_point):
+# renewals come about QUICK_LIFETIME - QUICK_RENEW_BEFORE = 1.5 s apart.
+QUICK_LIFETIME = 3.0
+QUICK_RENEW_BEFORE = 1.5
+QUICK_RENEW_MANDATORY = 1.0  # as the default short windows: the margin of a call in flight
+QUICK_RENEW_INTERVAL = 0.25
 
 
 def _settled_exchanges(fleet: Fleet, sandbox: MerchantSandbox) -> tuple[int, dict[str, int]]:
@@ -68,6 +73,27 @@ def _settled_exchanges(fleet: Fleet, sandbox: MerchantSandbox) -> tuple[int, dic
 
     wait_until(settled, "the emulator's and the store's exchange counts to agree", 10.0)
     return seen[-1]
+
+
+def _quick_windows(fleet: Fleet) -> None:
+    fleet.windows(QUICK_LIFETIME, QUICK_RENEW_BEFORE, QUICK_RENEW_MANDATORY, QUICK_RENEW_INTERVAL)
+
+
+def _before_the_first_exchange(sandbox: MerchantSandbox) -> float:
+    """A ``time.monotonic()`` before the emulator's first token exchange, at most one poll
+    before it: the start of a span that holds every exchange."""
+    before = time.monotonic()
+
+    def exchanged() -> bool:
+        nonlocal before
+        polled = time.monotonic()
+        if sandbox.exchanges()["ok"] >= 1:
+            return True
+        before = polled
+        return False
+
+    wait_until(exchanged, "a first scheduled renewal", 60.0)
+    return before
 
 
 # -- 1. plain calls ------------------------------------------------------------------------
@@ -93,8 +119,9 @@ def test_call_api_through_a_real_worker_returns_the_decoded_json_body(
 def test_beat_renews_in_the_advisory_window_while_calls_flow_without_a_401(
     fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
-    # an advisory window of 4 s: 8 beat ticks, so a stalled tick or two changes nothing
-    lifetime, before, mandatory = 8.0, 5.0, 1.0
+    # an advisory window of 4 s: 8 beat ticks, so a stalled tick or two changes nothing; the
+    # token is fresh for 1 s, so renewals come 1 to 4 s apart (due.renewal_point)
+    lifetime, before, mandatory = 6.0, 5.0, 1.0
     fleet.windows(lifetime, before, mandatory, RENEW_INTERVAL)
     fleet.start_worker("w", concurrency=2)
     fleet.start_beat("b")
@@ -142,18 +169,19 @@ def test_a_revoke_all_storm_through_tasks_costs_exactly_one_exchange(
 def test_two_beats_at_once_do_not_double_the_token_exchanges(
     fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
-    started = time.monotonic()
+    _quick_windows(fleet)
     fleet.start_worker("w", concurrency=2)
     fleet.start_beat("b1")
     fleet.start_beat("b2")
-    wait_until(lambda: merchant_sandbox.exchanges()["ok"] >= 1, "a first scheduled renewal", 60.0)
+    started = _before_the_first_exchange(merchant_sandbox)
 
-    time.sleep(2 * LIFETIME)  # beat renews every LIFETIME - RENEW_BEFORE = 3 s
+    time.sleep(2 * QUICK_LIFETIME)  # four renewals, or eight if the beats doubled them
     exchanges, counters = _settled_exchanges(fleet, merchant_sandbox)
     run = time.monotonic() - started  # every exchange counted happened inside this span
 
     # consecutive renewals are at least lifetime - renew_before apart, whoever asks
-    assert exchanges <= math.ceil(run / (LIFETIME - RENEW_BEFORE)) + 1, (exchanges, run)
+    spacing = QUICK_LIFETIME - QUICK_RENEW_BEFORE
+    assert exchanges <= math.ceil(run / spacing) + 1, (exchanges, run)
     assert exchanges >= 2
     assert counters.get("renewals:scheduled:ok", 0) == exchanges, counters
     assert merchant_sandbox.exchanges()["rejected"] == 0
@@ -171,6 +199,7 @@ def test_beat_renews_each_account_in_its_own_task_and_a_failing_account_delays_n
         f'[accounts.refused]\napi_key = "{refused_key}"\n'
         f'api_secret_file = "{merchant_secret_file}"\nbase_url = "{merchant_sandbox.url}"\n'
     )
+    _quick_windows(fleet)
     fleet.env["MERCHANT_ACCOUNTS_FILE"] = str(accounts_file)  # beside "default"
     fleet.start_worker("w", concurrency=2)
     fleet.start_beat("b")
@@ -197,11 +226,14 @@ def test_beat_renews_each_account_in_its_own_task_and_a_failing_account_delays_n
 def test_with_beat_down_workers_renew_in_the_mandatory_window(
     fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
+    # no beat: renew_before decides nothing; a token left in the mandatory window every 2 s
+    lifetime, mandatory = 3.0, 1.0
+    fleet.windows(lifetime, 2.0, mandatory, RENEW_INTERVAL)
     started = time.monotonic()
     fleet.start_worker("w", concurrency=2)
     fleet.wait_ready()
 
-    results = fleet.send_calls_for(2 * LIFETIME)  # a span in which no renewal is extra
+    results = fleet.send_calls_for(2 * lifetime)  # a span in which no renewal is extra
     fleet.expect_all_ok(results)
     exchanges = merchant_sandbox.exchanges()["ok"]
     run = time.monotonic() - started
@@ -209,7 +241,7 @@ def test_with_beat_down_workers_renew_in_the_mandatory_window(
     counters = fleet.store().records.counters()
     assert counters.get("renewals:mandatory:ok", 0) >= 2, counters
     assert counters.get("renewals:mandatory:ok", 0) == exchanges, counters
-    assert exchanges <= math.ceil(run / (LIFETIME - RENEW_MANDATORY)) + 1, (exchanges, run)
+    assert exchanges <= math.ceil(run / (lifetime - mandatory)) + 1, (exchanges, run)
     assert merchant_sandbox.calls()["unauthorized"] == 0
 
 
@@ -230,6 +262,8 @@ def test_a_worker_killed_mid_task_has_its_call_rerun_by_another_worker(
 
     result = fleet.call("POST", ECHO, json={"order": "kill-me"})
     survivor = kill_the_worker_running(fleet, workers, result)
+    # the re-run comes after the visibility timeout; it must end within the next one
+    merchant_sandbox.app.configure({"api_latency": 0.0})
 
     assert fleet.get(result, 60.0) == {"echo": {"order": "kill-me"}}
     assert result.id in workers[survivor].log_text()
@@ -262,6 +296,7 @@ def test_a_pool_child_killed_mid_task_has_its_call_requeued_at_once(
 def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
     fleet: Fleet, merchant_sandbox: MerchantSandbox, merchant_key_prefix: str
 ) -> None:
+    _quick_windows(fleet)
     fleet.env["MERCHANT_REJECTED_RETRY_WINDOW"] = "0"  # fail at once, no slow retries
     monitor = fleet.start_monitor()  # first, so it sees every command of the run
     fleet.start_worker("w", concurrency=2)
@@ -301,7 +336,7 @@ def test_the_secret_and_tokens_appear_nowhere_in_broker_results_or_logs(
         token = store.load()
         return token is not None and token.reason == "scheduled"
 
-    wait_until(renewed_by_beat, "a scheduled renewal after the storm", 3 * LIFETIME)
+    wait_until(renewed_by_beat, "a scheduled renewal after the storm", 3 * QUICK_LIFETIME)
     new_secret = merchant_sandbox.app.reset_secret()
     refused = fleet.call("GET", PING)
     outcome = refused.get(timeout=RESULT_TIMEOUT, propagate=False)

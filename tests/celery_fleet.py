@@ -4,7 +4,8 @@
 their own sessions, with DEBUG logs in the test's tmp_path, against the test's own Redis
 and the sandbox emulator; it enqueues through a separate Celery app configured like the
 workers, so the test process never imports ``merchant_tasks.tasks``. ``running_fleet``
-gives each test a redis-server of its own and stops every process group on exit.
+gives each test a redis-server of its own and kills every process group on exit (a test that
+reads the logs of a warm shutdown calls ``stop()`` first).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every test starts its own ``redis-server`` (broker, result backend and token store), so no
 queue, result or token carries over from one test to the next. Workers and beat run as
 child processes (``python -m celery -A merchant_tasks worker|beat``) in their own sessions,
-with DEBUG logs written to files in the test's tmp_path; every process group is stopped at
+with DEBUG logs written to files in the test's tmp_path; every process group is killed at
 teardown and checked gone. The test process enqueues with a separate Celery app configured
 like the workers; it never imports ``merchant_tasks.tasks`` and never runs a task eagerly.
 """

@@ -954,7 +954,9 @@ def _fuzz_client(url: str, redis_client: redis.Redis, key_prefix: str) -> FleetC
         local_copy_ttl=LOCAL_COPY_TTL,
         wake_ups=True,
     )
-    return MerchantClient(url, manager, session=session, timeout=(2, 2), sleep=_no_sleep)
+    return MerchantClient(
+        url, manager, session=session, timeout=(2, 2), sleep=_no_sleep, secret=Secret(TEST_SECRET)
+    )
 
 
 # latin-1 text, bounded numbers and shallow JSON; the cases outside that (other code
@@ -1065,7 +1067,7 @@ def test_fuzzed_token_responses_and_error_bodies_give_typed_errors_and_log_no_bo
 
     The call returns or raises a MerchantError, nothing else; no log record (DEBUG), error
     message or traceback holds the secret, the token or free text from a body; an ApiError's
-    excerpt never holds the token.
+    excerpt never holds the token or the secret.
     """
     url, script = scripted_api
     script.play(token, api)
@@ -1097,6 +1099,8 @@ def test_fuzzed_token_responses_and_error_bodies_give_typed_errors_and_log_no_bo
             # (a token endpoint fuzzed into issuing another string makes FUZZ_TOKEN in an
             # error body mere text: only the token the client holds must be blanked)
             assert FUZZ_TOKEN not in error.excerpt
+        if isinstance(error, ApiError):
+            assert TEST_SECRET not in error.excerpt
     haystack = "\n".join(texts)
     for what, needle in NEEDLES.items():
         assert needle not in haystack, f"{what} logged or in an error"

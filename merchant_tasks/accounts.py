@@ -218,6 +218,7 @@ def client_for(
         session=session,
         timeout=(settings.connect_timeout, settings.read_timeout),
         account=name,
+        secret=settings.secret,
     )
 
 

@@ -47,7 +47,7 @@ from .exceptions import (
 )
 from .exchange import TOKEN_PATH, error_code, parse_retry_after
 from .refusals import refused_after_renewal_message
-from .settings import DEFAULT_TIMEOUTS
+from .settings import DEFAULT_TIMEOUTS, Secret
 from .token import Token
 
 log = logging.getLogger(__name__)
@@ -141,9 +141,12 @@ class MerchantClient(Generic[SourceT]):
         timeout: tuple[float, float] = DEFAULT_TIMEOUTS,
         sleep: Callable[[float], None] = time.sleep,
         account: str = "",
+        secret: Secret | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.account = account  # its name in telemetry (``accounts.client_for`` sets it)
+        # never quoted from an error body, as the token is not (``accounts.client_for`` sets it)
+        self.secret = secret
         self.manager = manager
         self.session = session or new_session()
         self.timeout = timeout
@@ -268,7 +271,10 @@ class MerchantClient(Generic[SourceT]):
         if status == 401:
             call.span.count(telemetry.UNAUTHORIZED)
             raise _Unauthorized(token)
-        excerpt = _excerpt(response, token)
+        hidden = {token.value: "<token>"}
+        if self.secret is not None:
+            hidden[self.secret.reveal()] = "<secret>"
+        excerpt = _excerpt(response, hidden)
         if status in TRANSIENT_STATUSES:
             raise _Transient(
                 f"HTTP {status}",
@@ -277,7 +283,7 @@ class MerchantClient(Generic[SourceT]):
                 retry_after=parse_retry_after(response.headers.get("Retry-After")),
                 resendable=status in SAFE_TO_RESEND_STATUSES or call.resendable,
             )
-        found = error_code(response, token.value)
+        found = error_code(response, *hidden)
         raise ApiError(
             f"{method} {path} failed with HTTP {status}{f' ({found[1]})' if found else ''}",
             status=status,
@@ -352,9 +358,12 @@ def _decode(response: requests.Response, method: str, path: str) -> Any:
         ) from None
 
 
-def _excerpt(response: requests.Response, token: Token) -> str:
-    """The start of an error body, the token blanked out before anything is cut."""
-    text = response.text[:EXCERPT_SCAN].replace(token.value, "<token>")
+def _excerpt(response: requests.Response, hidden: Mapping[str, str]) -> str:
+    """The start of an error body, each ``hidden`` value (the token, the secret) replaced by
+    its placeholder before anything is cut."""
+    text = response.text[:EXCERPT_SCAN]
+    for value, placeholder in hidden.items():
+        text = text.replace(value, placeholder)
     return " ".join(text.split())[:EXCERPT_LENGTH]
 
 

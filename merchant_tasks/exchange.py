@@ -386,9 +386,10 @@ def parse_retry_after(header: str | None) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER)
 
 
-def _quotable(text: str, secret: str) -> bool:
-    """Whether a piece of a response may appear in an error: a short identifier, no secret."""
-    return bool(_ERROR_CODE.match(text)) and not (secret and secret in text)
+def _quotable(text: str, *hidden: str) -> bool:
+    """Whether a piece of a response may appear in an error: a short identifier holding
+    none of ``hidden`` (the secret, the token)."""
+    return bool(_ERROR_CODE.match(text)) and not any(value and value in text for value in hidden)
 
 
 def _error_code(response: Answered, secret: str) -> str:
@@ -397,7 +398,7 @@ def _error_code(response: Answered, secret: str) -> str:
     return f", {found[0]}={found[1]}" if found else ""
 
 
-def error_code(response: Answered, secret: str) -> tuple[str, str] | None:
+def error_code(response: Answered, *hidden: str) -> tuple[str, str] | None:
     """The server's short error code (field name and value), if its body has a plain one.
 
     Free text from the body is never quoted: it could echo what we sent.
@@ -412,6 +413,6 @@ def error_code(response: Answered, secret: str) -> tuple[str, str] | None:
         value = payload.get(key)
         if isinstance(value, (str, int)) and not isinstance(value, bool):
             text = str(value)
-            if _quotable(text, secret):
+            if _quotable(text, *hidden):
                 return key, text
     return None

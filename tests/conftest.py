@@ -100,11 +100,11 @@ class CountingConnection(Connection):
 
 # The suite waits more than it computes (token lifetimes, broker redeliveries, processes
 # starting): with one xdist worker per core the cores sat idle most of the run.
-WORKERS_PER_CORE = 3
+WORKERS_PER_CORE = 4
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto``: three workers per core (PYTEST_XDIST_AUTO_NUM_WORKERS still decides)."""
+    """``-n auto``: four workers per core (PYTEST_XDIST_AUTO_NUM_WORKERS still decides)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
     return WORKERS_PER_CORE * (os.cpu_count() or 1)

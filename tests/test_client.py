@@ -27,10 +27,12 @@ from merchant_tasks.exceptions import (
     TokenRejected,
 )
 from merchant_tasks.exchange import TOKEN_PATH
+from merchant_tasks.settings import Secret
 from merchant_tasks.store import TokenStore
 from merchant_tasks.token import RenewalReason, Token, fingerprint
 
 BASE_URL = "https://api.example.test"
+SECRET = "secret-one-0a1b2c3d4e"
 ORDERS = "/open-api/v1/orders"
 LIFETIME = 7200.0
 
@@ -57,12 +59,17 @@ def client(
     manager = make_manager(
         store,
         exchange,
-        secret_fingerprint=lambda: fingerprint("secret-one-0a1b2c3d4e"),
+        secret_fingerprint=lambda: fingerprint(SECRET),
         clock=time.time,
         sleep=sleeps.append,
     )
     return MerchantClient(
-        BASE_URL, manager, session=session_with(transport), timeout=(1.0, 2.0), sleep=sleeps.append
+        BASE_URL,
+        manager,
+        session=session_with(transport),
+        timeout=(1.0, 2.0),
+        sleep=sleeps.append,
+        secret=Secret(SECRET),
     )
 
 
@@ -545,6 +552,22 @@ def test_errors_never_contain_the_token_even_when_the_server_echoes_it(
         assert token not in excerpt
     if isinstance(error, ApiError):
         assert "<token>" in excerpt
+
+
+@pytest.mark.parametrize("status", [302, 400, 500])
+def test_an_error_body_echoing_the_api_secret_never_shows_it(
+    client: FleetClient, transport: FakeTransport, status: int
+) -> None:
+    """Found by fuzzing: ``{"error": <the secret>}`` was quoted as the API's error code, in
+    the message and in ``code``, and the excerpt held it (it travels in Celery results)."""
+    transport.reply(response(status, {"error": SECRET, "message": f"bad {SECRET}"}))
+    with pytest.raises((ApiError, ApiUnavailable)) as caught:
+        client.request("GET", ORDERS)
+    error = caught.value
+    assert isinstance(error, ApiError)
+    for text in (str(error), repr(error), error.excerpt, str(error.code)):
+        assert SECRET not in text
+    assert "<secret>" in error.excerpt
 
 
 def test_no_part_of_the_token_survives_in_an_excerpt_cut_mid_token(

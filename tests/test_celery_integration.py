@@ -175,7 +175,7 @@ def test_two_beats_at_once_do_not_double_the_token_exchanges(
     fleet.start_beat("b2")
     started = _before_the_first_exchange(merchant_sandbox)
 
-    time.sleep(2 * QUICK_LIFETIME)  # four renewals, or eight if the beats doubled them
+    time.sleep(2 * QUICK_LIFETIME)  # about four exchanges, eight if the beats doubled them
     exchanges, counters = _settled_exchanges(fleet, merchant_sandbox)
     run = time.monotonic() - started  # every exchange counted happened inside this span
 
@@ -226,7 +226,7 @@ def test_beat_renews_each_account_in_its_own_task_and_a_failing_account_delays_n
 def test_with_beat_down_workers_renew_in_the_mandatory_window(
     fleet: Fleet, merchant_sandbox: MerchantSandbox
 ) -> None:
-    # no beat: renew_before decides nothing; a token left in the mandatory window every 2 s
+    # no beat: renew_before decides nothing; each token enters the mandatory window 2 s old
     lifetime, mandatory = 3.0, 1.0
     fleet.windows(lifetime, 2.0, mandatory, RENEW_INTERVAL)
     started = time.monotonic()
@@ -262,7 +262,7 @@ def test_a_worker_killed_mid_task_has_its_call_rerun_by_another_worker(
 
     result = fleet.call("POST", ECHO, json={"order": "kill-me"})
     survivor = kill_the_worker_running(fleet, workers, result)
-    # the re-run comes after the visibility timeout; it must end within the next one
+    # the re-run comes after the visibility timeout and must end within the next: no latency
     merchant_sandbox.app.configure({"api_latency": 0.0})
 
     assert fleet.get(result, 60.0) == {"echo": {"order": "kill-me"}}

@@ -24,6 +24,7 @@ from typing import Any, Self
 import pytest
 import redis
 from celery import Celery
+from celery.utils.nodenames import host_format
 
 from merchant_tasks.celery_app import load_config
 from merchant_tasks.local import Child, RedisServer, spawn, stop_all, wait_until
@@ -70,6 +71,7 @@ class Fleet:
         self.workdir = tmp_path / "run"  # the children's cwd: no celeryconfig.py here
         self.workdir.mkdir()
         self.children: list[Child] = []
+        self.nodes: list[str] = []  # the node names of the workers started by start_worker
         self._app: Any = None
         self._sent: list[Any] = []  # every AsyncResult handed out, for _stop_waiting
         self._redis_clients: list[redis.Redis] = []
@@ -113,6 +115,8 @@ class Fleet:
     def start_worker(
         self, label: str, concurrency: int = 2, cwd: Path | None = None, pool: str = "prefork"
     ) -> Child:
+        node = f"{self.marker}-{label}@%h"
+        self.nodes.append(host_format(node))
         return self._spawn(
             f"worker-{label}",
             self._celery(
@@ -122,7 +126,7 @@ class Fleet:
                 "--without-gossip",
                 "--without-mingle",
                 "-n",
-                f"{self.marker}-{label}@%h",
+                node,
                 "--loglevel=DEBUG",
             ),
             cwd or self.workdir,
@@ -242,7 +246,8 @@ class Fleet:
 
     def wait_for_nodes(self, count: int) -> None:
         def answering() -> bool:
-            replies = self.app.control.ping(timeout=0.5) or []
+            # by name, as in running_on: answered as soon as they all reply
+            replies = self.app.control.ping(self.nodes or None, timeout=0.5) or []
             return len(replies) >= count
 
         wait_until(answering, f"{count} workers answering a ping", READY_TIMEOUT)
@@ -305,7 +310,9 @@ def running_on(fleet: Fleet, result: Any, timeout: float = RESULT_TIMEOUT) -> tu
     task_id = result.id
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not result.ready():
-        active = fleet.app.control.inspect(timeout=0.5).active() or {}
+        # asked of the fleet's nodes by name, the answer comes as soon as they have all
+        # replied, not when the timeout ends
+        active = fleet.app.control.inspect(fleet.nodes or None, timeout=0.5).active() or {}
         for node, tasks in active.items():
             for task in tasks:
                 if task["id"] == task_id:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -464,16 +465,19 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
 ) -> None:
     """The token endpoint answers 503 (or outlasts the read timeout) from just after the
     token is issued until 1 s into the mandatory window: longer than, and across all of, the
-    5 s advisory window, while the token stays valid (9 s more).
+    5 s advisory window, which opens 1 s after issue, while the token stays valid (9 s more).
 
     Zero calls fail; beat's renewals fail with TokenEndpointUnavailable and are retried with
     back-off (each renewal tries a few times, then the fleet-wide breaker pauses exchanges),
     so attempts stay bounded; once the endpoint is back, renewal succeeds before expiry.
     """
     # one renewal's three tries take at most ~4 s, so at least one fails whole before the
-    # endpoint is back; at most two fail, so the breaker's pause (<= 4 s) ends before expiry
-    lifetime, before, mandatory = 20.0, 15.0, 10.0
-    merchant_sandbox.app.configure({"lifetime": lifetime})
+    # endpoint is back; at most two fail, so the breaker's pause (<= 4 s) ends before expiry.
+    # The first token is fresh for 1 s only (a longer wait proves nothing); renewed tokens
+    # are fresh for 5 s: a renewal's token counts from before its tries, so it must outlast
+    # them to be fresh when stored (else beat renews it again at once)
+    first_lifetime, lifetime, before, mandatory = 16.0, 20.0, 15.0, 10.0
+    merchant_sandbox.app.configure({"lifetime": first_lifetime})
     account = dataclasses.replace(
         merchant_settings,
         token_lifetime=lifetime,
@@ -498,6 +502,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
 
     manager.renewer.exchange = counted_exchange
     first = manager.renew(force=True)
+    merchant_sandbox.app.configure({"lifetime": lifetime})
     if fault == "503":
         merchant_sandbox.app.configure({"token_error_rate": 1.0, "error_status": 503})
     else:
@@ -620,14 +625,15 @@ def test_a_process_killed_holding_the_renewal_lock_delays_the_next_renewal_only_
     """A caller process takes the renewal lock (no token yet; the exchange is slow) and is
     SIGKILLed mid-exchange.
 
-    The lock's TTL follows from the exchange timeouts (3 tries of connect + read timeout,
-    the waits between them, a margin) and it expires by itself; the four threads that
-    waited meanwhile then get a token from one new renewal, made by this process, and every
-    call succeeds. (That the killed task's call is re-run: test_celery_integration.py.)
+    The lock's lease is one exchange's deadline (connect + read timeout) and a margin, and
+    it expires by itself; the four threads that waited meanwhile then get a token from one
+    new renewal, made by this process, and every call succeeds. (That the killed task's call
+    is re-run: test_celery_integration.py.)
     """
-    # the victim's tries time out after 2 s each: it holds the lock 6 s or more before it
-    # could give up, ample time to find it holding the lock and kill it
-    account = dataclasses.replace(merchant_settings, connect_timeout=0.2, read_timeout=2.0)
+    # each of the victim's three tries times out after 0.5 s or more: it holds the lock
+    # 1.5 s or more before it could give up, ample time to find it holding the lock and
+    # kill it; the waiters then wait out the rest of the lease (5.7 s)
+    account = dataclasses.replace(merchant_settings, connect_timeout=0.2, read_timeout=0.5)
     merchant_sandbox.app.configure({"token_latency": 5.0})
     callers.start(child_env(account), [{"FAULT_MAX_CALLS": "1"}])
     client = client_for(account, redis_client=redis_client)
@@ -683,7 +689,7 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
     callers: Callers,
 ) -> None:
     """Three caller processes whose wall and monotonic clocks are -5 min, 0 and +5 min off
-    share a 5 s token with no beat, for two lifetimes.
+    share a 3 s token with no beat, for over two lifetimes.
 
     Every stored token's times are on Redis's clock (within a lifetime of Redis TIME, not
     300 s away); each renewal starts after the advisory window began (no early renewal) and
@@ -691,7 +697,7 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
     callers renew. Control: a manager on a host's own clock 5 min ahead would renew a token
     that has seconds left at once.
     """
-    lifetime, before, mandatory = 5.0, 3.0, 1.5
+    lifetime, before, mandatory = 3.0, 2.0, 1.0
     merchant_sandbox.app.configure({"lifetime": lifetime})
     account = dataclasses.replace(
         merchant_settings, token_lifetime=lifetime, renew_before=before, renew_mandatory=mandatory
@@ -701,8 +707,9 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
     store = _store_of(account, redis_client)
     callers.go()
     seen: dict[int, tuple[Token, float]] = {}  # generation -> token, Redis time first seen
-    # renewals come every lifetime - mandatory = 3.5 s: stop midway between two of them
-    deadline = time.monotonic() + 2.45 * lifetime
+    # renewals come every lifetime - mandatory = 2 s: stop midway between the third and
+    # the fourth
+    deadline = time.monotonic() + 3.5 * (lifetime - mandatory)
     while time.monotonic() < deadline:
         token = store.load()
         if token is not None and token.generation not in seen:
@@ -1228,7 +1235,8 @@ def test_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal
     callers: Callers,
 ) -> None:
     """Each exchange revokes every earlier token; three caller processes share a 3 s token
-    (renewed by callers in the mandatory window) for 7 s.
+    (renewed by callers in the mandatory window) through two renewals, until each has had a
+    call succeed after the second.
 
     Every call succeeds; the 401s (calls made with a token another process's renewal just
     revoked) number at most one per process per renewal; exchanges stay at one per
@@ -1237,10 +1245,19 @@ def test_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal
     lifetime = 3.0
     merchant_sandbox.app.configure({"lifetime": lifetime, "revoke_on_issue": True})
     account = _windows(merchant_settings, lifetime, before=2.0, mandatory=1.0)
-    reports, run = _call_for(callers, account, merchant_secret_file, seconds=7.0)
+    callers.start(child_env(account), [{}] * 3)
+    started = time.monotonic()
+    callers.go()
+    # the first token and two renewals, 2 s apart
+    wait_until(lambda: merchant_sandbox.exchanges()["ok"] >= 3, "two renewals", 30.0)
+    callers.phase("renewed twice")  # a call started now meets the second renewal's token
+    wait_until(lambda: callers.each_has("renewed twice", "ok"), "calls after the renewals", 30)
+    reports = callers.stop()
+    run = time.monotonic() - started
 
     for report in reports:
-        assert set(report_outcomes(report, "0")) == {"ok"}, report
+        outcomes = [o for phase in report["phases"] for o in report_outcomes(report, phase)]
+        assert set(outcomes) == {"ok"}, report
     exchanges = merchant_sandbox.exchanges()["ok"]
     renewals = exchanges - 1
     assert renewals >= 2
@@ -1267,9 +1284,9 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
     endpoint is back, one probe fleet-wide every 2 s finds it: every process recovers well
     before the pause would have ended, and the failed attempts stay at about one per probe
     interval, not one per call."""
-    lifetime = 3.0
+    lifetime = 2.0  # the outage outlasts it
     merchant_sandbox.app.configure({"lifetime": lifetime})
-    account = _windows(merchant_settings, lifetime, before=2.0, mandatory=1.0)
+    account = _windows(merchant_settings, lifetime, before=1.5, mandatory=0.5)
     store = _store_of(account, redis_client)
     callers.start(child_env(account), [{}] * 3)
     callers.go()
@@ -1304,29 +1321,31 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
 # -- 24. revocations in quick succession ---------------------------------------------------
 
 
-def test_revoke_all_every_two_seconds_under_load_fails_no_call(
+def test_revoke_all_as_soon_as_the_fleet_recovered_under_load_fails_no_call(
     merchant_sandbox: MerchantSandbox,
     merchant_settings: Settings,
     merchant_secret_file: Path,
     callers: Callers,
 ) -> None:
-    """An operator's revoke-all every 2 s, as many times as the forced-renewal budget
-    allows, while three processes call: every revocation is renewed (the revoked token had
-    been accepted), however soon after the last renewal. No call fails, and the fleet makes
-    one exchange per revocation besides the first token (no renewal falls due with a 2 h
-    token)."""
+    """An operator's revoke-all, as many times as the forced-renewal budget allows, each
+    as soon as every one of three calling processes has had a call succeed after the last:
+    every revocation is renewed (the revoked token had been accepted), however soon after
+    the last renewal. No call fails, and the fleet makes one exchange per revocation
+    besides the first token (no renewal falls due with a 2 h token)."""
     callers.start(child_env(merchant_settings), [{}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok", at_least=5), "calls that succeed", 60.0)
     revocations = FORCED_RENEWAL_BUDGET
-    for _ in range(revocations):
-        time.sleep(2.0)
+    for n in range(1, revocations + 1):
         merchant_sandbox.app.revoke_all()
-    time.sleep(1.0)
+        callers.phase(f"revoked {n}")  # a call started from now on meets revocation n
+        recovered = functools.partial(callers.each_has, f"revoked {n}", "ok")
+        wait_until(recovered, f"every process past revocation {n}", 60.0)
     reports = callers.stop()
 
     for report in reports:
-        assert set(report_outcomes(report, "0")) == {"ok"}, report
+        outcomes = [o for phase in report["phases"] for o in report_outcomes(report, phase)]
+        assert set(outcomes) == {"ok"}, report
     assert merchant_sandbox.exchanges() == {
         "ok": 1 + revocations,
         "rejected": 0,
@@ -1347,13 +1366,13 @@ def test_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_li
     callers: Callers,
 ) -> None:
     """The emulator hands back its last token, with its remaining lifetime, until it
-    expires (hand_back_live_token). Three processes call through two and a half 6 s
-    lifetimes, renewing in the 2 s mandatory window: the answer there is the same token,
+    expires (hand_back_live_token). Three processes call through two and a half 3 s
+    lifetimes, renewing in the 1 s mandatory window: the answer there is the same token,
     recorded as unchanged and not asked again before expiry. No call fails; exchanges
     stay at two per lifetime."""
-    lifetime = 6.0
+    lifetime = 3.0
     merchant_sandbox.app.configure({"lifetime": lifetime, "hand_back_live_token": True})
-    account = _windows(merchant_settings, lifetime, before=4.0, mandatory=2.0)
+    account = _windows(merchant_settings, lifetime, before=2.0, mandatory=1.0)
     reports, run = _call_for(callers, account, merchant_secret_file, seconds=2.5 * lifetime)
 
     counters = _store_of(account, redis_client).records.counters()

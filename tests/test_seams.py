@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -45,7 +46,9 @@ pytestmark = pytest.mark.integration
 
 PING = "/open-api/v1/ping"
 PAYMENTS = "/open-api/v1/payments"
-STALL = 7.5  # seconds Redis is stopped: longer than the client's socket timeout (5 s)
+STORE_SOCKET_TIMEOUT = 1.0  # seconds: a stopped Redis fails the token store's client this
+# soon (5 s by default), so that a stall outlasting it is short
+STALL = 3.0  # seconds Redis is stopped: longer than that socket timeout
 WORKER_START = 60.0  # seconds for a worker to answer a ping on a busy machine
 
 
@@ -111,16 +114,20 @@ class Calling:
 
 
 def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
-    fast_client: FleetClient, merchant_sandbox: MerchantSandbox, private_redis: RedisServer
+    fast_settings: Settings, merchant_sandbox: MerchantSandbox, private_redis: RedisServer
 ) -> None:
-    """Redis stops (SIGSTOP) for 7.5 s while 8 threads call, and a revoke-all lands: the
-    401 script waits in the stopped Redis, its caller gives up (StoreUnavailable), then
-    Redis runs it and the lock names this process's lock. The next attempt takes that lock
-    over instead of waiting out its lease: calls succeed again at once."""
-    lock = fast_client.manager.lock
+    """Redis stops (SIGSTOP) for 3 s while 8 threads call, and a revoke-all lands: the 401
+    script waits in the stopped Redis, its caller gives up after the store's socket timeout
+    (StoreUnavailable), then Redis runs it and the lock names this process's lock. The next
+    attempt takes that lock over instead of waiting out its lease: calls succeed again at
+    once."""
+    url = f"{private_redis.url}?socket_timeout={STORE_SOCKET_TIMEOUT:g}"
+    fleet = dataclasses.replace(fast_settings.fleet, redis_url=url)
+    client = client_for(dataclasses.replace(fast_settings, fleet=fleet))
+    lock = client.manager.lock
     admin = redis.Redis(port=private_redis.port)
-    assert fast_client.request("GET", PING) == {"ok": True}
-    with Calling(fast_client, threads=8) as calling:
+    assert client.request("GET", PING) == {"ok": True}
+    with Calling(client, threads=8) as calling:
         time.sleep(0.5)
         os.kill(_pid(private_redis), signal.SIGSTOP)
         try:
@@ -129,7 +136,7 @@ def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
         finally:
             os.kill(_pid(private_redis), signal.SIGCONT)
         resumed = time.monotonic()
-        holder = admin.get(fast_client.manager.store.keys.lock)
+        holder = admin.get(client.manager.store.keys.lock)
         wait_until(
             lambda: calling.first_success_after(resumed) is not None,
             "a call succeeds after Redis resumed",
@@ -137,6 +144,8 @@ def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
         )
         recovered = calling.first_success_after(resumed)
         time.sleep(1.0)
+    client.session.close()
+    client.manager.store.redis.close()
     assert recovered is not None
     errors = Counter(outcome for _, outcome in calling.outcomes if outcome != "ok")
     print(
@@ -218,9 +227,12 @@ def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     merchant_key_prefix: str,
     tmp_path: Path,
 ) -> None:
-    """The token store's URL reaches a read-only replica for ~6 s (a failover) while calls
-    are queued, some already past the API: every call completes once, none twice (a
-    completion record that cannot be written does not make a call run again)."""
+    """The token store's URL reaches a read-only replica (a failover) while calls are
+    queued. Five pass the API in the window, four of them in flight when it opens: their
+    completion records cannot be written. Ten sent after a revoke-all need a new token,
+    which cannot be stored: each is refused and retried, then the window ends. Every call
+    completes once, none twice (a completion record that cannot be written does not make
+    a call run again)."""
     workdir = tmp_path / "worker"
     workdir.mkdir()
     config = isolated_config(
@@ -236,30 +248,47 @@ def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     app = Celery("seams-test-client", set_as_current=False)
     app.conf.update({**load_config(fast_settings.to_env()), **config, "imports": ()})
     admin = redis.Redis(port=private_redis.port)
+    emulator = merchant_sandbox.app
+    # seconds the emulator holds the first calls (within the 2 s read timeout): the window
+    # opens meanwhile
+    held = 1.0
+
+    def call(amount: int) -> AsyncResult:
+        return app.send_task("merchant_tasks.call_api", ("POST", PAYMENTS, {"amount": amount}))
+
+    def retried(result: AsyncResult) -> bool:
+        return f"call_api[{result.id}] retry:" in worker.log_text()
+
     try:
         worker.wait_ready(lambda: bool(app.control.ping(timeout=0.5)), timeout=WORKER_START)
-        first = [
-            app.send_task("merchant_tasks.call_api", ("POST", PAYMENTS, {"amount": i}))
-            for i in range(5)
-        ]
+        warm_up = call(-1).get(timeout=60)  # the worker's token, stored before the window
+        emulator.configure({"api_latency": held})
+        first = [call(i) for i in range(5)]
+        # the pool's four threads: the fifth call waits for one
+        wait_until(lambda: emulator.arrived(PAYMENTS) >= 1 + 4, "calls at the API", 60.0)
+        arrived_at = time.monotonic()
         undo = _refuse_writes(admin, "read_only")
         try:
-            merchant_sandbox.app.revoke_all()
-            more = [
-                app.send_task("merchant_tasks.call_api", ("POST", PAYMENTS, {"amount": 100 + i}))
-                for i in range(10)
-            ]
-            time.sleep(6.0)
+            # else the held calls were answered, and recorded, before the window
+            assert time.monotonic() - arrived_at < held, "the window opened too late"
+            emulator.configure({"api_latency": 0.0})
+            wait_until(lambda: len(emulator.payments()) >= 1 + 5, "calls past the API", 60.0)
+            emulator.revoke_all()  # the next calls need a new token, and so a write
+            more = [call(100 + i) for i in range(10)]
+            wait_until(lambda: all(map(retried, more)), "each call refused, retried", 60.0)
         finally:
             undo()
-        results = [result.get(timeout=180) for result in [*first, *more]]
+        results = [warm_up, *(result.get(timeout=180) for result in [*first, *more])]
     finally:
         worker.stop()
         app.close()
-    amounts = sorted(payment["amount"] for payment in merchant_sandbox.app.payments())
+    amounts = sorted(payment["amount"] for payment in emulator.payments())
     assert sorted(result["amount"] for result in results) == amounts
-    assert amounts == [*range(5), *range(100, 110)]  # each call once: none lost, none twice
-    assert "StoreUnavailable" in worker.log_text()  # the window was met, and retried
+    assert amounts == [-1, *range(5), *range(100, 110)]  # each once: none lost, none twice
+    log = worker.log_text()
+    assert "StoreUnavailable" in log  # the window was met, and retried
+    for result in first:  # past the API in the window: not run again without a record
+        assert f"completion record of call {result.id} not written" in log, result.id
 
 
 # -- corrupt values --------------------------------------------------------------------------
@@ -341,7 +370,8 @@ def _written_type(name: str) -> bytes:
 def test_status_json_is_an_error_document_when_redis_cannot_be_read(
     merchant_env: dict[str, str], private_redis: RedisServer
 ) -> None:
-    env = {"MERCHANT_API_SECRET": None, **merchant_env, "MERCHANT_REDIS_URL": private_redis.url}
+    url = f"{private_redis.url}?socket_timeout={STORE_SOCKET_TIMEOUT:g}"
+    env = {"MERCHANT_API_SECRET": None, **merchant_env, "MERCHANT_REDIS_URL": url}
     os.kill(_pid(private_redis), signal.SIGSTOP)
     try:
         result = CliRunner().invoke(main, ["status", "--json"], env=env)
@@ -358,14 +388,15 @@ def test_status_json_is_an_error_document_when_redis_cannot_be_read(
 def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_times(
     merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
 ) -> None:
-    """16 threads call while every token is revoked twice a second for 10 s. Each forced
+    """16 threads call while every token is revoked twice a second for 5 s. Each forced
     renewal meets at most one 401 per thread (the requests in flight when the revocation
     lands); once the budget is spent the stored token is known refused, and calls fail
-    fast without sending it: no more 401s than threads x (budget + 1)."""
+    fast without sending it: no more 401s than threads x (budget + 1), though revocations
+    go on past the budget (10 revocations, the budget 4)."""
     assert merchant_client.request("GET", PING) == {"ok": True}
     before = merchant_sandbox.calls().get("unauthorized", 0)
     with Calling(merchant_client, threads=16) as calling:
-        for _ in range(20):
+        for _ in range(10):
             time.sleep(0.5)
             merchant_sandbox.app.revoke_all()
     refused = merchant_sandbox.calls().get("unauthorized", 0) - before

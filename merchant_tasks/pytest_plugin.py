@@ -225,6 +225,7 @@ def merchant_worker(
 ) -> Iterator[MerchantWorker]:
     """A real worker process of this test (prefork, two processes) and an app to reach it."""
     from celery import Celery
+    from celery.utils.nodenames import host_format
 
     from .celery_app import isolated_config, load_config, write_config_module
     from .local import spawn
@@ -247,7 +248,11 @@ def merchant_worker(
     app = Celery("merchant-tasks-test-client", set_as_current=False)
     app.conf.update({**load_config(merchant_settings.to_env()), **config, "imports": ()})
     try:
-        worker.wait_ready(lambda: bool(app.control.ping(timeout=0.5)), timeout=WORKER_START_TIMEOUT)
+        # a ping of this node alone returns as soon as it answers, not after its timeout
+        node_only = [host_format(node)]
+        worker.wait_ready(
+            lambda: bool(app.control.ping(node_only, timeout=0.5)), timeout=WORKER_START_TIMEOUT
+        )
         yield MerchantWorker(app, worker.process, log)
     finally:
         worker.stop()

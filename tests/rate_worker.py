@@ -2,11 +2,13 @@
 
 Run as ``python tests/rate_worker.py ROLE SECONDS URL [URL ...]`` with the MERCHANT_*
 variables of the account set (its base URL is replaced by each URL) and RATE_READY_KEY /
-RATE_GO_KEY naming Redis keys for the start line. ROLE ``caller`` renews as an operator
-does (a caller's permit), ``background`` as beat does (its token is never fresh: the
-emulator's lifetime is inside the advisory window). Each process renews an account of its
-own per URL (its namespace ends in the role, pid and URL's place), so processes never wait for each
-other's renewal lock, only for permits. Prints one JSON line: {url: {error or "ok": n}}.
+RATE_GO_KEY naming Redis keys for the start line; RATE_PERMIT_WAIT, if set, is the longest
+wait for a permit in seconds (``exchange_rate.PERMIT_WAIT``, 5 s otherwise). ROLE
+``caller`` renews as an operator does (a caller's permit), ``background`` as beat does (its
+token is never fresh: the emulator's lifetime is inside the advisory window). Each process
+renews an account of its own per URL (its namespace ends in the role, pid and URL's place),
+so processes never wait for each other's renewal lock, only for permits. Prints one JSON
+line: {url: {error or "ok": n}}.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections import Counter
 
 import redis
 
+from merchant_tasks import exchange_rate
 from merchant_tasks.accounts import exchange_rate_for, redis_for
 from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.exchange import TokenExchange
@@ -58,6 +61,8 @@ def renew_until(manager: TokenManager, role: str, deadline: float, outcomes: Cou
 
 def main() -> None:
     role, seconds, urls = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+    if "RATE_PERMIT_WAIT" in os.environ:
+        exchange_rate.PERMIT_WAIT = float(os.environ["RATE_PERMIT_WAIT"])
     settings = Settings.from_env()
     managers = {
         url: manager_for(dataclasses.replace(settings, base_url=url), f"{role}-{os.getpid()}-{n}")

@@ -537,10 +537,17 @@ class _DripServer(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
+DRIP = 0.1  # seconds between two bytes of a dripping answer: 50-80 bytes take 5-8 s
+# connect and read timeouts against it: each byte comes well within the read timeout, the
+# whole answer never within the exchange's deadline (their sum, 0.75 s)
+DRIP_TIMEOUT = (0.25, 0.5)
+SHUTDOWN_POLL = 0.05  # seconds a dripping server takes to notice shutdown() (0.5 by default)
+
+
 @pytest.fixture(params=["headers", "body"])
 def dripping(request: pytest.FixtureRequest) -> Iterator[_DripServer]:
-    server = _DripServer(drip=0.3, dripped=request.param)  # 50-80 bytes dripped: 15-25 s
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    server = _DripServer(drip=DRIP, dripped=request.param)
+    thread = threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL,), daemon=True)
     thread.start()
     yield server
     server.shutdown()
@@ -553,8 +560,8 @@ def test_an_endpoint_dripping_its_answer_is_cut_off_at_the_exchanges_deadline(
     """Each byte comes well within the read timeout, of the headers or of the body; the
     answer as a whole never does. The exchange gives up at its deadline and hangs up,
     leaving nothing in flight."""
-    exchange = TokenExchange(dripping.url, API_KEY, Secret(SECRET), timeout=(0.5, 1.0))
-    with pytest.raises(TokenEndpointUnavailable, match=r"did not finish its answer within 1.5 s"):
+    exchange = TokenExchange(dripping.url, API_KEY, Secret(SECRET), timeout=DRIP_TIMEOUT)
+    with pytest.raises(TokenEndpointUnavailable, match=r"did not finish its answer within 0.75 s"):
         exchange()
     wait_until(lambda: dripping.hung_up == 1, "the server notices the hang-up", timeout=10.0)
     assert dripping.finished == 0
@@ -565,7 +572,7 @@ def test_a_dripping_endpoint_never_has_two_exchanges_in_flight(
 ) -> None:
     """Four threads need a token at once; the holder's exchange ends at its deadline, long
     before its lease, so no other process or thread starts a second one meanwhile."""
-    exchange = TokenExchange(dripping.url, API_KEY, Secret(SECRET), timeout=(0.5, 1.0))
+    exchange = TokenExchange(dripping.url, API_KEY, Secret(SECRET), timeout=DRIP_TIMEOUT)
     manager = make_manager(
         redis_store, exchange, exchange_timeout=exchange.deadline, local_copy_ttl=LOCAL_COPY_TTL
     )
@@ -591,12 +598,12 @@ def test_a_dripping_endpoint_never_has_two_exchanges_in_flight(
 def test_an_injected_session_is_cut_off_at_the_deadline_once_its_headers_are_in() -> None:
     """A session of the caller's own (not the exchange's) has pools that show nothing: the
     exchange finds the connection on the answer and still cuts its body at the deadline."""
-    server = _DripServer(drip=0.3, dripped="body")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _DripServer(drip=DRIP, dripped="body")
+    threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL,), daemon=True).start()
     session = requests.Session()
     try:
         exchange = TokenExchange(
-            server.url, API_KEY, Secret(SECRET), session=session, timeout=(0.5, 1.0)
+            server.url, API_KEY, Secret(SECRET), session=session, timeout=DRIP_TIMEOUT
         )
         with pytest.raises(TokenEndpointUnavailable, match=r"did not finish its answer"):
             exchange()

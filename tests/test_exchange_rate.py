@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import dead_redis
 from merchant_tasks import exchange_rate
 from merchant_tasks.accounts import client_for, exchange_rate_for
 from merchant_tasks.cli import main
@@ -31,7 +32,7 @@ from merchant_tasks.exceptions import (
     TokenEndpointUnavailable,
 )
 from merchant_tasks.exchange_rate import ExchangeRate, Priority
-from merchant_tasks.local import RedisServer, free_port, spawn, wait_all_ready
+from merchant_tasks.local import RedisServer, spawn, wait_all_ready
 from merchant_tasks.metrics import FleetCollector
 from merchant_tasks.redis_commands import AccountKeys, AccountRedis
 from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
@@ -40,6 +41,9 @@ from merchant_tasks.status import AccountStatus, account_status
 from merchant_tasks.store import TokenStore
 
 CAP = 5.0  # exchanges per second in the process tests: far below what the loops would send
+# seconds a rate worker waits for a permit at most (the package's PERMIT_WAIT is 5 s): a
+# caller at CAP waits a fraction of a second, and beat's renewals give up sooner
+PERMIT_WAIT = 2.0
 BUCKET = 2  # permits a quiet host holds at CAP (RESERVED_FOR_CALLERS + 1)
 
 
@@ -183,8 +187,7 @@ def test_garbage_in_the_rate_key_reads_as_a_fresh_bucket(
 
 
 def test_without_redis_no_permit_is_given(merchant_key_prefix: str) -> None:
-    nobody = redis.Redis(port=free_port(), socket_connect_timeout=0.2, socket_timeout=0.2)
-    rate = rate_on(nobody, merchant_key_prefix, 10.0, [])
+    rate = rate_on(dead_redis(), merchant_key_prefix, 10.0, [])
     with pytest.raises(StoreUnavailable):
         rate.take(Priority.CALLER)
     rate.rate_limited()  # best effort: logged, not raised
@@ -273,7 +276,12 @@ def run_workers(
         f"{settings.fleet.key_prefix}:ready-{run}",
         f"{settings.fleet.key_prefix}:go-{run}",
     )
-    env = {**child_env(settings), "RATE_READY_KEY": ready_key, "RATE_GO_KEY": go_key}
+    env = {
+        **child_env(settings),
+        "RATE_READY_KEY": ready_key,
+        "RATE_GO_KEY": go_key,
+        "RATE_PERMIT_WAIT": str(PERMIT_WAIT),
+    }
     worker = Path(__file__).with_name("rate_worker.py")
     children = [
         spawn(
@@ -316,7 +324,7 @@ def test_two_processes_on_two_hosts_keep_each_host_under_the_cap(
     with contextlib.ExitStack() as stack:
         servers, settings = emulators(stack, merchant_sandbox, capped, 2)
         urls = [server.url for server in servers]
-        outputs, elapsed = run_workers(["caller", "caller"], urls, settings, control, tmp_path, 3.0)
+        outputs, elapsed = run_workers(["caller", "caller"], urls, settings, control, tmp_path, 2.0)
         for server, url in zip(servers, urls, strict=True):
             sent = sum(server.app.counters()["exchanges"].values())
             counts = host_counts(settings, url, control)
@@ -333,7 +341,7 @@ def test_callers_go_before_beat(
         (server,), settings = emulators(stack, merchant_sandbox, capped, 1)
         roles = ["caller", "background"]
         # longer than PERMIT_WAIT, so that beat's renewal gives up waiting while calls go on
-        outputs, _ = run_workers(roles, [server.url], settings, control, tmp_path, 6.0)
+        outputs, _ = run_workers(roles, [server.url], settings, control, tmp_path, 3.0)
         counts = host_counts(settings, server.url, control)
         sent = sum(server.app.counters()["exchanges"].values())
         assert counts["granted_caller"] + counts["granted_background"] == sent

@@ -26,7 +26,6 @@ from celery_fleet import (
     LIFETIME,
     RENEW_INTERVAL,
     Fleet,
-    echo_calls,
     kill_the_worker_running,
 )
 from merchant_tasks.celery_app import REDIS_ONLY_TRANSPORT_OPTIONS, RENEWAL_QUEUE, load_config
@@ -152,8 +151,10 @@ def test_no_redis_only_transport_option_reaches_the_amqp_broker(fleet: AmqpFleet
     fleet.start_worker("w", concurrency=WIDE_WORKER, pool="threads")
     fleet.wait_ready()
 
-    # what the running worker itself uses, asked over the broker
-    replies = fleet.app.control.inspect(timeout=5.0).conf() or {}
+    # what the running worker itself uses, asked over the broker (of that node alone, so
+    # that the answer comes as soon as it replies, not at the timeout)
+    node = f"{fleet.marker}-w@{socket.gethostname()}"
+    replies = fleet.app.control.inspect([node], timeout=5.0).conf() or {}
     assert len(replies) == 1
     worker_conf = next(iter(replies.values()))
     assert worker_conf["broker_url"].startswith("amqp://")
@@ -166,7 +167,9 @@ def test_no_redis_only_transport_option_reaches_the_amqp_broker(fleet: AmqpFleet
 def test_renewal_runs_on_its_own_rabbitmq_queue(
     fleet: AmqpFleet, merchant_sandbox: MerchantSandbox
 ) -> None:
-    fleet.windows(LIFETIME, LIFETIME - 1.0, 0.5, RENEW_INTERVAL)  # renew from the first tick
+    # renew from the first tick, then 1 s after each renewal: a mandatory window this
+    # close to the advisory one leaves no spread to beat's renewal point (due.py)
+    fleet.windows(LIFETIME, LIFETIME - 1.0, LIFETIME - 2.0, RENEW_INTERVAL)
     renewal_only = fleet._celery(
         "worker", "--pool=solo", "-Q", RENEWAL_QUEUE, "--without-gossip", "--without-mingle",
         "-n", f"{fleet.marker}-renewal@%h", "--loglevel=DEBUG",
@@ -195,9 +198,11 @@ def test_a_worker_sigkilled_mid_task_has_its_call_redelivered_by_rabbitmq(
 
     result = fleet.call("POST", ECHO, json={"order": "kill-me"})
     survivor = kill_the_worker_running(fleet, workers, result)
+    merchant_sandbox.app.configure({"api_latency": 0.0})  # the call run again answers at once
 
     # RabbitMQ requeues an unacknowledged message when its consumer's connection closes:
     # no visibility timeout to wait for
     assert fleet.get(result, KILL_DEADLINE) == {"echo": {"order": "kill-me"}}
     assert result.id in workers[survivor].log_text()
-    assert echo_calls(merchant_sandbox) == 2  # received by the killed worker's child, then again
+    # received by the killed worker's child (still sleeping its latency), then again
+    assert merchant_sandbox.app.arrived(ECHO) == 2

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from merchant_tasks.local import Child, spawn
+from merchant_tasks.local import Child, spawn, stop_all
 from merchant_tasks.settings import Settings, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,9 +58,11 @@ def shop_fleet(
     )
     celery = [sys.executable, "-m", "celery", "-A", "proj"]
     node = f"{uuid.uuid4().hex[:8]}@%h"
+    # alone on its queues: no gossip, and no second's wait for neighbours to sync with
+    options = ["--concurrency=2", "--without-gossip", "--without-mingle", "--loglevel=INFO"]
     worker = spawn(
         "the shop's worker",
-        [*celery, "worker", "-n", node, "--concurrency=2", "--without-gossip", "--loglevel=INFO"],
+        [*celery, "worker", "-n", node, *options],
         tmp_path / "worker.log",
         env=env,
         cwd=ROOT,
@@ -79,8 +81,7 @@ def shop_fleet(
         )
         yield [worker, beat]
     finally:
-        beat.stop()
-        worker.stop()
+        stop_all([beat, worker])
 
 
 def _host() -> str:

@@ -145,11 +145,7 @@ class Refusals:
         """The token that replaces ``stale``, refused by the API: another's, or a forced
         renewal if the evidence says it was revoked; else TokenRejected. ``new_401``: False
         when no request met a 401 now (``stale`` is known refused from an earlier one)."""
-        try:
-            token = self._renew_after(stale, renew, new_401)
-        except TokenRejected as exc:
-            self._remember(stale, exc)
-            raise
+        token = self._renew_after(stale, renew, new_401)
         telemetry.link_renewal(token.traceparent)  # the call's span, to what replaced it
         return token
 
@@ -162,7 +158,11 @@ class Refusals:
                 return newer  # a sibling thread got the token that replaces it
             self.known_refused(stale)  # the sibling's renewal failed with a back-off: share it
             started = self.copy.now()
-            found, renewer, prelude = self._look(stale, new_401)
+            try:
+                found, renewer, prelude = self._look(stale, new_401)
+            except TokenRejected as exc:  # judged refused, or a pause: no call sends it meanwhile
+                self._remember(stale, exc)
+                raise
             if found is not None:
                 return found
             if renewer:  # this thread renews for the process

@@ -35,6 +35,7 @@ from merchant_tasks.settings import Settings
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 APP_SERVICES = ["sandbox", "worker", "beat", "flower", "metrics"]
+MONITORING_SERVICES = ["prometheus", "grafana"]  # images of their own, no merchant secret
 NEEDS_THE_SECRET = {"sandbox", "worker"}  # the worker exchanges it, the emulator checks it
 # the Compose specification's schema (Apache-2.0, see compose-spec/LICENSE), as vendored by
 # check-jsonschema 0.39.0
@@ -48,7 +49,7 @@ def _env_file() -> dict[str, str]:
 
 
 def test_compose_has_every_service_of_the_system() -> None:
-    assert set(COMPOSE["services"]) == {"redis", *APP_SERVICES}
+    assert set(COMPOSE["services"]) == {"redis", *APP_SERVICES, *MONITORING_SERVICES}
 
 
 def test_redis_never_evicts_and_has_a_healthcheck() -> None:
@@ -152,8 +153,8 @@ def test_the_image_runs_the_top_level_celeryconfig_and_flowerconfig_from_its_wor
     assert not (ROOT / "deploy" / "celeryconfig.py").exists()
 
 
-@pytest.mark.parametrize("name", ["flower", "metrics"])
-def test_flower_and_metrics_are_only_published_on_loopback(name: str) -> None:
+@pytest.mark.parametrize("name", ["flower", "metrics", *MONITORING_SERVICES])
+def test_flower_metrics_and_monitoring_are_only_published_on_loopback(name: str) -> None:
     ports: list[Any] = COMPOSE["services"][name]["ports"]
     assert all(str(p).startswith("127.0.0.1:") for p in ports)
 
@@ -209,7 +210,7 @@ def test_the_compose_file_is_valid_against_the_compose_specification() -> None:
     assert not validator.is_valid(broken)  # the schema does catch a misspelt key
 
 
-@pytest.mark.parametrize("name", ["redis", *APP_SERVICES])
+@pytest.mark.parametrize("name", ["redis", *APP_SERVICES, *MONITORING_SERVICES])
 def test_every_container_drops_all_capabilities_and_gains_no_privilege(name: str) -> None:
     service = COMPOSE["services"][name]
     assert service["cap_drop"] == ["ALL"]
@@ -222,7 +223,7 @@ def test_images_are_pinned_to_a_full_version() -> None:
     images = {service["image"] for service in COMPOSE["services"].values()}
     [base] = re.findall(r"^FROM (\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     for image in [*images, base]:
-        assert re.search(r":\d+\.\d+\.\d+(-[a-z0-9-]+)?$", image), image
+        assert re.search(r":v?\d+\.\d+\.\d+(-[a-z0-9-]+)?$", image), image
 
 
 def _image_user() -> str:
@@ -252,7 +253,7 @@ def test_services_run_as_the_images_user_whom_the_secret_files_must_be_readable_
         assert path.stat().st_mode & 0o004, path
 
 
-HEALTHCHECKED = ["redis", "sandbox", "worker", "beat", "flower", "metrics"]
+HEALTHCHECKED = ["redis", "sandbox", "worker", "beat", "flower", "metrics", *MONITORING_SERVICES]
 
 
 @pytest.mark.parametrize("name", HEALTHCHECKED)
@@ -269,8 +270,64 @@ def test_every_service_has_a_healthcheck_that_runs_in_the_image(name: str) -> No
         known = {opt for param in inspect.params for opt in param.opts}
         assert {a for a in argv[5:] if a.startswith("-")} <= known
         assert "celery@HOST" in argv  # this container's node, by its default name
+    elif name in MONITORING_SERVICES:  # busybox's wget, in both images
+        assert test[:5] == ["CMD", "wget", "-q", "-O", "/dev/null"]
+        port = COMPOSE["services"][name]["ports"][0].rsplit(":", 1)[1]
+        assert test[5].startswith(f"http://127.0.0.1:{port}/")
     else:
         assert test == ["CMD", "redis-cli", "ping"]
+
+
+def _mounts(name: str) -> dict[str, Path]:
+    """The service's read-only bind mounts: container path -> path in this checkout."""
+    mounts: dict[str, Path] = {}
+    for volume in COMPOSE["services"][name]["volumes"]:
+        source, target, *mode = volume.split(":")
+        if source.startswith("./"):
+            assert mode == ["ro"], volume
+            mounts[target] = ROOT / source
+    return mounts
+
+
+def test_prometheus_loads_the_shipped_config_rules_and_scrapes_the_metrics_service() -> None:
+    prometheus = COMPOSE["services"]["prometheus"]
+    assert "secrets" not in prometheus
+    options = dict(o.lstrip("-").split("=", 1) for o in prometheus["command"])
+    config_dir = _mounts("prometheus")["/etc/prometheus"]
+    assert config_dir == ROOT / "deploy" / "prometheus"
+    config_path = Path(options["config.file"])
+    assert config_path.parent == Path("/etc/prometheus")
+    config = yaml.safe_load((config_dir / config_path.name).read_text())
+    for rule_file in config["rule_files"]:  # relative to the config file
+        assert (config_dir / rule_file).is_file(), rule_file
+    [job] = config["scrape_configs"]
+    assert job["job_name"] == "merchant-tasks"  # what the alerts' up{job=...} names
+    metrics_port = _command("metrics")[_command("metrics").index("--port") + 1]
+    assert job["static_configs"][0]["targets"] == [f"metrics:{metrics_port}"]
+    assert options["storage.tsdb.path"] in {v.split(":")[1] for v in prometheus["volumes"]}
+
+
+def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard() -> None:
+    grafana = COMPOSE["services"]["grafana"]
+    mounts = _mounts("grafana")
+    provisioning = mounts["/etc/grafana/provisioning"]
+    datasources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    [datasource] = datasources["datasources"]
+    assert datasource["type"] == "prometheus"
+    prometheus_port = COMPOSE["services"]["prometheus"]["ports"][0].rsplit(":", 1)[1]
+    assert datasource["url"] == f"http://prometheus:{prometheus_port}"
+    providers = yaml.safe_load((provisioning / "dashboards" / "merchant-tasks.yml").read_text())
+    [provider] = providers["providers"]
+    dashboards = mounts[provider["options"]["path"]]
+    dashboard = json.loads((dashboards / "merchant-tasks.json").read_text())
+    uids = {panel["datasource"]["uid"] for panel in dashboard["panels"]}
+    assert uids == {datasource["uid"]}
+    # the admin password from a secret file, never in the compose file or the environment
+    assert grafana["secrets"] == ["grafana_admin_password"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == (
+        "/run/secrets/grafana_admin_password"
+    )
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in grafana["environment"]
 
 
 def _status(url: str, auth: str | None = None) -> int:

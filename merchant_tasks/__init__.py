@@ -18,9 +18,9 @@ import logging
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from .accounts import AccountClients, FleetClient, client_for, client_from_env
-from .client import MerchantClient, TokenSource
-from .exceptions import (
+from merchant_tasks.accounts import AccountClients, FleetClient, client_for, client_from_env
+from merchant_tasks.api.client import MerchantClient, TokenSource
+from merchant_tasks.exceptions import (
     ApiError,
     ApiOutcomeUnknown,
     ApiUnavailable,
@@ -38,7 +38,7 @@ from .exceptions import (
     TokenRejected,
     TokenUnreadable,
 )
-from .settings import Settings
+from merchant_tasks.settings import Settings
 
 try:
     __version__ = version("merchant-tasks")
@@ -84,7 +84,9 @@ def install(app: Any) -> None:
 
     Call it where the app is created (Django: ``proj/celery.py``). See docs/celery-app.md.
     """
-    from .hosting import install as install_into  # Celery is imported only by its users
+    from merchant_tasks.worker.install import (
+        install as install_into,  # Celery is imported only by its users
+    )
 
     install_into(app)
 
@@ -96,7 +98,7 @@ def __getattr__(name: str) -> object:
     not pay for importing it.
     """
     if name == "app":
-        from .celery_app import app
+        from merchant_tasks.worker.app import app
 
         return app
     raise AttributeError(f"module 'merchant_tasks' has no attribute {name!r}")

@@ -37,22 +37,23 @@ from urllib.parse import urlsplit
 
 import requests
 
-from . import redis_topology, telemetry
-from .client import MerchantClient, new_session
-from .due import claim_renewals, due_accounts, namespace_of, release_renewal
-from .exceptions import ConfigurationError
-from .exchange import TokenExchange
-from .exchange_rate import ExchangeRate
-from .redis_commands import AccountKeys
-from .redis_topology import StoreClient
-from .renewal import TokenManager
-from .sealing import TokenCodec, codec_for
-from .settings import FleetSettings, Settings, read_variable
-from .status import AccountStatus, breaker_states, fleet_statuses
-from .store import TokenStore
-from .timing import TimedExchange
-from .token import fingerprint
-from .variable_files import read_text_file
+from merchant_tasks import telemetry
+from merchant_tasks.api.client import MerchantClient, new_session
+from merchant_tasks.api.exchange import TokenExchange
+from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.ops.status import AccountStatus, breaker_states, fleet_statuses
+from merchant_tasks.renewal.due import claim_renewals, due_accounts, namespace_of, release_renewal
+from merchant_tasks.renewal.manager import TokenManager
+from merchant_tasks.renewal.timing import TimedExchange
+from merchant_tasks.settings import FleetSettings, Settings, read_variable
+from merchant_tasks.store import topology as redis_topology
+from merchant_tasks.store.exchange_rate import ExchangeRate
+from merchant_tasks.store.keys import AccountKeys
+from merchant_tasks.store.sealing import TokenCodec, codec_for
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.store.topology import StoreClient
+from merchant_tasks.token import fingerprint
+from merchant_tasks.variable_files import read_text_file
 
 DEFAULT_ACCOUNT = "default"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Sequence
 
-from .exceptions import MissingExtra
+from merchant_tasks.exceptions import MissingExtra
 
 # extra -> the top-level modules it installs
 EXTRAS = {

@@ -26,10 +26,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
-from .exceptions import ConfigurationError
-from .redis_topology import DEFAULT_SENTINEL_MASTER, is_sentinel_url, parse_sentinel_url
-from .sealing import codec_for
-from .variable_files import read_text_file
+from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.store.sealing import codec_for
+from merchant_tasks.store.topology import (
+    DEFAULT_SENTINEL_MASTER,
+    is_sentinel_url,
+    parse_sentinel_url,
+)
+from merchant_tasks.variable_files import read_text_file
 
 log = logging.getLogger(__name__)
 

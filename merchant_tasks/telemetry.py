@@ -257,7 +257,7 @@ def _remote_context(traceparent: str) -> Any:
 
 
 def _version() -> str:
-    from . import __version__
+    from merchant_tasks import __version__
 
     return __version__
 

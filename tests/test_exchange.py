@@ -24,16 +24,7 @@ from hypothesis import strategies as st
 
 from conftest import make_manager
 from fake_http import FakeTransport, Reply, response, session_with
-from merchant_tasks.exceptions import (
-    ConfigurationError,
-    CredentialsRejected,
-    ExchangeRateLimited,
-    MalformedTokenResponse,
-    MerchantError,
-    TokenEndpointUnavailable,
-    TokenExchangeError,
-)
-from merchant_tasks.exchange import (
+from merchant_tasks.api.exchange import (
     MAX_RETRY_AFTER,
     MAX_TOKEN_LENGTH,
     TOKEN_BODY_LIMIT,
@@ -43,10 +34,19 @@ from merchant_tasks.exchange import (
     classify,
     parse_retry_after,
 )
-from merchant_tasks.local import wait_until
-from merchant_tasks.local_copy import LOCAL_COPY_TTL
+from merchant_tasks.exceptions import (
+    ConfigurationError,
+    CredentialsRejected,
+    ExchangeRateLimited,
+    MalformedTokenResponse,
+    MerchantError,
+    TokenEndpointUnavailable,
+    TokenExchangeError,
+)
+from merchant_tasks.renewal.local_copy import LOCAL_COPY_TTL
+from merchant_tasks.sandbox.processes import wait_until
 from merchant_tasks.settings import Secret, Settings
-from merchant_tasks.store import TokenStore
+from merchant_tasks.store.token_store import TokenStore
 
 BASE_URL = "https://api.example.test"
 API_KEY = "app-id-1234"

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from merchant_tasks.local import Child, spawn, wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox.processes import Child, spawn, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Settings, child_env
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def add(x, y):
 
 SHOP_CODE = """
 import json, proj
-from merchant_tasks.tasks import call_api
+from merchant_tasks.worker.tasks import call_api
 
 total = proj.add.delay(2, 3)
 payment = call_api.delay("POST", "/open-api/v1/payments", json={"amount": 700})

@@ -12,12 +12,12 @@ import redis
 
 from conftest import TEST_API_KEY
 from merchant_tasks.accounts import AccountClients, client_for
-from merchant_tasks.completions import CompletionRecords
-from merchant_tasks.local import wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.redis_topology import redis_from_url
+from merchant_tasks.sandbox.processes import wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings
-from merchant_tasks.store import LOCK_WAIT_SECONDS
+from merchant_tasks.store.token_store import LOCK_WAIT_SECONDS
+from merchant_tasks.store.topology import redis_from_url
+from merchant_tasks.worker.completions import CompletionRecords
 
 pytestmark = pytest.mark.integration
 

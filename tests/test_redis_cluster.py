@@ -22,11 +22,11 @@ import redis
 
 from conftest import TEST_SECRET
 from merchant_tasks.accounts import AccountClients
-from merchant_tasks.local import RedisServer, free_port, wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
-from merchant_tasks.status import account_status
-from merchant_tasks.store import TokenStore
+from merchant_tasks.ops.status import account_status
+from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.processes import RedisServer, free_port, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.store.token_store import TokenStore
 
 pytestmark = pytest.mark.integration
 

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from merchant_tasks import settings as settings_module
-from merchant_tasks.due import namespace_of
 from merchant_tasks.exceptions import ConfigurationError
-from merchant_tasks.redis_topology import parse_sentinel_url
+from merchant_tasks.renewal.due import namespace_of
 from merchant_tasks.settings import (
     ACCOUNT_KEYS,
     CONNECT_TIMEOUT,
@@ -41,6 +40,7 @@ from merchant_tasks.settings import (
     refuse_unknown_names,
 )
 from merchant_tasks.settings import VARIABLES as TABLE
+from merchant_tasks.store.topology import parse_sentinel_url
 
 SECRET = "s3cr3t-7c2e9d41b0a6f5e8"
 API_KEY = "app-id-1234"

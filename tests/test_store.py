@@ -10,9 +10,9 @@ import redis
 
 from conftest import UNIT_NAMESPACE, dead_redis
 from merchant_tasks.exceptions import StoreUnavailable
-from merchant_tasks.policy import BreakerKind, CounterName, Outcome
-from merchant_tasks.records import BREAKER_MEMORY, BreakerRecord, Histogram
-from merchant_tasks.store import LOCK_WAIT_SECONDS, RedisClock, TokenStore
+from merchant_tasks.renewal.policy import BreakerKind, CounterName, Outcome
+from merchant_tasks.store.records import BREAKER_MEMORY, BreakerRecord, Histogram
+from merchant_tasks.store.token_store import LOCK_WAIT_SECONDS, RedisClock, TokenStore
 from merchant_tasks.token import RenewalReason, Token
 
 

@@ -12,12 +12,12 @@ import redis
 from conftest import CountingConnection
 from merchant_tasks import accounts as accounts_module
 from merchant_tasks.accounts import AccountClients, exchange_rate_for, store_for
-from merchant_tasks.local import RedisServer
-from merchant_tasks.policy import BreakerKind, Outcome
-from merchant_tasks.records import BreakerRecord
-from merchant_tasks.redis_topology import StoreClient
+from merchant_tasks.ops.status import AccountState, account_status
+from merchant_tasks.renewal.policy import BreakerKind, Outcome
+from merchant_tasks.sandbox.processes import RedisServer
 from merchant_tasks.settings import FleetSettings, Settings
-from merchant_tasks.status import AccountState, account_status
+from merchant_tasks.store.records import BreakerRecord
+from merchant_tasks.store.topology import StoreClient
 from merchant_tasks.token import RenewalReason, Token
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,282 @@
+"""Renewal: the account's token for callers, renewed once for the whole fleet.
+
+``TokenManager`` puts the parts together (docs/design.md, "Who does what"):
+``policy.RenewalPolicy`` says when to renew, ``refusals.Refusals`` what a 401 means and
+what follows it, ``single_flight`` makes one caller renew while the others wait under
+the fleet's ``renewal_lock``, ``renewer.Renewer`` exchanges and stores (the exchange is a
+callable passed in: nothing here speaks HTTP), ``breaker.Breaker`` pauses exchanges after
+failures, ``local_copy.LocalCopy`` spares Redis reads.
+
+- ``token()`` is the callers' path: the stored token while it has more than the mandatory
+  window left; otherwise one caller renews and the others keep the still-valid token or
+  wait for the winner's.
+- ``renew()`` is beat's and the operator's path; ``renew(stale_token=t)`` after a 401 is
+  ``Refusals``' to answer.
+- ``accepted(t)`` records, once per generation, that the API accepted ``t``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+import weakref
+from collections.abc import Callable
+
+from merchant_tasks import telemetry
+from merchant_tasks.api.exchange import IssuedToken
+from merchant_tasks.exceptions import (
+    RenewalTimeout,
+    StoreUnavailable,
+    TokenEndpointUnavailable,
+    TokenExchangeError,
+)
+from merchant_tasks.renewal.breaker import Breaker
+from merchant_tasks.renewal.local_copy import LOCAL_COPY_TTL, LocalCopy
+from merchant_tasks.renewal.lock import RenewalLock
+from merchant_tasks.renewal.policy import Outcome, RenewalPolicy
+from merchant_tasks.renewal.refusals import Refusals
+from merchant_tasks.renewal.renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, Renewer
+from merchant_tasks.renewal.single_flight import Prelude, SingleFlight
+from merchant_tasks.store.exchange_rate import PERMIT_WAIT, ExchangeRate
+from merchant_tasks.store.token_store import RedisClock, TokenStore
+from merchant_tasks.store.wakeup import RenewalSignal
+from merchant_tasks.token import RenewalReason, Token, TokenState
+
+log = logging.getLogger(__name__)
+
+LOCK_MARGIN = 5.0  # seconds of lease beyond one exchange's deadline: a dead holder's lock
+# is free within exchange_timeout + LOCK_MARGIN; a live one's is extended by its watchdog
+
+Clock = Callable[[], float]
+Acceptable = Callable[[Token | None], bool]  # whether a token (or none) serves the caller
+
+
+def limits(exchange_timeout: float) -> tuple[float, float, float]:
+    """How long the longest renewal, a wait for another's and the lock's lease last, for
+    one exchange's deadline (``exchange_timeout``, exchange.py)."""
+    # every attempt at its deadline after its wait for a permit, plus the waits between
+    # them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
+    renewal = (
+        EXCHANGE_ATTEMPTS * (exchange_timeout + PERMIT_WAIT)
+        + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
+        + LOCK_MARGIN
+    )
+    # a caller may arrive just after a holder took the lock and died (the lease runs out),
+    # and then see the next holder take it and need its whole renewal
+    wait = 2 * renewal
+    return renewal, wait, exchange_timeout + LOCK_MARGIN  # the lease outlives an exchange
+
+
+class TokenManager:
+    """Gives out the account's token and renews it, once for the whole fleet."""
+
+    def __init__(
+        self,
+        store: TokenStore,
+        exchange: Callable[[], IssuedToken],
+        secret_fingerprint: Callable[[], str],
+        *,
+        renew_before: float,
+        renew_mandatory: float,
+        exchange_timeout: float,
+        clock: Clock | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+        local_copy_ttl: float = LOCAL_COPY_TTL,
+        monotonic: Clock = time.monotonic,
+        wake_ups: bool = True,
+        rate: ExchangeRate | None = None,
+    ) -> None:
+        self.store = store
+        self.policy = RenewalPolicy(renew_before, renew_mandatory)
+        self.clock: Clock = clock or RedisClock(store.time)  # the store's, shared by every part
+        self.copy = LocalCopy(local_copy_ttl, monotonic)
+        self.breaker = Breaker(store, self.clock, secret_fingerprint, rng or random.Random())
+        self.signal = RenewalSignal(store) if wake_ups else None
+        self.rate = rate  # the token endpoint host's fleet-wide permits (exchange_rate.py)
+        self.renewal_limit, self.wait_limit, lease = limits(exchange_timeout)
+        self.lock = RenewalLock(store, lease)
+        # the parts get the callables themselves, not closures over this manager: no
+        # reference cycle, so a manager is freed as soon as it is dropped
+        clock = self.clock
+        self.renewer = Renewer(
+            store,
+            exchange,
+            self.policy,
+            self.breaker,
+            self.copy,
+            clock=clock,
+            sleep=sleep,
+            rate=rate,
+        )
+        self.flight = SingleFlight(
+            store,
+            self.lock,
+            self.signal,
+            self.renewal_limit,
+            self.wait_limit,
+            clock=clock,
+            sleep=sleep,
+        )
+        self.refusals = Refusals(
+            store, self.copy, self.flight, self.lock, self.breaker, self.signal, self.clock
+        )
+        self._remake_locks()
+        _MANAGERS.add(self)  # its locks are remade in a forked child
+
+    def _remake_locks(self) -> None:
+        self.refusals.remake_locks()
+        self.flight.remake_locks()
+        self.copy.remake_lock()
+        self.lock.reset()
+
+    def __repr__(self) -> str:
+        return f"TokenManager(store={self.store!r})"
+
+    # -- callers -------------------------------------------------------------------------
+
+    def token(self) -> Token:
+        """A token to call the API with; renews only when under the mandatory window."""
+        copy = self.copy.trusted()
+        if copy is not None and self.policy.usable(copy, self.clock()):
+            if self.refusals.known_refused(copy):  # its back-off is over: renew it
+                return self.refusals.renew_after(copy, self._renew_forced, new_401=False)
+            return copy
+        try:
+            now = self.clock()
+            current = self.store.load()
+        except StoreUnavailable:
+            last = self.copy.last()
+            if last is not None and last.valid_at(self.clock()):
+                log.warning("token store unavailable; using this process's copy of the token")
+                return last
+            raise
+        if self.signal is not None:
+            self.signal.start()  # from now on, this process hears of renewals elsewhere
+        if self.policy.usable(current, now):
+            assert current is not None
+            if self.refusals.known_refused(current):
+                return self.refusals.renew_after(current, self._renew_forced, new_401=False)
+            return self.copy.keep(current)
+        usable = current if current is not None and current.valid_at(now) else None
+        try:
+            token = self._renew(
+                RenewalReason.MANDATORY,
+                lambda t: self.policy.usable(t, self.clock()),
+                fallback=usable,
+                probe=True,
+            )
+        except (TokenExchangeError, RenewalTimeout) as exc:
+            if usable is None or not usable.valid_at(self.clock()):
+                raise
+            log.warning("renewal failed (%s); the current token is still valid: using it", exc)
+            return usable
+        return self.copy.keep(token)
+
+    def accepted(self, token: Token) -> None:
+        """The API accepted ``token``: record it, once per generation and process."""
+        self.refusals.accepted(token)
+
+    # -- beat, operators, 401s -----------------------------------------------------------
+
+    def renew(self, force: bool = False, stale_token: Token | None = None) -> Token:
+        """Renew if due, or always with ``force``, or compare-and-swap after a 401.
+
+        With ``stale_token`` (the token a call was refused with): another valid token if
+        the store holds one; else a forced renewal if the evidence says ``stale_token``
+        was revoked, or ``TokenRejected``. Without it and without ``force``: exchange only
+        inside the advisory window (beat's scheduled check).
+        """
+        if stale_token is not None:
+            return self.refusals.renew_after(stale_token, self._renew_forced)
+        if force:
+            seen = self.store.generation()
+            return self._renew(
+                RenewalReason.MANUAL, lambda t: t is not None and t.generation > seen, None
+            )
+        return self._renew(
+            RenewalReason.SCHEDULED,
+            lambda t: t is not None and self.policy.state(t, self.clock()) == TokenState.FRESH,
+            None,
+        )
+
+    def _renew_forced(
+        self, stale: Token, started: float, prelude: Prelude | None, first: Callable[[], None]
+    ) -> Token:
+        """Renew after a 401 on ``stale`` (``Refusals`` decided it): a token that replaces it."""
+        return self._renew(
+            RenewalReason.FORCED,
+            lambda t: t is not None and t.replaces(stale, self.clock()),
+            None,
+            started=started,
+            prelude=prelude,
+            first=first,
+        )
+
+    # -- single flight -------------------------------------------------------------------
+
+    def _renew(
+        self,
+        reason: RenewalReason,
+        acceptable: Acceptable,
+        fallback: Token | None,
+        *,
+        started: float | None = None,
+        probe: bool = False,
+        prelude: Prelude | None = None,
+        first: Callable[[], None] | None = None,
+    ) -> Token:
+        """A token ``acceptable`` to the caller, exchanging at most once fleet-wide.
+
+        ``prelude``: the caller's own look at the store and the lock, as the first attempt;
+        ``first``: run under the lock once the exchange has its permit (the forced-renewal
+        budget).
+        """
+        since = self.copy.now() if started is None else started
+        probing: list[bool] = []
+        ran: list[bool] = []
+
+        def look() -> Token | None:
+            kept = self.copy.kept_since(since)
+            if kept is not None and acceptable(kept):
+                return kept
+            current = self.store.load()
+            if acceptable(current):
+                return current
+            try:
+                return self.breaker.check(fallback, operator=reason == RenewalReason.MANUAL)
+            except TokenEndpointUnavailable:  # the endpoint's pause: half-open
+                if probing or (probe and self.breaker.take_probe()):
+                    probing.append(True)
+                    return None
+                raise
+
+        def renew() -> Token:
+            ran.append(True)
+            return self.renewer.renew(reason, probe=bool(probing), first=first)
+
+        with telemetry.renewal_span(reason, self.store.account) as span:
+            before = self.store.seen_generation
+            span.set(telemetry.GENERATION_BEFORE, before)
+            token = self.flight.run(look, renew, fallback, prelude=prelude)
+            span.set(telemetry.GENERATION_AFTER, token.generation)
+            if not ran:  # the renewer's outcome is counted where it ran (``records``)
+                newer = token.generation > before  # another's renewal (or a valid fallback)
+                span.set(telemetry.OUTCOME, Outcome.OK if newer else Outcome.UNCHANGED)
+            span.set(telemetry.WAITED, not ran and token.generation > before)
+            return token
+
+
+# A fork copies the locks as they are: one held by a parent's thread would stay held in the
+# child for ever, as no thread there can release it. Every manager gets new ones instead.
+_MANAGERS: weakref.WeakSet[TokenManager] = weakref.WeakSet()
+
+
+def _remake_locks_after_fork() -> None:
+    for manager in list(_MANAGERS):
+        manager._remake_locks()
+
+
+os.register_at_fork(after_in_child=_remake_locks_after_fork)

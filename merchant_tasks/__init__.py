@@ -15,7 +15,6 @@ rules: docs/design.md.
 from __future__ import annotations
 
 import logging
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from merchant_tasks.accounts import AccountClients, FleetClient, client_for, client_from_env
@@ -38,12 +37,10 @@ from merchant_tasks.exceptions import (
     TokenRejected,
     TokenUnreadable,
 )
+from merchant_tasks.extras import package_version
 from merchant_tasks.settings import Settings
 
-try:
-    __version__ = version("merchant-tasks")
-except PackageNotFoundError:  # a source tree used without installing it
-    __version__ = "0+unknown"
+__version__ = package_version()
 
 __all__ = [
     "AccountClients",

@@ -1,10 +1,38 @@
-"""The Celery tasks, where users import them: ``from merchant_tasks.tasks import call_api``.
+"""The Celery tasks, where callers find them: ``from merchant_tasks.tasks import call_api``.
 
-They live in ``merchant_tasks.worker.tasks``; this door keeps the public import path.
+Each name stands for the task of the current Celery app if ``install(app)`` ran on it, else
+of the package's own app (``celery -A merchant_tasks``, built only when a caller first needs
+it), so ``call_api.delay(...)`` sends through whichever app serves the caller. The task
+functions live in ``merchant_tasks.worker.tasks``.
 """
 
 from __future__ import annotations
 
-from merchant_tasks.worker.tasks import call_api, renew_account, renew_token
+from typing import Any
 
-__all__ = ["call_api", "renew_account", "renew_token"]
+from celery import current_app
+from celery.local import Proxy
+
+from merchant_tasks.worker.tasks import CALL_API, RENEW_ACCOUNT, RENEW_TOKEN, TASKS
+
+
+def installed_task(name: str) -> Any:
+    """The task ``name`` of the current Celery app if install() ran on it, else of the
+    package's own app."""
+    tasks = current_app.tasks
+    if name in tasks:
+        return tasks[name]
+    from merchant_tasks.worker.app import app  # built only when a caller needs it
+
+    return app.tasks[name]
+
+
+def _task(name: str) -> Any:
+    return Proxy(installed_task, (name,), __doc__=TASKS[name][0].__doc__)
+
+
+call_api = _task(CALL_API)
+renew_token = _task(RENEW_TOKEN)
+renew_account = _task(RENEW_ACCOUNT)
+
+__all__ = ["call_api", "installed_task", "renew_account", "renew_token"]

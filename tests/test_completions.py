@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from conftest import dead_redis
 from merchant_tasks.ops.metrics import FleetCollector
 from merchant_tasks.ops.status import AccountState, AccountStatus, format_status
-from merchant_tasks.renewal.policy import CounterName
 from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.token import CounterName
 from merchant_tasks.worker.completions import CompletionRecords
 
 VISIBILITY_TIMEOUT = 3600.0

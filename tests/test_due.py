@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from conftest import TEST_API_KEY, CountingConnection
+from merchant_tasks import tasks
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.renewal.due import (
@@ -37,7 +38,6 @@ from merchant_tasks.settings import (
 from merchant_tasks.store.keys import AccountKeys
 from merchant_tasks.store.token_store import MGET_CHUNK
 from merchant_tasks.token import Token
-from merchant_tasks.worker import tasks
 from merchant_tasks.worker.app import RENEWAL_QUEUE
 
 ACCOUNTS = 1000

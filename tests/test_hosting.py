@@ -13,8 +13,7 @@ from celery._state import get_current_app
 from kombu import Exchange, Queue
 
 import merchant_tasks
-from merchant_tasks import ConfigurationError
-from merchant_tasks.worker import tasks
+from merchant_tasks import ConfigurationError, tasks
 from merchant_tasks.worker.app import app as package_app
 from merchant_tasks.worker.install import (
     BEAT_ENTRY,

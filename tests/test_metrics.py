@@ -17,9 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from merchant_tasks.accounts import AccountClients, FleetClient
 from merchant_tasks.ops.metrics import FleetCollector
 from merchant_tasks.ops.status import account_status
-from merchant_tasks.renewal.policy import BreakerKind, Outcome
 from merchant_tasks.sandbox.processes import free_port, running
-from merchant_tasks.token import RenewalReason
+from merchant_tasks.token import BreakerKind, Outcome, RenewalReason
 
 pytestmark = pytest.mark.integration
 

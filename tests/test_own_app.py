@@ -53,7 +53,7 @@ def add(x, y):
 
 SHOP_CODE = """
 import json, proj
-from merchant_tasks.worker.tasks import call_api
+from merchant_tasks.tasks import call_api
 
 total = proj.add.delay(2, 3)
 payment = call_api.delay("POST", "/open-api/v1/payments", json={"amount": 700})

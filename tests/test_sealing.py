@@ -20,9 +20,8 @@ import redis
 
 from conftest import make_manager, shows
 from merchant_tasks.accounts import client_for
-from merchant_tasks.api.exchange import IssuedToken
 from merchant_tasks.exceptions import ConfigurationError, TokenUnreadable
-from merchant_tasks.renewal.local_copy import LOCAL_COPY_TTL
+from merchant_tasks.renewal.lock import LOCAL_COPY_TTL
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Settings
 from merchant_tasks.store.sealing import (
@@ -33,7 +32,7 @@ from merchant_tasks.store.sealing import (
     codec_for,
 )
 from merchant_tasks.store.token_store import TokenStore
-from merchant_tasks.token import RenewalReason, Token
+from merchant_tasks.token import IssuedToken, RenewalReason, Token
 
 PING = "/open-api/v1/ping"
 NAMESPACE = "mt-test:sandbox:app"

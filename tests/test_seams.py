@@ -27,7 +27,6 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
 from merchant_tasks.accounts import AccountClients, FleetClient, client_for
-from merchant_tasks.api.exchange import IssuedToken
 from merchant_tasks.exceptions import MerchantError, StoreUnavailable
 from merchant_tasks.ops.cli import main
 from merchant_tasks.ops.metrics import FleetCollector
@@ -39,7 +38,7 @@ from merchant_tasks.sandbox.processes import RedisServer, free_port, spawn, wait
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.store.token_store import TokenStore
-from merchant_tasks.token import Token
+from merchant_tasks.token import IssuedToken, Token
 from merchant_tasks.worker.app import isolated_config, load_config, write_config_module
 
 pytestmark = pytest.mark.integration

@@ -23,9 +23,9 @@ from celery import Celery
 from celery_fleet import (
     Fleet,
 )
-from merchant_tasks.renewal.policy import CounterName
 from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.token import CounterName
 from merchant_tasks.worker.app import CALLS_QUEUE, VISIBILITY_TIMEOUT, package_defaults
 from merchant_tasks.worker.pools import CONSUMER_CONNECTIONS, size_pools, worker_concurrency
 

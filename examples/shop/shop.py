@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from merchant_tasks import MerchantClient
-from merchant_tasks.worker.tasks import call_api
+from merchant_tasks.tasks import call_api
 
 PAYMENT_TIMEOUT = 30.0  # seconds the shop waits for the payment API through Celery
 

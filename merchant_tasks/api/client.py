@@ -46,7 +46,6 @@ from merchant_tasks.exceptions import (
     MalformedApiResponse,
     TokenRejected,
 )
-from merchant_tasks.renewal.refusals import refused_after_renewal_message
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, Secret
 from merchant_tasks.token import Token
 
@@ -227,7 +226,7 @@ class MerchantClient(Generic[SourceT]):
         while True:
             if refused is not None:
                 if renewals == UNAUTHORIZED_RENEWALS:
-                    raise TokenRejected(refused_after_renewal_message(renewals))
+                    raise TokenRejected.after_renewals(renewals)
                 renewals += 1
                 log.info("call got 401 with token %s; renewing", refused.token.fingerprint)
                 token = self.manager.renew(stale_token=refused.token)

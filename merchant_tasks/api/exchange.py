@@ -33,6 +33,7 @@ from merchant_tasks.exceptions import (
     TokenEndpointUnavailable,
 )
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, TOKEN_LIFETIME, Secret, Settings
+from merchant_tasks.token import IssuedToken
 
 if TYPE_CHECKING:
     from urllib3._base_connection import BaseHTTPConnection
@@ -75,15 +76,6 @@ class Answer:
 
     def json(self) -> Any:
         return json.loads(self.body)
-
-
-@dataclass(frozen=True)
-class IssuedToken:
-    """What a successful exchange returns: the token and its lifetime in seconds."""
-
-    value: str = field(repr=False)
-    expires_in: float
-    status: int = 200  # the HTTP status it came with (a span's attribute)
 
 
 class TokenExchange:

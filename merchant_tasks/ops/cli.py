@@ -15,11 +15,10 @@ from typing import Any
 
 import click
 
-from merchant_tasks import __version__
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.exceptions import ConfigurationError, MerchantError, StoreUnavailable
-from merchant_tasks.extras import require
-from merchant_tasks.ops.status import format_status
+from merchant_tasks.extras import package_version, require
+from merchant_tasks.ops.status import account_statuses, format_status
 from merchant_tasks.settings import (
     SANDBOX_DEFAULT_PORT,
     TOKEN_LIFETIME,
@@ -34,7 +33,7 @@ EXIT_STORE_UNAVAILABLE = 3
 
 
 @click.group()
-@click.version_option(__version__, prog_name="merchant-tasks")
+@click.version_option(package_version(), prog_name="merchant-tasks")
 def main() -> None:
     """Keep one fresh payment-API token per account for a Celery fleet."""
 
@@ -156,7 +155,7 @@ def status(as_json: bool) -> None:
     Exits 0 when every account has a usable token and no breaker is open, 1 otherwise.
     """
     with _exit_codes(as_json=as_json):
-        statuses = AccountClients.from_env(read_secrets=False).statuses()  # Redis only
+        statuses = account_statuses(AccountClients.from_env(read_secrets=False))  # Redis only
     if as_json:
         document = {"accounts": [s.as_dict() for s in statuses.values()]}
         click.echo(json.dumps(document, indent=2, sort_keys=True))
@@ -179,7 +178,7 @@ def metrics(host: str, port: int) -> None:
     fleet = _clients(read_secrets=False)  # reads Redis only: needs no secret mounted
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(fleet.statuses))
+    registry.register(FleetCollector(lambda: account_statuses(fleet)))
     server, thread = start_http_server(port, addr=host, registry=registry)
     click.echo(f"metrics on http://{host}:{port}/metrics (Ctrl-C stops)")
     try:

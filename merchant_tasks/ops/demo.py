@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import secrets
 import shutil
 import sys
@@ -49,6 +48,7 @@ from merchant_tasks.settings import (
     Settings,
     child_env,
     read_variable,
+    use_environment,
 )
 from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.store.topology import probe_redis, redis_from_url
@@ -115,9 +115,7 @@ def run_demo(
         # variable of this shell (Celery reads its URLs from the environment first)
         env = child_env(settings)
         # and so does this process, where the producer below would otherwise send elsewhere
-        for name in set(os.environ) - set(env):
-            del os.environ[name]
-        os.environ.update(env)
+        use_environment(env)
         _start_worker_and_beat(stack, workdir, env, workers)
         store = TokenStore(
             redis_from_url(redis_url),

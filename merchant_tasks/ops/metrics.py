@@ -25,15 +25,14 @@ from prometheus_client.registry import Collector
 
 from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.ops.status import AccountStatus
-from merchant_tasks.renewal.policy import BreakerKind, CounterName, Outcome
 from merchant_tasks.renewal.timing import HISTOGRAMS
-from merchant_tasks.store.records import (
+from merchant_tasks.store.token_store import (
     Histogram,
     attempt_counter,
     opening_counter,
     renewal_counter,
 )
-from merchant_tasks.token import RenewalReason
+from merchant_tasks.token import BreakerKind, CounterName, Outcome, RenewalReason
 
 PREFIX = "merchant_tasks"
 # counters kept in Redis (TokenStore.count) that are not per-exchange: name -> help

@@ -7,13 +7,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from merchant_tasks.renewal.policy import BreakerKind
+from merchant_tasks.accounts import AccountClients
 from merchant_tasks.settings import Settings
 from merchant_tasks.store.exchange_rate import ExchangeRate
-from merchant_tasks.store.protocol import Store
 from merchant_tasks.store.reading import AccountReading, read_many, read_one
-from merchant_tasks.store.records import BreakerRecord
-from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.store.token_store import TokenStore, paused
 from merchant_tasks.token import TokenState
 
 HOUR = 3600.0
@@ -67,11 +65,18 @@ class AccountStatus:
 
 
 def account_status(
-    name: str, settings: Settings, store: Store, rate: ExchangeRate | None = None
+    name: str, settings: Settings, store: TokenStore, rate: ExchangeRate | None = None
 ) -> AccountStatus:
     """Read one account's status from its store (and its host's exchange rate)."""
     state = asdict(rate.state()) if rate is not None else None
     return status_of(name, settings, read_one(store, WINDOWS), state)
+
+
+def account_statuses(fleet: AccountClients) -> dict[str, AccountStatus]:
+    """Every account's status in ``fleet``: a few round trips per Redis server, whatever the
+    number of accounts, and no client built."""
+    stores, rates = fleet.stores_and_rates()
+    return fleet_statuses(fleet.accounts, stores, rates)
 
 
 def fleet_statuses(
@@ -98,7 +103,7 @@ def status_of(
 ) -> AccountStatus:
     """An account's status from what was read of it, and its host's rate state."""
     now, token = reading.now, reading.token
-    record = _paused(reading.breaker, now)
+    record = paused(reading.breaker, now)
     breaker = None
     if record is not None:
         breaker = {
@@ -135,24 +140,6 @@ def status_of(
         renewed_by=token.renewed_by,
         **common,
     )
-
-
-def open_breaker(store: Store, now: float) -> BreakerRecord | None:
-    """The breaker record while its pause runs at ``now`` (Redis time)."""
-    return _paused(store.records.load_breaker(), now)
-
-
-def _paused(record: BreakerRecord | None, now: float) -> BreakerRecord | None:
-    """``record`` while its pause runs at ``now``; a record kept past its pause only
-    remembers failures in a row, and reads as closed."""
-    return record if record is not None and record.until > now else None
-
-
-def breaker_states(store: Store) -> list[tuple[BreakerKind, int]]:
-    """Each kind with 1 if the breaker paused now is of that kind, else 0: the exporter's
-    ``breaker_open`` of one account, for the meter's gauge (``telemetry.watch_breaker``)."""
-    record = open_breaker(store, store.time())
-    return [(kind, int(record is not None and record.kind == kind)) for kind in BreakerKind]
 
 
 def format_status(status: AccountStatus) -> str:

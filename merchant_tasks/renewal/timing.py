@@ -14,10 +14,9 @@ import time
 from collections.abc import Callable
 
 from merchant_tasks import telemetry
-from merchant_tasks.api.exchange import IssuedToken
 from merchant_tasks.exceptions import MerchantError
-from merchant_tasks.store.protocol import Store
-from merchant_tasks.store.token_store import LOCK_WAIT_SECONDS
+from merchant_tasks.store.token_store import LOCK_WAIT_SECONDS, TokenStore
+from merchant_tasks.token import IssuedToken
 
 EXCHANGE_SECONDS = "exchange_seconds"  # one token exchange attempt, any outcome
 HISTOGRAMS = {
@@ -33,7 +32,7 @@ class TimedExchange:
     def __init__(
         self,
         exchange: Callable[[], IssuedToken],
-        store: Store,
+        store: TokenStore,
         monotonic: Callable[[], float] = time.monotonic,
         *,
         server: str = "",

@@ -27,7 +27,6 @@ private ``redis-server`` started for the session. The emulator needs the ``sandb
 
 from __future__ import annotations
 
-import os
 import secrets
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from merchant_tasks.settings import (
     Secret,
     Settings,
     child_env,
+    environment,
     read_variable,
 )
 
@@ -184,7 +184,7 @@ def merchant_settings(
 @pytest.fixture
 def merchant_env(merchant_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The test's settings as MERCHANT_* variables, for this test only."""
-    for name in list(os.environ):
+    for name in list(environment()):
         if name.startswith((PREFIX, "CELERY_")):
             monkeypatch.delenv(name)
     env = merchant_settings.to_env()
@@ -212,9 +212,10 @@ def merchant_celery_eager(
     current, else the package's), running tasks in the test's process at once, as the
     test's account."""
     from merchant_tasks.accounts import DEFAULT_ACCOUNT, AccountClients
+    from merchant_tasks.tasks import installed_task
     from merchant_tasks.worker import tasks
 
-    app = tasks.installed_task("merchant_tasks.call_api").app
+    app = installed_task(tasks.CALL_API).app
 
     saved = {name: app.conf[name] for name in ("task_always_eager", "task_eager_propagates")}
     app.conf.update(task_always_eager=True, task_eager_propagates=True)

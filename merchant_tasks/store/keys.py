@@ -6,6 +6,7 @@ value read as absent and logged once. docs/design.md, "Seams".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +25,10 @@ CORRUPT = (ValueError, KeyError, TypeError, AttributeError, RecursionError)  # p
 REDIS_ERRORS = (redis.RedisError, RedisClusterException)  # whatever a Redis client raises
 
 T = TypeVar("T")
+
+
+_KEY_OF = {"exchange_log": "exchanges", "renewal_sent": "renewal-sent"}  # field -> key, where
+# they differ (the names in Redis never change: a fleet upgraded mid-flight keeps its keys)
 
 
 @dataclass(frozen=True)
@@ -47,25 +52,9 @@ class AccountKeys:
 
     @classmethod
     def of(cls, namespace: str) -> AccountKeys:
-        def key(name: str) -> str:
-            return f"{namespace}:{name}"
-
-        return cls(
-            namespace,
-            token=key("token"),
-            generation=key("generation"),
-            lock=key("lock"),
-            breaker=key("breaker"),
-            counters=key("counters"),
-            histograms=key("histograms"),
-            exchange_log=key("exchanges"),
-            accepted=key("accepted"),
-            forced=key("forced"),
-            probe=key("probe"),
-            waits=key("waits"),
-            renewal_sent=key("renewal-sent"),
-            renewed=key("renewed"),
-        )
+        """The keys under ``namespace``: ``<namespace>:<field>``, but for the fields below."""
+        names = [key.name for key in dataclasses.fields(cls) if key.name != "namespace"]
+        return cls(namespace, **{name: f"{namespace}:{_KEY_OF.get(name, name)}" for name in names})
 
     @staticmethod
     def namespace_for(

@@ -1,4 +1,4 @@
-"""What `status` and the exporter read of an account: one account through the ``Store``
+"""What `status` and the exporter read of an account: one account through its ``TokenStore``
 protocol, or thousands at once in a few round trips.
 
 One account's reading is eight commands (TIME, the token, the breaker, the exchange log
@@ -21,9 +21,7 @@ from redis.client import Pipeline
 from redis.cluster import ClusterPipeline
 
 from merchant_tasks.store.keys import AccountKeys, unavailable_as_error
-from merchant_tasks.store.protocol import Store
-from merchant_tasks.store.records import BreakerRecord
-from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.store.token_store import BreakerRecord, TokenStore
 from merchant_tasks.token import Token
 
 STATUS_BATCH = 1000  # accounts per pipeline (7,000 commands): the round trips stay few
@@ -43,8 +41,8 @@ class AccountReading:
     histograms: dict[str, int]
 
 
-def read_one(store: Store, windows: Sequence[float]) -> AccountReading:
-    """One account's reading, a command at a time, from any ``Store``."""
+def read_one(store: TokenStore, windows: Sequence[float]) -> AccountReading:
+    """One account's reading, a command at a time, from a ``TokenStore``."""
     now = store.time()
     return AccountReading(
         now=now,

@@ -20,7 +20,6 @@ account configured stops at start rather than failing every task.
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from merchant_tasks.exceptions import ConfigurationError
-from merchant_tasks.settings import FleetSettings
+from merchant_tasks.settings import FleetSettings, celery_url_overrides, environment
 from merchant_tasks.store.topology import is_kombu_redis_url, is_sentinel_url
 from merchant_tasks.worker.install import exit_with, install, started_by_celery_command
 from merchant_tasks.worker.routing import (
@@ -90,7 +89,7 @@ def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def load_config(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Package defaults, then celeryconfig.py (if importable), then the environment."""
-    env = os.environ if environ is None else environ
+    env = environment(environ)
     config = package_defaults(env)
     try:
         module = importlib.import_module("celeryconfig")
@@ -101,10 +100,7 @@ def load_config(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         config.update(
             {k: v for k, v in vars(module).items() if not k.startswith("_") and k.islower()}
         )
-    if env.get("CELERY_BROKER_URL"):
-        config["broker_url"] = env["CELERY_BROKER_URL"]
-    if env.get("CELERY_RESULT_BACKEND"):
-        config["result_backend"] = env["CELERY_RESULT_BACKEND"]
+    config.update(celery_url_overrides(env))
     for url, options in (
         ("broker_url", "broker_transport_options"),
         ("result_backend", "result_backend_transport_options"),

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from merchant_tasks.exceptions import StoreUnavailable
-from merchant_tasks.renewal.policy import CounterName
-from merchant_tasks.store.protocol import Store
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.token import CounterName
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class CompletionRecords:
     may still come from the process's copy) and the guarantee falls back to at least once.
     """
 
-    def __init__(self, store: Store, ttl: float) -> None:
+    def __init__(self, store: TokenStore, ttl: float) -> None:
         self.store = store
         self.ttl = ttl
 

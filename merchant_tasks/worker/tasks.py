@@ -21,8 +21,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from celery import current_app
-from celery.local import Proxy
 from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 
@@ -78,23 +76,18 @@ def _forget_parent_clients(**_: Any) -> None:
     _clients = None
 
 
-def installed_task(name: str) -> Any:
-    """The task ``name`` of the current Celery app if install() ran on it, else of the
-    package's own app."""
-    tasks = current_app.tasks
-    if name in tasks:
-        return tasks[name]
-    from merchant_tasks.worker.app import app  # built only when a caller needs it
-
-    return app.tasks[name]
+CALL_API = "merchant_tasks.call_api"
+RENEW_TOKEN = "merchant_tasks.renew_token"
+RENEW_ACCOUNT = "merchant_tasks.renew_account"
 
 
-def task(name: str, **options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """Record a task for install(); the module's name stands for ``installed_task(name)``."""
+def task(name: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Record a task's function for install(), which registers it on an app under ``name``
+    (``merchant_tasks.tasks`` gives callers the task of whichever app serves them)."""
 
-    def record(run: Callable[..., Any]) -> Any:
+    def record(run: Callable[..., Any]) -> Callable[..., Any]:
         TASKS[name] = (run, options)
-        return Proxy(installed_task, (name,), __doc__=run.__doc__)
+        return run
 
     return record
 
@@ -107,7 +100,7 @@ def completion_records(api: FleetClient, conf: Any) -> CompletionRecords:
     return CompletionRecords(api.manager.store, RECORD_TTL_FACTOR * visibility_timeout)
 
 
-@task("merchant_tasks.call_api", bind=True)
+@task(CALL_API, bind=True)
 def call_api(
     self: Any,
     method: str,
@@ -160,8 +153,8 @@ def call_api(
     return result
 
 
-@task("merchant_tasks.renew_token", ignore_result=True)
-def renew_token() -> None:
+@task(RENEW_TOKEN, bind=True, ignore_result=True)
+def renew_token(self: Any) -> None:
     """Beat's check of every account: one renewal task per account that is due.
 
     One pipelined round trip per Redis server, and no client built, when nothing is due
@@ -178,10 +171,12 @@ def renew_token() -> None:
         settings = fleet.accounts[name]
         # sent once while pending (see due.py); after the advisory window a renewal
         # nobody ran is dropped and beat sends another
-        renew_account.apply_async((name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings))
+        self.app.tasks[RENEW_ACCOUNT].apply_async(
+            (name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings)
+        )
 
 
-@task("merchant_tasks.renew_account", ignore_result=True)
+@task(RENEW_ACCOUNT, ignore_result=True)
 def renew_account(account: str) -> None:
     """Renew ``account``'s token if its advisory window has begun (sent by renew_token)."""
     fleet = clients()

@@ -6,7 +6,7 @@ from celery.result import AsyncResult
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from merchant_tasks.worker.tasks import call_api
+from merchant_tasks.tasks import call_api
 
 
 @require_POST

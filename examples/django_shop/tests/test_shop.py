@@ -2,8 +2,8 @@
 
 from typing import Any
 
+from merchant_tasks.pytest_plugin import MerchantSandbox
 from merchant_tasks.sandbox.processes import Child, wait_until
-from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 
 WAIT = 60.0  # seconds for a payment or a renewal on a busy machine
 
@@ -52,7 +52,7 @@ def test_a_unit_test_runs_call_api_eagerly_through_the_shops_app(
     celery_app: Any, merchant_celery_eager: Any, merchant_sandbox: MerchantSandbox
 ) -> None:
     """No worker: the plugin's eager fixture runs tasks of the shop's app in the test."""
-    from merchant_tasks.worker.tasks import call_api
+    from merchant_tasks.tasks import call_api
 
     assert merchant_celery_eager is celery_app
     created = call_api.delay("POST", "/open-api/v1/payments", json={"amount": 3}).get()

@@ -8,7 +8,7 @@ import pytest
 import shop
 
 from merchant_tasks import ApiError, MerchantClient
-from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox, MerchantWorker
+from merchant_tasks.pytest_plugin import MerchantSandbox, MerchantWorker
 
 
 def test_charge_creates_one_payment_eagerly(

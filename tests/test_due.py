@@ -38,6 +38,7 @@ from merchant_tasks.settings import (
 from merchant_tasks.store.keys import AccountKeys
 from merchant_tasks.store.token_store import MGET_CHUNK
 from merchant_tasks.token import Token
+from merchant_tasks.worker import tasks as worker_tasks
 from merchant_tasks.worker.app import RENEWAL_QUEUE
 
 ACCOUNTS = 1000
@@ -242,7 +243,7 @@ def serve(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, Settings]], Ac
 
     def install(accounts: dict[str, Settings]) -> AccountClients:
         clients = AccountClients(accounts)
-        monkeypatch.setattr(tasks, "_clients", clients)
+        monkeypatch.setattr(worker_tasks, "_clients", clients)
         return clients
 
     return install

@@ -77,6 +77,18 @@ class Token:
     def time_left(self, now: float) -> float:
         return self.expires_at - now
 
+    @staticmethod
+    def stored_time_left(raw: str | bytes, now: float) -> float:
+        """A stored token's time left at ``now``, from its expiry alone (parsing the whole
+        token costs ten times as much, and beat reads 10,000 accounts each tick); an
+        unreadable record has none left (whoever renews it meets the same record and
+        reports it)."""
+        try:
+            expires_at = float(json.loads(raw)["expires_at"])
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return 0.0
+        return expires_at - now if math.isfinite(expires_at) else 0.0
+
     def valid_at(self, now: float) -> bool:
         """Whether the token can still be sent at ``now``."""
         return self.expires_at > now

@@ -24,8 +24,6 @@ tasks tick after tick, and two beats do not double the tasks.
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -33,6 +31,7 @@ from merchant_tasks.settings import Settings
 from merchant_tasks.store.keys import AccountKeys
 from merchant_tasks.store.token_store import claim_slots, delete_key, read_values
 from merchant_tasks.store.topology import StoreClient
+from merchant_tasks.token import Token
 
 SPREAD_TICKS = 2.0  # the lowest renewal point leaves two beat intervals before the
 # mandatory window: a tick may fall just before the point, and the next one then renews
@@ -135,16 +134,5 @@ def _due_on_server(client: StoreClient, entries: list[_Entry]) -> list[str]:
     return [
         entry.name
         for entry, raw in zip(entries, values, strict=True)
-        if raw is None or _time_left(raw, now) < entry.renewal_point
+        if raw is None or Token.stored_time_left(raw, now) < entry.renewal_point
     ]
-
-
-def _time_left(raw: bytes, now: float) -> float:
-    """The stored token's time left, from its expiry alone (parsing the whole token costs
-    ten times as much, and 10,000 accounts are read each tick); an unreadable record counts
-    as due (the renewal task then meets the same record and reports it)."""
-    try:
-        expires_at = float(json.loads(raw)["expires_at"])
-    except (ValueError, KeyError, TypeError, RecursionError):
-        return 0.0
-    return expires_at - now if math.isfinite(expires_at) else 0.0

@@ -1,15 +1,11 @@
 """merchant-tasks: one fresh payment-API token per account, shared by a Celery fleet.
 
-Reading order follows the token's life: ``token`` (the value), ``exchange`` (getting one),
-``redis_commands``, ``store``, ``store_scripts``, ``records`` and ``store_protocol``
-(keeping it in Redis), ``policy`` (when it is renewed), ``refusals`` (what a 401 means),
-``renewal_lock``,
-``single_flight``, ``wakeup``, ``renewer``, ``breaker``, ``local_copy`` and ``renewal``
-(who renews it, and how the fleet waits), ``client`` (using it), ``accounts`` (wiring
-each account's settings to a client), then the Celery wiring (``routing``,
-``worker_pools``, ``completions``, ``tasks``; ``hosting``, which installs them into any
-Celery app, and ``celery_app``, the package's own). The design, its windows, guards and
-rules: docs/design.md.
+The folders: ``store/`` keeps the token in Redis, ``renewal/`` decides who renews it and
+when, ``api/`` speaks HTTP (the exchange and the business client), ``worker/`` is the
+Celery wiring, ``ops/`` what operators run, ``sandbox/`` the emulator and test tools. At
+the top: ``token`` (the value and the renewal policy), ``exceptions``, ``settings`` and
+``accounts`` (each account's settings wired to a client). docs/design.md, "The folders",
+says what each holds; the design, its windows, guards and rules are there too.
 """
 
 from __future__ import annotations

@@ -302,7 +302,7 @@ class AccountClients:
 
     def stores_and_rates(self) -> tuple[dict[str, TokenStore], dict[str, ExchangeRate]]:
         """Every account's store and its host's exchange rate, as `status` and the exporter
-        read them (``status.fleet_statuses``): no client built."""
+        read them (``ops.status.fleet_statuses``): no client built."""
         with self._lock:
             stores = {name: self._store(name) for name in self.accounts}
             rates = {name: self._rate(name) for name in self.accounts}
@@ -348,7 +348,7 @@ class AccountClients:
         return client
 
     def due(self) -> list[str]:
-        """The accounts due for renewal with no renewal task pending (``due.py``): one
+        """The accounts due for renewal with no renewal task pending (``renewal.due``): one
         round trip per Redis server when none is due, no client built."""
         due = due_accounts(self.accounts, self.redis_for)
         return claim_renewals(due, self.accounts, self.redis_for) if due else []

@@ -129,7 +129,7 @@ class TokenEndpointUnavailable(TokenExchangeError):
 
 class ExchangesThrottled(TokenEndpointUnavailable):
     """No permit came within the wait under the token endpoint host's fleet-wide exchange
-    rate (``exchange_rate``); ``retry_after`` says when one may. Not the account's fault:
+    rate (``store.exchange_rate``); ``retry_after`` says when one may. Not the account's fault:
     it opens no breaker."""
 
 

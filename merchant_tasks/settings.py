@@ -348,7 +348,7 @@ class FleetSettings:
     renew_interval: float = RENEW_INTERVAL
     rejected_retry_window: float = REJECTED_RETRY_WINDOW
     max_exchanges_per_second: float = MAX_EXCHANGES_PER_SECOND
-    token_key_file: str | None = None  # seals the token at rest (sealing.py)
+    token_key_file: str | None = None  # seals the token at rest (store.sealing)
     token_key_previous_file: str | None = None  # still opens tokens while rotating
     accounts_file: str | None = None
     accounts_source: str | None = None

@@ -258,7 +258,7 @@ def _remote_context(traceparent: str) -> Any:
     return span_context if span_context.is_valid else None
 
 
-# -- metrics: the same instruments as the Prometheus exporter (metrics.py) ----------------
+# -- metrics: the same instruments as the Prometheus exporter (ops.metrics) ----------------
 
 
 # the meter's instruments: (attribute, kind, name, unit, description)

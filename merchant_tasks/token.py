@@ -1,12 +1,10 @@
-"""The access token: a small immutable value and the state it is in at a given time.
+"""The access token and the renewal policy: the token (a small immutable value, and
+``IssuedToken``, what an exchange hands back), the state it is in at a given time, when it
+is renewed (``RenewalPolicy``), and the words the fleet counts with.
 
 Times are seconds on the token store's clock (Redis TIME), the one clock every host shares.
-
---- merged from another module ---
-The renewal policy: when a token is renewed, and the words the fleet counts with.
-
 Pure decisions on values, no I/O: docs/design.md, "Windows" and "An answer no better than
-the stored token". What a 401 means is ``refusals``'.
+the stored token". What a 401 means is ``renewal.refusals``'.
 """
 
 from __future__ import annotations
@@ -174,7 +172,7 @@ _USABLE = (TokenState.FRESH, TokenState.ADVISORY)
 
 
 class CounterName(enum.StrEnum):
-    """Fleet-wide counters of the token's life (``TokenStore.count``)."""
+    """Fleet-wide counters of the token's life (``TokenStore.records.count``)."""
 
     UNAUTHORIZED = "unauthorized"
     FORCED_RENEWALS = "forced_renewals"
@@ -184,7 +182,7 @@ class CounterName(enum.StrEnum):
 
 
 class BreakerKind(enum.StrEnum):
-    """Why exchanges are paused (``breaker.Breaker``)."""
+    """Why exchanges are paused (``renewal.refusals.Breaker``)."""
 
     REJECTED = "rejected"  # the credentials were refused
     RATE_LIMITED = "rate_limited"  # 429

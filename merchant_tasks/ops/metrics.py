@@ -35,7 +35,7 @@ from merchant_tasks.store.token_store import (
 from merchant_tasks.token import BreakerKind, CounterName, Outcome, RenewalReason
 
 PREFIX = "merchant_tasks"
-# counters kept in Redis (TokenStore.count) that are not per-exchange: name -> help
+# counters kept in Redis (TokenStore.records.count) that are not per-exchange: name -> help
 _SIMPLE_COUNTERS: dict[CounterName, str] = {
     CounterName.UNAUTHORIZED: "Calls answered 401 that asked the store for a newer token.",
     CounterName.FORCED_RENEWALS: "Forced renewals after a 401 that went on to an exchange.",

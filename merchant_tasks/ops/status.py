@@ -50,9 +50,9 @@ class AccountStatus:
     breaker: dict[str, Any] | None = None  # kind, failures, closes_in, detail
     lock_holder: str | None = None
     counters: dict[str, int] = field(default_factory=dict)
-    histograms: dict[str, int] = field(default_factory=dict)  # raw fields, see store.observe
+    histograms: dict[str, int] = field(default_factory=dict)  # raw fields (AccountRecords.observe)
     # the token endpoint host's fleet-wide exchange rate: host, rate and cap (per second),
-    # permits in the bucket, and its counts (exchange_rate.RateState)
+    # permits in the bucket, and its counts (store.exchange_rate.RateState)
     exchange_rate: dict[str, Any] | None = None
 
     @property
@@ -85,7 +85,7 @@ def fleet_statuses(
     rates: Mapping[str, ExchangeRate],
 ) -> dict[str, AccountStatus]:
     """Every account's status, read in a few round trips per Redis server
-    (``store_reading.read_many``), each host's exchange rate read once (accounts sharing a
+    (``store.reading.read_many``), each host's exchange rate read once (accounts sharing a
     host share one ``ExchangeRate`` in ``rates``)."""
     readings = read_many(stores, WINDOWS)
     states: dict[int, dict[str, Any]] = {}

@@ -4,7 +4,7 @@ Beat's ``renew_token`` asks this module which accounts to renew, then sends one 
 task per due account. The check reads, in one pipeline per Redis server, Redis's clock
 (TIME) and every account's stored token (GET), so 1,000 accounts with nothing due cost one
 round trip, not 1,000; it builds no client and no HTTP session. Only the token's times
-are read: a value sealed at rest (see ``sealing.py``) is never opened here.
+are read: a value sealed at rest (see ``store.sealing``) is never opened here.
 
 Each account has its own renewal point, between ``renew_before`` and a little above the
 mandatory window, picked by a hash of its namespace: the same on every host and after

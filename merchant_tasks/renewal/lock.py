@@ -1,4 +1,15 @@
-"""The fleet's renewal lock of one account: taken, extended and released here only.
+"""At most one renewal at a time for the whole fleet, the others wait for it: the fleet's
+renewal lock (``RenewalLock``), single flight (``SingleFlight``) and this process's copy of
+the token (``LocalCopy``, trusted for a second without reading Redis).
+
+``SingleFlight`` holds one Redis lock per account across hosts and processes; inside a
+process, threads take their turn first, so in a storm one thread per process talks to Redis
+while the others wait for its token without polling. Processes that find the lock held wait
+for the renewer's announcement (``store.wakeup.RenewalSignal``), with a bounded poll as the
+fallback. The exchange is passed in as a callable: nothing here speaks HTTP (docs/design.md,
+"Who does what").
+
+``RenewalLock``, the renewal lock of one account, is taken, extended and released here only:
 
 - **Owner.** The lock's value is ``<host>:<pid>:<nonce>:<lock>:<holding>``: the process
   (drawn once per process, again after a fork), this lock object (one per account and
@@ -15,16 +26,6 @@
 
 The store runs the commands (``TokenStore.take_lock`` and the 401 script); nothing else
 names the lock's value. See docs/design.md, "Guards on exchanges".
-
---- merged from another module ---
-Single flight: at most one renewal at a time for the whole fleet, the others wait for it.
-
-One Redis lock per account across hosts and processes; inside a process, threads take
-their turn first, so in a storm one thread per process talks to Redis while the others
-wait for its token without polling. Processes that find the lock held wait for the
-renewer's announcement (``wakeup.RenewalSignal``), with a bounded poll as the fallback.
-The exchange is passed in as a callable: nothing here speaks HTTP (docs/design.md,
-"Who does what").
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
-"""This process's copy of the account's token, trusted for a second without reading Redis.
+"""Renewal: the account's token for callers, renewed once for the whole fleet.
 
-A token renewed elsewhere meanwhile costs at most one 401, which compare-and-swap turns
-into the new token without an exchange (docs/design.md, "Who does what").
-
---- merged from another module ---
-The exchange-and-save step of a renewal, run by the holder of the fleet's lock.
-
-Exchange (the callable passed in: nothing here speaks HTTP), retrying a failing endpoint
-a few times; judge the answer against the stored token (docs/design.md, "An answer no
-better than the stored token"); store it, or mark the stored token final; wake the
-fleet's waiters. Forced renewals spend their budget first (``refusals``).
-
---- merged from another module ---
-Renewal: the account's token for callers, renewed once for the whole fleet.
-
-``TokenManager`` puts the parts together (docs/design.md, "Who does what"):
-``policy.RenewalPolicy`` says when to renew, ``refusals.Refusals`` what a 401 means and
-what follows it, ``single_flight`` makes one caller renew while the others wait under
-the fleet's ``renewal_lock``, ``renewer.Renewer`` exchanges and stores (the exchange is a
-callable passed in: nothing here speaks HTTP), ``breaker.Breaker`` pauses exchanges after
-failures, ``local_copy.LocalCopy`` spares Redis reads.
+``TokenManager`` puts the parts together (docs/design.md, "Who does what"): ``Token.state``
+says when to renew (the windows of ``RenewalPolicy``), ``refusals.Refusals`` what a 401
+means and what follows it, ``lock.SingleFlight`` makes one caller renew while the others
+wait under the fleet's ``lock.RenewalLock``, ``Renewer`` (below) exchanges and stores,
+``refusals.Breaker`` pauses exchanges after failures, and ``lock.LocalCopy`` spares Redis
+reads: this process's copy of the token is trusted for a second, and a token renewed
+elsewhere meanwhile costs at most one 401, which compare-and-swap turns into the new token
+without an exchange. The exchange is a callable passed in: nothing here speaks HTTP.
 
 - ``token()`` is the callers' path: the stored token while it has more than the mandatory
   window left; otherwise one caller renews and the others keep the still-valid token or
@@ -27,6 +15,12 @@ failures, ``local_copy.LocalCopy`` spares Redis reads.
 - ``renew()`` is beat's and the operator's path; ``renew(stale_token=t)`` after a 401 is
   ``Refusals``' to answer.
 - ``accepted(t)`` records, once per generation, that the API accepted ``t``.
+
+``Renewer`` is the exchange-and-save step of a renewal, run by the holder of the fleet's
+lock: exchange, retrying a failing endpoint a few times; judge the answer against the
+stored token (docs/design.md, "An answer no better than the stored token"); store it, or
+mark the stored token final; wake the fleet's waiters. Forced renewals spend their budget
+first (``refusals.Refusals``).
 """
 
 from __future__ import annotations
@@ -273,7 +267,7 @@ Acceptable = Callable[[Token | None], bool]  # whether a token (or none) serves 
 
 def limits(exchange_timeout: float) -> tuple[float, float, float]:
     """How long the longest renewal, a wait for another's and the lock's lease last, for
-    one exchange's deadline (``exchange_timeout``, exchange.py)."""
+    one exchange's deadline (``exchange_timeout``, api.exchange)."""
     # every attempt at its deadline after its wait for a permit, plus the waits between
     # them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
     renewal = (
@@ -313,7 +307,7 @@ class TokenManager:
         self.copy = LocalCopy(local_copy_ttl, monotonic)
         self.breaker = Breaker(store, self.clock, secret_fingerprint, rng or random.Random())
         self.signal = RenewalSignal(store) if wake_ups else None
-        self.rate = rate  # the token endpoint host's fleet-wide permits (exchange_rate.py)
+        self.rate = rate  # the token endpoint host's fleet-wide permits (store.exchange_rate)
         self.renewal_limit, self.wait_limit, lease = limits(exchange_timeout)
         self.lock = RenewalLock(store, lease)
         # the parts get the callables themselves, not closures over this manager: no
@@ -480,7 +474,7 @@ class TokenManager:
             span.set(telemetry.GENERATION_BEFORE, before)
             token = self.flight.run(look, renew, fallback, prelude=prelude)
             span.set(telemetry.GENERATION_AFTER, token.generation)
-            if not ran:  # the renewer's outcome is counted where it ran (``records``)
+            if not ran:  # the renewer's outcome is counted where it ran (``TokenStore.records``)
                 newer = token.generation > before  # another's renewal (or a valid fallback)
                 span.set(telemetry.OUTCOME, Outcome.OK if newer else Outcome.UNCHANGED)
             span.set(telemetry.WAITED, not ran and token.generation > before)

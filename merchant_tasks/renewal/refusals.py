@@ -1,14 +1,8 @@
-"""The breaker: a fleet-wide pause on token exchanges, with check, trip and reset.
-
-Kinds and pauses are in docs/design.md, "Guards on exchanges". The record lives in Redis
-(``store.BreakerRecord``), so every process of the fleet obeys one pause; it is only
-opened by the holder of the renewal lock.
-
---- merged from another module ---
-Refusals: what a 401 means, and the renewal after it (docs/design.md, "Refusals").
+"""Refusals: what a 401 means, and the renewal after it (docs/design.md, "Refusals"); and
+the breaker, the fleet-wide pause on token exchanges.
 
 The client's loop sends, and on a 401 asks the token source for a token that replaces the
-refused one; the source (``renewal.TokenManager``) hands the question to ``Refusals``, the
+refused one; the source (``manager.TokenManager``) hands the question to ``Refusals``, the
 one place that judges a refusal:
 
 - a token the API accepted before and now refuses was **revoked**: renewed at once
@@ -24,6 +18,11 @@ While a stored token is known to be refused (its back-off, or the ``revoked`` br
 the budget is spent), calls fail fast with ``TokenRejected`` instead of sending it again:
 ``known_refused`` is checked before every send, at the cost of a dictionary look-up.
 Inside a process one thread asks the store; its siblings wait for its token.
+
+``Breaker`` pauses token exchanges fleet-wide, with check, trip and reset. Kinds and pauses
+are in docs/design.md, "Guards on exchanges". The record lives in Redis
+(``store.token_store.BreakerRecord``), so every process of the fleet obeys one pause; it is
+only opened by the holder of the renewal lock.
 """
 
 from __future__ import annotations
@@ -141,7 +140,7 @@ class Breaker:
 
     def trip_refused(self, generation: int, failures: int, pause: float, detail: str) -> None:
         """Pause renewals because token ``generation`` was refused before first use, the
-        ``failures``-th time in a row (``refusals`` decides the pause)."""
+        ``failures``-th time in a row (``Refusals`` decides the pause)."""
         now = self.clock()
         secret = self.secret_fingerprint()  # a new secret ends the pause (``check``)
         kind = BreakerKind.REFUSED

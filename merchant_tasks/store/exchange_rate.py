@@ -1,6 +1,6 @@
 """The fleet-wide exchange rate of one token endpoint host: every exchange takes a permit.
 
-One token bucket per host in Redis (``store_scripts.TAKE_EXCHANGE_PERMIT``, Redis time),
+One token bucket per host in Redis (``store.scripts.TAKE_EXCHANGE_PERMIT``, Redis time),
 shared by every account, process and machine on that Redis, beside the other guards
 (docs/design.md, "The exchange rate"). It is asked only when an exchange is about to be
 sent, never on the hot path. A caller that needs a token now reserves the next permit and

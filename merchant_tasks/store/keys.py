@@ -1,5 +1,5 @@
-"""One account's Redis commands, under the token store (``store``) and its records
-(``records``): every key name made from the account's namespace (``AccountKeys``), every
+"""One account's Redis commands, under the token store and its records
+(``store.token_store``): every key name made from the account's namespace (``AccountKeys``), every
 Redis error typed (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed
 value read as absent and logged once. docs/design.md, "Seams".
 """
@@ -68,13 +68,13 @@ class AccountKeys:
 
     @staticmethod
     def exchange_rate(prefix: str, host: str) -> str:
-        """The fleet-wide exchange rate of the token endpoint ``host`` (``exchange_rate``),
+        """The fleet-wide exchange rate of the token endpoint ``host`` (``store.exchange_rate``),
         shared by every account on it: one key, hash-tagged so that it names its own slot
         on a Redis Cluster."""
         return f"{prefix}:{{exchange-rate:{host}}}"
 
     def completed(self, task_id: str) -> str:
-        """The completion record of call ``task_id`` (``completions``)."""
+        """The completion record of call ``task_id`` (``worker.completions``)."""
         return f"{self.namespace}:completed:{task_id}"
 
 
@@ -138,7 +138,7 @@ class AccountRedis:
             )
 
     def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        """Run one of ``store_scripts``, sent whole (EVAL), not by digest (EVALSHA).
+        """Run one of ``store.scripts``, sent whole (EVAL), not by digest (EVALSHA).
 
         They run a few times a renewal, never on the hot path; after a Redis restart or
         failover the server's script cache is empty, and a digest would cost every process

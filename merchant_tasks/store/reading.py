@@ -1,5 +1,5 @@
-"""What `status` and the exporter read of an account: one account through its ``TokenStore``
-protocol, or thousands at once in a few round trips.
+"""What `status` and the exporter read of an account: one account through its ``TokenStore``,
+or thousands at once in a few round trips.
 
 One account's reading is eight commands (TIME, the token, the breaker, the exchange log
 twice, the lock, the counters and the histograms). `status` and every scrape read all the
@@ -34,7 +34,7 @@ class AccountReading:
 
     now: float
     token: Token | None
-    breaker: BreakerRecord | None  # as stored: possibly past its pause (``status``)
+    breaker: BreakerRecord | None  # as stored: possibly past its pause (``ops.status``)
     exchanges: tuple[int, ...]  # exchange attempts in each of the windows before ``now``
     lock_holder: str | None
     counters: dict[str, int]

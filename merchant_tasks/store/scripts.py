@@ -1,4 +1,4 @@
-"""The token store's Lua scripts (``store.TokenStore`` runs them; nothing else does).
+"""The token store's Lua scripts (``token_store.TokenStore`` runs them; nothing else does).
 
 Each script reads a corrupt or wrong-typed value as absent and writes over it: a key
 holding garbage (a hash where a string belongs, JSON that is not a token, a counter that
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 # Helpers every script starts with. ``redis.pcall`` returns an error as a table instead of
 # raising: a wrong-typed key reads as absent. ``observe`` adds a duration (microseconds) to
-# a histogram whose field names are ARGV from ``first`` on (``records.Histogram``).
+# a histogram whose field names are ARGV from ``first`` on (``token_store.Histogram``).
 _HELPERS = """
 local function read_string(key)
   local raw = redis.pcall('GET', key)

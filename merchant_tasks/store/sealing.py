@@ -14,8 +14,8 @@ A process that cannot open the stored value (no key, or another key) raises
 ``TokenUnreadable`` naming MERCHANT_TOKEN_KEY_FILE before any exchange: renewing over the
 token would make hosts with different keys overwrite each other's tokens in a loop. A value
 stored in clear where a key is configured (before sealing was turned on, or written by
-someone else) is not trusted: it reads as absent (``ValueError``, see ``store``), and the
-next renewal stores a sealed token over it.
+someone else) is not trusted: it reads as absent (``ValueError``, see
+``store.token_store``), and the next renewal stores a sealed token over it.
 
 AES-GCM comes from the ``cryptography`` package, the ``encryption`` extra:
 ``pip install 'merchant-tasks[encryption]'``.

@@ -1,26 +1,25 @@
-"""One account's records in the token store: the breaker, the forced-renewal budget, the
-half-open probe, the fleet-wide counters and histograms, and the completion records.
+"""The token store: one account's keys in Redis, and the records kept beside its token.
 
-Reached as ``TokenStore.records``; the same ``redis_commands.AccountRedis`` types every
-error and reads every corrupt value as absent (docs/design.md, "Keys").
-
---- merged from another module ---
-The token store: one account's keys in Redis. With ``records`` (the account's breaker,
-budget, counters and completion records), ``redis_commands`` (under both) and
-``store_reading`` (many accounts' status at once) it is the only code that speaks to Redis.
+``TokenStore`` holds the token, its generation, its acceptance and the renewal lock;
+``AccountRecords``, reached as ``TokenStore.records``, the breaker (``BreakerRecord``,
+read by ``open_breaker`` and ``paused``), the forced-renewal budget, the half-open probe,
+the fleet-wide counters and histograms, and the completion records. Both go through one
+``store.keys.AccountRedis``, which types every error and reads every corrupt value as
+absent. With ``store.keys`` and ``store.reading`` (many accounts' status at once) this is
+the only code that speaks to Redis.
 
 Keys, under ``<prefix>:<environment>:<api key>:`` (``<prefix>:{<environment>:<api key>}:``
 on a Redis Cluster: the hash tag keeps them in one slot, as the save script and the lock
-need), all named by ``redis_commands.AccountKeys``:
+need), all named by ``store.keys.AccountKeys``:
 
 - ``token``      the current token as JSON (value, issue and expiry times, generation, who
                  renewed and why, the renewal's trace context); its TTL is the token's
                  time left, so it expires with it; the value is sealed when a codec is
-                 given (``sealing.py``)
+                 given (``store.sealing``)
 - ``generation`` a counter that only grows; a write names the generation it replaces and
                  is refused if another write came first, so an older token never
                  overwrites a newer one
-- ``lock``       the renewal lock; its value names the holding process (``renewal_lock``)
+- ``lock``       the renewal lock; its value names the holding process (``renewal.lock``)
 - ``breaker``    why exchanges are paused and until when (kept a while past the pause,
                  to count failures in a row)
 - ``counters``   fleet-wide counters (``CounterName`` and the fields ``renewal_counter``,
@@ -32,7 +31,7 @@ need), all named by ``redis_commands.AccountKeys``:
 - ``probe``      the half-open breaker's probe slot
 - ``waits``      when each caller waiting for another's renewal began (and its limit); the
                  next write turns them into the lock-wait histogram (and its meter's)
-- ``completed:<task id>`` a call's result (``completions``); ``renewal-sent`` beat's claim
+- ``completed:<task id>`` a call's result (``worker.completions``); ``renewal-sent`` beat's claim
 - channel ``renewed``: the generation of each token written, to wake waiting processes
 
 Every Redis error reaches callers as ``StoreUnavailable`` naming its cause (unreachable,
@@ -355,7 +354,7 @@ class TokenStore:
         self.namespace = namespace
         self.account = account  # the account's name (``accounts``), in telemetry
         self.keys = AccountKeys.of(namespace)
-        self.codec = codec  # how the token value is kept at rest (sealing.py)
+        self.codec = codec  # how the token value is kept at rest (store.sealing)
         self.commands = AccountRedis(client, self.keys)
         self.records: AccountRecords = AccountRecords(self.commands, account)
         self._parsed: tuple[bytes, Token] | None = None
@@ -428,7 +427,7 @@ class TokenStore:
         """After a 401, in one round trip: count it (unless ``count`` is False: no new 401
         came, the call follows an earlier one), load the token and, if it is still the
         refused generation (or none is stored), try the renewal lock with ``lock_value``
-        (None: a thread of this process holds it; only ``renewal_lock`` calls this).
+        (None: a thread of this process holds it; only ``renewal.lock`` calls this).
 
         Returns the stored token and 1 (lock taken), 0 (not tried) or -1 (another holds
         it: the wait was noted, see ``note_wait``).
@@ -516,7 +515,7 @@ class TokenStore:
         key = self.keys.accepted
         return self.commands.get(key, int, 0)
 
-    # -- the renewal lock (``renewal_lock.RenewalLock`` is its only user) -----------------
+    # -- the renewal lock (``renewal.lock.RenewalLock`` is its only user) -----------------
 
     def take_lock(self, value: str, owner_prefix: str, lease: float) -> bool:
         args = [value, owner_prefix, milliseconds(lease)]
@@ -572,7 +571,7 @@ def claim_slots(client: StoreClient, slots: list[tuple[str, float]]) -> list[boo
 
 
 def open_subscription(client: StoreClient) -> PubSub:
-    """A pub/sub connection of ``client``, for ``wakeup``'s subscriber thread."""
+    """A pub/sub connection of ``client``, for ``store.wakeup``'s subscriber thread."""
     # Redis and RedisCluster both make their own kind of PubSub here
     pubsub: PubSub = client.pubsub()  # type: ignore[no-untyped-call]
     return pubsub

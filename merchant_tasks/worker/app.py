@@ -7,7 +7,7 @@ Configuration is layered, each layer overriding the one before:
 2. ``celeryconfig.py`` from the working directory, if importable (the repository's top-level
    ``celeryconfig.py`` is the container image's, and the place to override these defaults);
 3. ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND`` from the environment;
-4. ``install(app)`` (``hosting``), as for any user's app: the tasks, the renewal queue and
+4. ``install(app)`` (``worker.install``), as for any user's app: the tasks, the renewal queue and
    its route, beat's entry, and the worker-start hooks (pool sizing, stale bindings).
 
 Broker and result backend default to MERCHANT_REDIS_URL (or MERCHANT_REDIS_URL_FILE), the

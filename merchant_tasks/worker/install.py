@@ -6,12 +6,12 @@ standalone app (``celery -A merchant_tasks``) are built the same way. ``install`
 - the tasks under their names (``merchant_tasks.call_api``, ``merchant_tasks.renew_token``,
   ``merchant_tasks.renew_account``), each acknowledged after it ran and put back when its
   worker is lost, whatever the app's ``task_acks_late`` says;
-- the renewal queue (its own exchange and routing key, see ``routing``) beside the app's
+- the renewal queue (its own exchange and routing key, see ``worker.routing``) beside the app's
   queues, and the route of the two renewal tasks to it;
 - beat's entry that checks every MERCHANT_RENEW_INTERVAL seconds which tokens to renew;
 - at worker and beat start: the accounts' settings checked (a mistake stops the process
   with one line; beat does not read the secret files);
-- at worker start: the connection pools sized for the concurrency (``worker_pools``),
+- at worker start: the connection pools sized for the concurrency (``worker.pools``),
   bindings of older releases removed, and a warning naming each setting of the app that
   breaks a delivery guarantee.
 

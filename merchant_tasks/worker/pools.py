@@ -79,7 +79,7 @@ def worker_concurrency(worker: Any) -> int:
 
 
 def size_pools_at_worker_start(worker: Any) -> PoolSizes:
-    """Called by celery_app at worker start, before any broker connection is made."""
+    """Called by ``worker.install`` at worker start, before any broker connection is made."""
     sizes = size_pools(worker.app.conf, worker_concurrency(worker))
     log.info(
         "connection pools sized for %d tasks at once (%s pool): up to %d connections each%s",

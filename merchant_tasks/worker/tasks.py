@@ -1,13 +1,13 @@
 """Celery tasks: thin wrappers over the client and the token manager.
 
 ``call_api`` decides how Celery should retry what the client raised, and answers a
-redelivery of a call that already succeeded from its completion record (``completions``)
+redelivery of a call that already succeeded from its completion record (``worker.completions``)
 instead of calling the API again; ``renew_token`` finds the accounts due for renewal and
 sends ``renew_account`` for each, which asks the account's manager to renew if the advisory
 window has begun. None sees a token or the secret in its arguments or result: the token
 stays in Redis and in the worker's memory.
 
-The tasks belong to no app here: ``install(app)`` (``hosting``) registers them on the user's
+The tasks belong to no app here: ``install(app)`` (``worker.install``) registers them on the user's
 Celery app or on the package's own. ``call_api`` and the others below stand for the task of
 the current app when install() ran on it, else of the package's own app (``celery -A
 merchant_tasks``), so ``call_api.delay(...)`` sends through whichever app serves the caller.
@@ -158,7 +158,7 @@ def renew_token(self: Any) -> None:
     """Beat's check of every account: one renewal task per account that is due.
 
     One pipelined round trip per Redis server, and no client built, when nothing is due
-    (``due.py``); each due account is renewed by its own task, so a slow or failing
+    (``renewal.due``); each due account is renewed by its own task, so a slow or failing
     account never delays another.
     """
     fleet = clients()
@@ -169,7 +169,7 @@ def renew_token(self: Any) -> None:
         return
     for name in due:
         settings = fleet.accounts[name]
-        # sent once while pending (see due.py); after the advisory window a renewal
+        # sent once while pending (see renewal.due); after the advisory window a renewal
         # nobody ran is dropped and beat sends another
         self.app.tasks[RENEW_ACCOUNT].apply_async(
             (name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings)

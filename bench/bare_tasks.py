@@ -16,7 +16,7 @@ import redis
 import requests
 from celery.signals import worker_process_init
 
-from merchant_tasks.celery_app import app
+from merchant_tasks.worker.app import app
 
 TIMEOUT = (3.05, 10.0)  # the same (connect, read) timeouts as MerchantClient's defaults
 

@@ -49,7 +49,7 @@ from harness import (
 )
 
 from merchant_tasks.accounts import FleetClient, client_for
-from merchant_tasks.client import _Call, new_session
+from merchant_tasks.api.client import _Call, new_session
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, FleetSettings, Secret, Settings
 
 API_KEY = "bench-app-id"

@@ -18,10 +18,10 @@ from typing import Any, cast
 import redis
 import requests
 
-from merchant_tasks import local
-from merchant_tasks.local import Child as Child  # the scenarios' child processes
-from merchant_tasks.local import free_port, redis_answers, redis_server_command
-from merchant_tasks.local import spawn as spawn
+from merchant_tasks.sandbox import processes as local
+from merchant_tasks.sandbox.processes import Child as Child  # the scenarios' child processes
+from merchant_tasks.sandbox.processes import free_port, redis_answers, redis_server_command
+from merchant_tasks.sandbox.processes import spawn as spawn
 
 BENCH_DIR = Path(__file__).resolve().parent
 STOP_TIMEOUT = 10.0  # seconds a child group gets after SIGTERM before SIGKILL
@@ -53,7 +53,7 @@ def worker_argv(concurrency: int, *options: str) -> list[str]:
 
 
 def wait_until(ready: Callable[[], bool], what: str, timeout: float = START_TIMEOUT) -> None:
-    """``merchant_tasks.local.wait_until``, its time-out a ScenarioError."""
+    """``merchant_tasks.sandbox.processes.wait_until``, its time-out a ScenarioError."""
     try:
         local.wait_until(ready, what, timeout)
     except TimeoutError as exc:

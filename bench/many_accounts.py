@@ -46,9 +46,10 @@ from redis.connection import Connection
 from scenario import Goal, Result, Scenario, Table, yes_no
 
 from merchant_tasks.accounts import AccountClients, FleetClient, client_for
-from merchant_tasks.due import due_accounts, namespace_of
-from merchant_tasks.redis_commands import AccountKeys
+from merchant_tasks.ops.status import account_statuses
+from merchant_tasks.renewal.due import due_accounts, namespace_of
 from merchant_tasks.settings import FleetSettings, Secret, Settings
+from merchant_tasks.store.keys import AccountKeys
 from merchant_tasks.token import Token
 
 if TYPE_CHECKING:
@@ -624,7 +625,7 @@ def _status(
     same reading in this process on the counting connection (its packets: round trips)."""
     t0 = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "merchant_tasks.cli", "status", "--json"],
+        [sys.executable, "-m", "merchant_tasks.ops.cli", "status", "--json"],
         env=env,
         cwd=workdir,
         capture_output=True,
@@ -637,7 +638,7 @@ def _status(
         raise ScenarioError(f"status showed {len(shown)} accounts: {done.stderr[-300:]!r}")
     fleet = AccountClients(accounts)
     fleet._redis_by_url[redis_url] = counting  # its reading on the counting connection
-    _, round_trips = _timed(fleet.statuses)
+    _, round_trips = _timed(lambda: account_statuses(fleet))
     return StatusRun(seconds, round_trips)
 
 

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
 
 
 def serve_werkzeug(app: SandboxApp, deadline: float) -> None:

@@ -1,26 +1,21 @@
 """merchant-tasks: one fresh payment-API token per account, shared by a Celery fleet.
 
-Reading order follows the token's life: ``token`` (the value), ``exchange`` (getting one),
-``redis_commands``, ``store``, ``store_scripts``, ``records`` and ``store_protocol``
-(keeping it in Redis), ``policy`` (when it is renewed), ``refusals`` (what a 401 means),
-``renewal_lock``,
-``single_flight``, ``wakeup``, ``renewer``, ``breaker``, ``local_copy`` and ``renewal``
-(who renews it, and how the fleet waits), ``client`` (using it), ``accounts`` (wiring
-each account's settings to a client), then the Celery wiring (``routing``,
-``worker_pools``, ``completions``, ``tasks``; ``hosting``, which installs them into any
-Celery app, and ``celery_app``, the package's own). The design, its windows, guards and
-rules: docs/design.md.
+The folders: ``store/`` keeps the token in Redis, ``renewal/`` decides who renews it and
+when, ``api/`` speaks HTTP (the exchange and the business client), ``worker/`` is the
+Celery wiring, ``ops/`` what operators run, ``sandbox/`` the emulator and test tools. At
+the top: ``token`` (the value and the renewal policy), ``exceptions``, ``settings`` and
+``accounts`` (each account's settings wired to a client). docs/design.md, "The folders",
+says what each holds; the design, its windows, guards and rules are there too.
 """
 
 from __future__ import annotations
 
 import logging
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from .accounts import AccountClients, FleetClient, client_for, client_from_env
-from .client import MerchantClient, TokenSource
-from .exceptions import (
+from merchant_tasks.accounts import AccountClients, FleetClient, client_for, client_from_env
+from merchant_tasks.api.client import MerchantClient, TokenSource
+from merchant_tasks.exceptions import (
     ApiError,
     ApiOutcomeUnknown,
     ApiUnavailable,
@@ -38,12 +33,10 @@ from .exceptions import (
     TokenRejected,
     TokenUnreadable,
 )
-from .settings import Settings
+from merchant_tasks.extras import package_version
+from merchant_tasks.settings import Settings
 
-try:
-    __version__ = version("merchant-tasks")
-except PackageNotFoundError:  # a source tree used without installing it
-    __version__ = "0+unknown"
+__version__ = package_version()
 
 __all__ = [
     "AccountClients",
@@ -84,7 +77,9 @@ def install(app: Any) -> None:
 
     Call it where the app is created (Django: ``proj/celery.py``). See docs/celery-app.md.
     """
-    from .hosting import install as install_into  # Celery is imported only by its users
+    from merchant_tasks.worker.install import (
+        install as install_into,  # Celery is imported only by its users
+    )
 
     install_into(app)
 
@@ -96,7 +91,7 @@ def __getattr__(name: str) -> object:
     not pay for importing it.
     """
     if name == "app":
-        from .celery_app import app
+        from merchant_tasks.worker.app import app
 
         return app
     raise AttributeError(f"module 'merchant_tasks' has no attribute {name!r}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import re
 import threading
 import tomllib
@@ -37,22 +36,22 @@ from urllib.parse import urlsplit
 
 import requests
 
-from . import redis_topology, telemetry
-from .client import MerchantClient, new_session
-from .due import claim_renewals, due_accounts, namespace_of, release_renewal
-from .exceptions import ConfigurationError
-from .exchange import TokenExchange
-from .exchange_rate import ExchangeRate
-from .redis_commands import AccountKeys
-from .redis_topology import StoreClient
-from .renewal import TokenManager
-from .sealing import TokenCodec, codec_for
-from .settings import FleetSettings, Settings, read_variable
-from .status import AccountStatus, breaker_states, fleet_statuses
-from .store import TokenStore
-from .timing import TimedExchange
-from .token import fingerprint
-from .variable_files import read_text_file
+from merchant_tasks import telemetry
+from merchant_tasks.api.client import MerchantClient, new_session
+from merchant_tasks.api.exchange import TokenExchange
+from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.renewal.due import claim_renewals, due_accounts, namespace_of, release_renewal
+from merchant_tasks.renewal.manager import TokenManager
+from merchant_tasks.renewal.timing import TimedExchange
+from merchant_tasks.settings import FleetSettings, Settings, environment, read_variable
+from merchant_tasks.store import topology as redis_topology
+from merchant_tasks.store.exchange_rate import ExchangeRate
+from merchant_tasks.store.keys import AccountKeys
+from merchant_tasks.store.sealing import TokenCodec, codec_for
+from merchant_tasks.store.token_store import TokenStore, breaker_states
+from merchant_tasks.store.topology import StoreClient
+from merchant_tasks.token import fingerprint
+from merchant_tasks.variable_files import read_text_file
 
 DEFAULT_ACCOUNT = "default"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -66,7 +65,7 @@ def load_accounts(
     ``read_secrets=False`` checks everything but the secret files' content (beat's check:
     beat holds no secret).
     """
-    env = os.environ if environ is None else environ
+    env = environment(environ)
     fleet = FleetSettings.from_env(env)
     accounts: dict[str, Settings] = {}
     if read_variable("MERCHANT_API_KEY", env):
@@ -301,13 +300,13 @@ class AccountClients:
                 self._clients[name] = client
         return client
 
-    def statuses(self) -> dict[str, AccountStatus]:
-        """Every account's status (``status.fleet_statuses``): a few round trips per Redis
-        server, whatever the number of accounts, and no client built."""
+    def stores_and_rates(self) -> tuple[dict[str, TokenStore], dict[str, ExchangeRate]]:
+        """Every account's store and its host's exchange rate, as `status` and the exporter
+        read them (``ops.status.fleet_statuses``): no client built."""
         with self._lock:
             stores = {name: self._store(name) for name in self.accounts}
             rates = {name: self._rate(name) for name in self.accounts}
-        return fleet_statuses(self.accounts, stores, rates)
+        return stores, rates
 
     def _store(self, name: str) -> TokenStore:
         """``name``'s store, made once (its client uses the same one); the lock is held."""
@@ -349,7 +348,7 @@ class AccountClients:
         return client
 
     def due(self) -> list[str]:
-        """The accounts due for renewal with no renewal task pending (``due.py``): one
+        """The accounts due for renewal with no renewal task pending (``renewal.due``): one
         round trip per Redis server when none is due, no client built."""
         due = due_accounts(self.accounts, self.redis_for)
         return claim_renewals(due, self.accounts, self.redis_for) if due else []

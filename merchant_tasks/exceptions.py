@@ -28,6 +28,12 @@ survives Celery's JSON result backend and pickle with its fields (see ``Merchant
 
 from __future__ import annotations
 
+LIKELY_CAUSES = (
+    "Likely causes: the API key belongs to the other environment (check MERCHANT_ENVIRONMENT "
+    "and MERCHANT_BASE_URL), the secret was reset in the dashboard, or API access was "
+    "revoked for this merchant"
+)
+
 
 class MerchantError(Exception):
     """Base of every merchant-tasks error.
@@ -123,7 +129,7 @@ class TokenEndpointUnavailable(TokenExchangeError):
 
 class ExchangesThrottled(TokenEndpointUnavailable):
     """No permit came within the wait under the token endpoint host's fleet-wide exchange
-    rate (``exchange_rate``); ``retry_after`` says when one may. Not the account's fault:
+    rate (``store.exchange_rate``); ``retry_after`` says when one may. Not the account's fault:
     it opens no breaker."""
 
 
@@ -146,6 +152,14 @@ class TokenRejected(MerchantError):
     Likely causes: the API key belongs to the other environment (sandbox vs production),
     the secret was reset in the dashboard, or API access was revoked for this merchant.
     """
+
+    @classmethod
+    def after_renewals(cls, renewals: int) -> TokenRejected:
+        """A call whose token the API refused again after ``renewals`` renewals."""
+        return cls(
+            f"the API refused the token again after {renewals} renewals in one call "
+            f"(HTTP 401). {LIKELY_CAUSES}"
+        )
 
 
 class ApiError(MerchantError):

@@ -1,4 +1,5 @@
-"""Optional parts and the pip extras that install them.
+"""What is installed: this package's version, the optional parts and the extras that
+install them.
 
 A worker needs only the core (celery with Redis, redis, requests, tenacity, click). The
 tools are extras: ``sandbox`` (the emulator: werkzeug), ``metrics`` (prometheus-client),
@@ -17,8 +18,18 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
-from .exceptions import MissingExtra
+from merchant_tasks.exceptions import MissingExtra
+
+
+def package_version() -> str:
+    """The installed version of merchant-tasks (``0+unknown`` in a tree never installed)."""
+    try:
+        return version("merchant-tasks")
+    except PackageNotFoundError:
+        return "0+unknown"
+
 
 # extra -> the top-level modules it installs
 EXTRAS = {

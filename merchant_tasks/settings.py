@@ -26,10 +26,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
-from .exceptions import ConfigurationError
-from .redis_topology import DEFAULT_SENTINEL_MASTER, is_sentinel_url, parse_sentinel_url
-from .sealing import codec_for
-from .variable_files import read_text_file
+from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.store.sealing import codec_for
+from merchant_tasks.store.topology import (
+    DEFAULT_SENTINEL_MASTER,
+    is_sentinel_url,
+    parse_sentinel_url,
+)
+from merchant_tasks.variable_files import read_text_file
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +348,7 @@ class FleetSettings:
     renew_interval: float = RENEW_INTERVAL
     rejected_retry_window: float = REJECTED_RETRY_WINDOW
     max_exchanges_per_second: float = MAX_EXCHANGES_PER_SECOND
-    token_key_file: str | None = None  # seals the token at rest (sealing.py)
+    token_key_file: str | None = None  # seals the token at rest (store.sealing)
     token_key_previous_file: str | None = None  # still opens tokens while rotating
     accounts_file: str | None = None
     accounts_source: str | None = None
@@ -546,10 +550,38 @@ def refuse_unknown_names(environ: Mapping[str, str] | None = None) -> None:
     _Environment(environ).refuse_unknown_names()
 
 
+def environment(environ: Mapping[str, str] | None = None) -> Mapping[str, str]:
+    """Where configuration is read from: ``environ``, else this process's environment (the
+    one place of the package that reads it; OpenTelemetry's own variables aside)."""
+    return os.environ if environ is None else environ
+
+
+def use_environment(env: Mapping[str, str]) -> None:
+    """Make ``env`` this process's whole environment (the demo's producer then sends where
+    the workers it started listen, whatever the shell had set)."""
+    for name in set(os.environ) - set(env):
+        del os.environ[name]
+    os.environ.update(env)
+
+
+# Celery's own variables, which override the broker and result backend that the package
+# derives from MERCHANT_REDIS_URL (docs/configuration.md)
+CELERY_URL_VARIABLES = {
+    "CELERY_BROKER_URL": "broker_url",
+    "CELERY_RESULT_BACKEND": "result_backend",
+}
+
+
+def celery_url_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Celery settings named by CELERY_BROKER_URL and CELERY_RESULT_BACKEND, where set."""
+    env = environment(environ)
+    return {setting: env[name] for name, setting in CELERY_URL_VARIABLES.items() if env.get(name)}
+
+
 def child_env(settings: Settings, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) without any MERCHANT_* or CELERY_*
     variable, plus ``settings.to_env()``: a child process configured by nothing else."""
-    inherited = os.environ if base is None else base
+    inherited = environment(base)
     env = {k: v for k, v in inherited.items() if not k.startswith((PREFIX, "CELERY_"))}
     env.update(settings.to_env())
     return env
@@ -580,7 +612,7 @@ class _Environment:
     """Reads variables of the table with their *_FILE variants; an empty one is unset."""
 
     def __init__(self, environ: Mapping[str, str] | None) -> None:
-        self.environ = os.environ if environ is None else environ
+        self.environ = environment(environ)
 
     def _given(self, name: str) -> str | None:
         value = self.environ.get(name, "").strip()

@@ -31,6 +31,8 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
+from merchant_tasks.extras import package_version
+
 try:
     from opentelemetry import metrics as _metrics
     from opentelemetry import trace as _trace
@@ -245,7 +247,7 @@ def _tracer() -> Any:
         return None
     cached = _cached_tracer
     if cached is None or cached[0] is not provider:
-        cached = _cached_tracer = (provider, provider.get_tracer(SCOPE, _version()))
+        cached = _cached_tracer = (provider, provider.get_tracer(SCOPE, package_version()))
     return cached[1]
 
 
@@ -256,57 +258,77 @@ def _remote_context(traceparent: str) -> Any:
     return span_context if span_context.is_valid else None
 
 
-def _version() -> str:
-    from . import __version__
-
-    return __version__
+# -- metrics: the same instruments as the Prometheus exporter (ops.metrics) ----------------
 
 
-# -- metrics: the same instruments as the Prometheus exporter (metrics.py) ----------------
+# the meter's instruments: (attribute, kind, name, unit, description)
+_INSTRUMENTS = (
+    (
+        "renewals",
+        "counter",
+        "merchant_tasks.renewals",
+        "{renewal}",
+        "Renewals by reason and outcome: one each, however many HTTP attempts.",
+    ),
+    (
+        "exchange_attempts",
+        "counter",
+        "merchant_tasks.exchange.attempts",
+        "{attempt}",
+        "HTTP requests to the token endpoint, by the renewal's reason and their outcome.",
+    ),
+    (
+        "exchange_duration",
+        "histogram",
+        "merchant_tasks.exchange.duration",
+        "s",
+        "Seconds one token exchange attempt took, any outcome.",
+    ),
+    (
+        "lock_wait_duration",
+        "histogram",
+        "merchant_tasks.lock_wait.duration",
+        "s",
+        "Seconds from a caller finding another's renewal under way to a token being stored; "
+        "recorded by the process whose write stored it.",
+    ),
+    (
+        "breaker_openings",
+        "counter",
+        "merchant_tasks.breaker.openings",
+        "{opening}",
+        "Times exchanges were paused, by kind.",
+    ),
+    (
+        "calls",
+        "counter",
+        "merchant_tasks.calls",
+        "{call}",
+        "Client calls by outcome (ok, or the error's type).",
+    ),
+)
 
 
 class _Instruments:
     """The meter's instruments, made once per meter provider."""
 
+    renewals: Any
+    exchange_attempts: Any
+    exchange_duration: Any
+    lock_wait_duration: Any
+    breaker_openings: Any
+    calls: Any
+
     def __init__(self, meter: Any) -> None:
-        self.renewals = meter.create_counter(
-            "merchant_tasks.renewals",
-            unit="{renewal}",
-            description="Renewals by reason and outcome: one each, however many HTTP attempts.",
-        )
-        self.exchange_attempts = meter.create_counter(
-            "merchant_tasks.exchange.attempts",
-            unit="{attempt}",
-            description="HTTP requests to the token endpoint, by the renewal's reason and "
-            "their outcome.",
-        )
-        self.exchange_duration = meter.create_histogram(
-            "merchant_tasks.exchange.duration",
-            unit="s",
-            description="Seconds one token exchange attempt took, any outcome.",
-        )
-        self.lock_wait_duration = meter.create_histogram(
-            "merchant_tasks.lock_wait.duration",
-            unit="s",
-            description="Seconds from a caller finding another's renewal under way to a "
-            "token being stored; recorded by the process whose write stored it.",
-        )
-        self.breaker_openings = meter.create_counter(
-            "merchant_tasks.breaker.openings",
-            unit="{opening}",
-            description="Times exchanges were paused, by kind.",
-        )
+        make = {"counter": meter.create_counter, "histogram": meter.create_histogram}
+        for attribute, kind, name, unit, description in _INSTRUMENTS:
+            setattr(self, attribute, make[kind](name, unit=unit, description=description))
         self.breaker_open = meter.create_observable_gauge(
             "merchant_tasks.breaker.open",
             callbacks=[_observe_breakers],
             unit="1",
             description="1 while token exchanges are paused, by kind; read from Redis at "
             "each collection, the fleet's state (the same in every process).",
-        )
-        self.calls = meter.create_counter(
-            "merchant_tasks.calls",
-            unit="{call}",
-            description="Client calls by outcome (ok, or the error's type).",
         )
 
 
@@ -330,7 +352,7 @@ def _instruments() -> _Instruments | None:
         return None
     cached = _cached_instruments
     if cached is None or cached[0] is not provider:
-        meter = provider.get_meter(SCOPE, _version())
+        meter = provider.get_meter(SCOPE, package_version())
         cached = _cached_instruments = (provider, _Instruments(meter))
     return cached[1]
 

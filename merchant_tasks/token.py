@@ -1,6 +1,10 @@
-"""The access token: a small immutable value and the state it is in at a given time.
+"""The access token and the renewal policy: the token (a small immutable value, and
+``IssuedToken``, what an exchange hands back), the state it is in at a given time, when it
+is renewed (``RenewalPolicy``), and the words the fleet counts with.
 
 Times are seconds on the token store's clock (Redis TIME), the one clock every host shares.
+Pure decisions on values, no I/O: docs/design.md, "Windows" and "An answer no better than
+the stored token". What a 401 means is ``renewal.refusals``'.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ class RenewalReason(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class IssuedToken:
+    """What a successful exchange returns: the token and its lifetime in seconds."""
+
+    value: str = field(repr=False)
+    expires_in: float
+    status: int = 200  # the HTTP status it came with (a span's attribute)
+
+
+@dataclass(frozen=True)
 class Token:
     """An issued access token. ``repr`` shows a fingerprint, never the value."""
 
@@ -61,6 +74,18 @@ class Token:
 
     def time_left(self, now: float) -> float:
         return self.expires_at - now
+
+    @staticmethod
+    def stored_time_left(raw: str | bytes, now: float) -> float:
+        """A stored token's time left at ``now``, from its expiry alone (parsing the whole
+        token costs ten times as much, and beat reads 10,000 accounts each tick); an
+        unreadable record has none left (whoever renews it meets the same record and
+        reports it)."""
+        try:
+            expires_at = float(json.loads(raw)["expires_at"])
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return 0.0
+        return expires_at - now if math.isfinite(expires_at) else 0.0
 
     def valid_at(self, now: float) -> bool:
         """Whether the token can still be sent at ``now``."""
@@ -141,3 +166,61 @@ class Token:
 def fingerprint(secret_or_token: str) -> str:
     """First 12 hex digits of a SHA-256: tells two values apart without revealing either."""
     return hashlib.sha256(secret_or_token.encode()).hexdigest()[:12]
+
+
+_USABLE = (TokenState.FRESH, TokenState.ADVISORY)
+
+
+class CounterName(enum.StrEnum):
+    """Fleet-wide counters of the token's life (``TokenStore.records.count``)."""
+
+    UNAUTHORIZED = "unauthorized"
+    FORCED_RENEWALS = "forced_renewals"
+    NEVER_ACCEPTED = "never_accepted_rejected"
+    LOCK_WAITS = "lock_waits"
+    REDELIVERED = "redelivered_completed_calls"  # answered from a completion record
+
+
+class BreakerKind(enum.StrEnum):
+    """Why exchanges are paused (``renewal.refusals.Breaker``)."""
+
+    REJECTED = "rejected"  # the credentials were refused
+    RATE_LIMITED = "rate_limited"  # 429
+    UNAVAILABLE = "unavailable"  # 5xx, timeouts, unreachable
+    REVOKED = "revoked"  # the forced-renewal budget is spent
+    REFUSED = "refused"  # a token refused before first use: renewed after a back-off
+
+
+class Outcome(enum.StrEnum):
+    """How a renewal, or one HTTP attempt of its exchange, ended (``TokenStore``)."""
+
+    OK = "ok"
+    UNCHANGED = "unchanged"  # the answer was no better than the stored token
+    REJECTED = "rejected"
+    RATE_LIMITED = "rate_limited"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class RenewalPolicy:
+    """The windows (seconds of time left) and the rules that follow from them."""
+
+    renew_before: float
+    renew_mandatory: float
+
+    def state(self, token: Token, now: float) -> TokenState:
+        return token.state(now, self.renew_before, self.renew_mandatory)
+
+    def usable(self, token: Token | None, now: float) -> bool:
+        """Whether callers use ``token`` without renewing (FRESH or ADVISORY)."""
+        return token is not None and self.state(token, now) in _USABLE
+
+    @staticmethod
+    def no_better(answer_value: str, answer_expires_at: float, stored: Token, forced: bool) -> bool:
+        """Whether an exchange's answer is no better than ``stored`` (still valid).
+
+        After a 401 only the same token is no better: any other beats a refused one.
+        """
+        if answer_value == stored.value:
+            return True
+        return not forced and answer_expires_at <= stored.expires_at

@@ -6,7 +6,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from .exceptions import ConfigurationError
+from merchant_tasks.exceptions import ConfigurationError
 
 
 def read_file(variable: str, path: Path | str) -> bytes:

@@ -26,11 +26,11 @@ import redis
 from celery import Celery
 from celery.utils.nodenames import host_format
 
-from merchant_tasks.celery_app import load_config
-from merchant_tasks.local import Child, RedisServer, spawn, stop_all, wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox.processes import Child, RedisServer, spawn, stop_all, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
-from merchant_tasks.store import TokenStore
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.worker.app import load_config
 
 PING = "/open-api/v1/ping"
 ECHO = "/open-api/v1/echo"

@@ -23,13 +23,13 @@ from redis.connection import Connection
 from redis.retry import Retry
 
 from celery_fleet import Fleet, running_fleet
-from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.local import RedisServer, free_port
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.redis_topology import StoreClient
-from merchant_tasks.renewal import TokenManager
-from merchant_tasks.sandbox import SandboxConfig
-from merchant_tasks.store import TokenStore
+from merchant_tasks.renewal.manager import TokenManager
+from merchant_tasks.sandbox.emulator import SandboxConfig
+from merchant_tasks.sandbox.processes import RedisServer, free_port
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.store.topology import StoreClient
+from merchant_tasks.token import IssuedToken
 
 TEST_API_KEY = "test-app-id"
 TEST_SECRET = "test-secret-4f1c9a7e2b"  # searched for in every leak test

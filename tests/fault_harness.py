@@ -25,8 +25,8 @@ import redis
 from conftest import redis_value, shows
 from merchant_tasks.accounts import FleetClient
 from merchant_tasks.exceptions import MerchantError
-from merchant_tasks.local import Child, spawn, wait_all_ready
-from merchant_tasks.sandbox import SandboxApp
+from merchant_tasks.sandbox.emulator import SandboxApp
+from merchant_tasks.sandbox.processes import Child, spawn, wait_all_ready
 
 PING = "/open-api/v1/ping"
 CALLER = Path(__file__).with_name("fault_caller.py")

@@ -23,13 +23,13 @@ from collections import Counter
 
 import redis
 
-from merchant_tasks import exchange_rate
 from merchant_tasks.accounts import exchange_rate_for, redis_for
+from merchant_tasks.api.exchange import TokenExchange
 from merchant_tasks.exceptions import MerchantError
-from merchant_tasks.exchange import TokenExchange
-from merchant_tasks.renewal import TokenManager
+from merchant_tasks.renewal.manager import TokenManager
 from merchant_tasks.settings import Settings
-from merchant_tasks.store import TokenStore
+from merchant_tasks.store import exchange_rate
+from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.token import fingerprint
 
 

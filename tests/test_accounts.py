@@ -23,8 +23,8 @@ from merchant_tasks.accounts import (
     load_accounts,
 )
 from merchant_tasks.exceptions import ConfigurationError
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import ACCOUNT_KEYS
 
 PRODUCTION_KEY = "prod-app-id"

@@ -14,8 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from merchant_tasks import accounts, celery_app, hosting
-from merchant_tasks.celery_app import (
+from merchant_tasks import accounts
+from merchant_tasks.worker import app as celery_app
+from merchant_tasks.worker import install as hosting
+from merchant_tasks.worker.app import (
     PUBLISH_RETRY_POLICY,
     REDIS_ONLY_TRANSPORT_OPTIONS,
     VISIBILITY_TIMEOUT,
@@ -159,7 +161,7 @@ def test_a_library_import_with_a_bad_setting_raises_the_configuration_error(
 ) -> None:
     code = (
         "from merchant_tasks.exceptions import ConfigurationError\n"
-        "try:\n    import merchant_tasks.celery_app\n"
+        "try:\n    import merchant_tasks.worker.app\n"
         "except ConfigurationError as exc:\n    print('raised:', exc)\n"
     )
     done = subprocess.run(
@@ -178,7 +180,7 @@ def test_a_library_import_with_a_bad_setting_raises_the_configuration_error(
 def test_the_celery_command_loads_the_app_without_any_account(tmp_path: Path) -> None:
     done = _celery(tmp_path, _clean_env(), "report")
     assert done.returncode == 0, done.stderr
-    assert "merchant_tasks.celery_app" in done.stdout or "merchant_tasks" in done.stdout
+    assert "merchant_tasks.worker.app" in done.stdout or "merchant_tasks" in done.stdout
 
 
 def test_a_worker_without_any_account_stops_at_start_with_the_configuration_message(
@@ -203,7 +205,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_started_from_the_repository_root_the_app_reads_the_top_level_celeryconfig() -> None:
-    code = "import sys, merchant_tasks.celery_app; print(sys.modules['celeryconfig'].__file__)"
+    code = "import sys, merchant_tasks.worker.app; print(sys.modules['celeryconfig'].__file__)"
     done = subprocess.run(
         [sys.executable, "-c", code],
         env=_clean_env(),

@@ -35,10 +35,10 @@ from celery_fleet import (
 )
 from conftest import TEST_SECRET, redis_value, shows
 from merchant_tasks.exceptions import ApiError, CredentialsRejected
-from merchant_tasks.local import wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.routing import CALLS_QUEUE, RENEWAL_QUEUE
-from merchant_tasks.store import TokenStore
+from merchant_tasks.sandbox.processes import wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.worker.routing import CALLS_QUEUE, RENEWAL_QUEUE
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,8 @@ from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError
 from conftest import FakeExchange, make_manager
 from fake_http import FakeTransport, Reply, response, session_with
 from merchant_tasks.accounts import FleetClient
-from merchant_tasks.client import CALL_ATTEMPTS, CALL_WAIT_MAX, EXCERPT_LENGTH, MerchantClient
+from merchant_tasks.api.client import CALL_ATTEMPTS, CALL_WAIT_MAX, EXCERPT_LENGTH, MerchantClient
+from merchant_tasks.api.exchange import TOKEN_PATH
 from merchant_tasks.exceptions import (
     ApiError,
     ApiOutcomeUnknown,
@@ -26,9 +27,8 @@ from merchant_tasks.exceptions import (
     MalformedApiResponse,
     TokenRejected,
 )
-from merchant_tasks.exchange import TOKEN_PATH
 from merchant_tasks.settings import Secret
-from merchant_tasks.store import TokenStore
+from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.token import RenewalReason, Token, fingerprint
 
 BASE_URL = "https://api.example.test"

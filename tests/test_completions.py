@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import dead_redis
-from merchant_tasks.completions import CompletionRecords
-from merchant_tasks.metrics import FleetCollector
-from merchant_tasks.policy import CounterName
-from merchant_tasks.status import AccountState, AccountStatus, format_status
-from merchant_tasks.store import TokenStore
+from merchant_tasks.ops.metrics import FleetCollector
+from merchant_tasks.ops.status import AccountState, AccountStatus, format_status
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.token import CounterName
+from merchant_tasks.worker.completions import CompletionRecords
 
 VISIBILITY_TIMEOUT = 3600.0
 TTL = 2 * VISIBILITY_TIMEOUT
@@ -65,7 +65,7 @@ def test_with_redis_unreachable_the_call_goes_ahead_and_the_lost_record_is_logge
 ) -> None:
     dead = dead_redis()
     records = CompletionRecords(TokenStore(dead, "mt-test:sandbox:k"), TTL)
-    with caplog.at_level(logging.WARNING, logger="merchant_tasks.completions"):
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.completions"):
         assert records.earlier_run("task-1") is None
         records.record("task-1", {"ok": True})
     assert "no completion record of call task-1 could be read" in caplog.text

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from merchant_tasks.local import RedisServer
+from merchant_tasks.sandbox.processes import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
         options = ["--duration", "6", "--rate", "5", "--lifetime", "8", "--workers", "2"]
         finished = subprocess.run(
-            [sys.executable, "-m", "merchant_tasks.cli", "demo", *options],
+            [sys.executable, "-m", "merchant_tasks.ops.cli", "demo", *options],
             env={
                 **env,
                 "TMPDIR": str(demo_tmp),

@@ -27,10 +27,10 @@ from celery.app.utils import find_app
 from celery.bin.celery import celery as celery_cli
 from click.testing import CliRunner
 
-from merchant_tasks.celery_app import isolated_config, write_config_module
-from merchant_tasks.cli import main
-from merchant_tasks.local import free_port, running
+from merchant_tasks.ops.cli import main
+from merchant_tasks.sandbox.processes import free_port, running
 from merchant_tasks.settings import Settings
+from merchant_tasks.worker.app import isolated_config, write_config_module
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

@@ -9,7 +9,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 import merchant_tasks
-from merchant_tasks.cli import main
+from merchant_tasks.ops.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from merchant_tasks import pytest_plugin
-from merchant_tasks.sandbox import _CONTROL_ROUTES
+from merchant_tasks.sandbox import pytest_plugin
+from merchant_tasks.sandbox.emulator import _CONTROL_ROUTES
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -15,8 +15,8 @@ import redis
 from conftest import TEST_API_KEY, CountingConnection
 from merchant_tasks import tasks
 from merchant_tasks.accounts import AccountClients
-from merchant_tasks.celery_app import RENEWAL_QUEUE
-from merchant_tasks.due import (
+from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.renewal.due import (
     SPREAD_TICKS,
     claim_key,
     claim_ttl,
@@ -24,10 +24,8 @@ from merchant_tasks.due import (
     namespace_of,
     renewal_point,
 )
-from merchant_tasks.exceptions import StoreUnavailable
-from merchant_tasks.local import free_port
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.redis_commands import AccountKeys
+from merchant_tasks.sandbox.processes import free_port
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import (
     RENEW_BEFORE,
     RENEW_INTERVAL,
@@ -37,8 +35,11 @@ from merchant_tasks.settings import (
     Secret,
     Settings,
 )
-from merchant_tasks.store import MGET_CHUNK
+from merchant_tasks.store.keys import AccountKeys
+from merchant_tasks.store.token_store import MGET_CHUNK
 from merchant_tasks.token import Token
+from merchant_tasks.worker import tasks as worker_tasks
+from merchant_tasks.worker.app import RENEWAL_QUEUE
 
 ACCOUNTS = 1000
 
@@ -242,7 +243,7 @@ def serve(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, Settings]], Ac
 
     def install(accounts: dict[str, Settings]) -> AccountClients:
         clients = AccountClients(accounts)
-        monkeypatch.setattr(tasks, "_clients", clients)
+        monkeypatch.setattr(worker_tasks, "_clients", clients)
         return clients
 
     return install
@@ -292,7 +293,7 @@ def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     serve(_fleet(merchant_key_prefix, f"redis://127.0.0.1:{free_port()}/0", 3))
-    with caplog.at_level(logging.WARNING, logger="merchant_tasks.tasks"):
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.tasks"):
         tasks.renew_token()
     assert sent == []
     assert "scheduled token check failed" in caplog.text
@@ -315,7 +316,7 @@ def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
     )
     bad = replace(good, api_key="unknown-key")
     serve({"bad": bad, "good": good})
-    with caplog.at_level(logging.WARNING, logger="merchant_tasks.tasks"):
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.tasks"):
         tasks.renew_account("bad")
         tasks.renew_account("good")
     assert "scheduled token renewal of account bad failed" in caplog.text

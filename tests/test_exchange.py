@@ -24,6 +24,15 @@ from hypothesis import strategies as st
 
 from conftest import make_manager
 from fake_http import FakeTransport, Reply, response, session_with
+from merchant_tasks.api.exchange import (
+    MAX_RETRY_AFTER,
+    MAX_TOKEN_LENGTH,
+    TOKEN_BODY_LIMIT,
+    TOKEN_PATH,
+    TokenExchange,
+    classify,
+    parse_retry_after,
+)
 from merchant_tasks.exceptions import (
     ConfigurationError,
     CredentialsRejected,
@@ -33,20 +42,11 @@ from merchant_tasks.exceptions import (
     TokenEndpointUnavailable,
     TokenExchangeError,
 )
-from merchant_tasks.exchange import (
-    MAX_RETRY_AFTER,
-    MAX_TOKEN_LENGTH,
-    TOKEN_BODY_LIMIT,
-    TOKEN_PATH,
-    IssuedToken,
-    TokenExchange,
-    classify,
-    parse_retry_after,
-)
-from merchant_tasks.local import wait_until
-from merchant_tasks.local_copy import LOCAL_COPY_TTL
+from merchant_tasks.renewal.lock import LOCAL_COPY_TTL
+from merchant_tasks.sandbox.processes import wait_until
 from merchant_tasks.settings import Secret, Settings
-from merchant_tasks.store import TokenStore
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.token import IssuedToken
 
 BASE_URL = "https://api.example.test"
 API_KEY = "app-id-1234"

@@ -22,23 +22,23 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import dead_redis
-from merchant_tasks import exchange_rate
 from merchant_tasks.accounts import client_for, exchange_rate_for
-from merchant_tasks.cli import main
 from merchant_tasks.exceptions import (
     ExchangeRateLimited,
     ExchangesThrottled,
     StoreUnavailable,
     TokenEndpointUnavailable,
 )
-from merchant_tasks.exchange_rate import ExchangeRate, Priority
-from merchant_tasks.local import RedisServer, spawn, wait_all_ready
-from merchant_tasks.metrics import FleetCollector
-from merchant_tasks.redis_commands import AccountKeys, AccountRedis
-from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.ops.cli import main
+from merchant_tasks.ops.metrics import FleetCollector
+from merchant_tasks.ops.status import AccountStatus, account_status
+from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.processes import RedisServer, spawn, wait_all_ready
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
-from merchant_tasks.status import AccountStatus, account_status
-from merchant_tasks.store import TokenStore
+from merchant_tasks.store import exchange_rate
+from merchant_tasks.store.exchange_rate import ExchangeRate, Priority
+from merchant_tasks.store.keys import AccountKeys, AccountRedis
+from merchant_tasks.store.token_store import TokenStore
 
 CAP = 5.0  # exchanges per second in the process tests: far below what the loops would send
 # seconds a rate worker waits for a permit at most (the package's PERMIT_WAIT is 5 s): a

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from merchant_tasks import __version__, extras
-from merchant_tasks.cli import EXIT_CONFIGURATION, main
 from merchant_tasks.exceptions import ConfigurationError, MissingExtra
+from merchant_tasks.ops.cli import EXIT_CONFIGURATION, main
 
 MYPY_TIMEOUT = 300.0  # seconds: mypy reads celery and redis on a busy machine
 

@@ -49,8 +49,8 @@ from werkzeug.wrappers import Request, Response
 from conftest import TEST_API_KEY, TEST_SECRET, make_manager, redis_value
 from fault_harness import Callers, CallLoop, Evidence, LogLines, report_outcomes
 from merchant_tasks.accounts import FleetClient, client_for
-from merchant_tasks.celery_app import load_config
-from merchant_tasks.client import MerchantClient, new_session
+from merchant_tasks.api.client import MerchantClient, new_session
+from merchant_tasks.api.exchange import TokenExchange
 from merchant_tasks.exceptions import (
     ApiError,
     ConfigurationError,
@@ -58,19 +58,17 @@ from merchant_tasks.exceptions import (
     MerchantError,
     StoreUnavailable,
 )
-from merchant_tasks.exchange import IssuedToken, TokenExchange
-from merchant_tasks.local import Child, RedisServer, free_port, spawn, wait_until
-from merchant_tasks.local_copy import LOCAL_COPY_TTL
-from merchant_tasks.policy import BreakerKind
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.records import BreakerRecord
-from merchant_tasks.redis_topology import redis_from_url
-from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET
-from merchant_tasks.renewal import TokenManager
-from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.renewal.lock import LOCAL_COPY_TTL
+from merchant_tasks.renewal.manager import TokenManager
+from merchant_tasks.renewal.refusals import FORCED_RENEWAL_BUDGET
+from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.processes import Child, RedisServer, free_port, spawn, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
-from merchant_tasks.store import RedisClock, TokenStore
-from merchant_tasks.token import Token, fingerprint
+from merchant_tasks.store.token_store import BreakerRecord, RedisClock, TokenStore
+from merchant_tasks.store.topology import redis_from_url
+from merchant_tasks.token import BreakerKind, IssuedToken, Token, fingerprint
+from merchant_tasks.worker.app import load_config
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment

@@ -14,15 +14,15 @@ from kombu import Exchange, Queue
 
 import merchant_tasks
 from merchant_tasks import ConfigurationError, tasks
-from merchant_tasks.celery_app import app as package_app
-from merchant_tasks.hosting import (
+from merchant_tasks.worker.app import app as package_app
+from merchant_tasks.worker.install import (
     BEAT_ENTRY,
     DELIVERY_GUARANTEES,
     RENEWAL_TASKS,
     _prepare_worker,
     broken_guarantees,
 )
-from merchant_tasks.routing import CALLS_QUEUE, RENEWAL_QUEUE
+from merchant_tasks.worker.routing import CALLS_QUEUE, RENEWAL_QUEUE
 
 TASK_NAMES = {f"merchant_tasks.{name}" for name in ("call_api", "renew_token", "renew_account")}
 REDIS = "redis://127.0.0.1:6379/0"
@@ -187,7 +187,7 @@ def test_each_setting_that_breaks_a_guarantee_is_named(own_app: Celery) -> None:
 def test_the_worker_start_check_logs_each_broken_guarantee(
     own_app: Celery, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("merchant_tasks.hosting.remove_stale_bindings", lambda app: None)
+    monkeypatch.setattr("merchant_tasks.worker.install.remove_stale_bindings", lambda app: None)
     own_app.conf.update(broker_url="memory://", result_backend="redis://127.0.0.1:6379/0")
     merchant_tasks.install(own_app)
 
@@ -196,7 +196,7 @@ def test_the_worker_start_check_logs_each_broken_guarantee(
         concurrency = 1
         pool_cls = "solo"
 
-    with caplog.at_level(logging.WARNING, logger="merchant_tasks.hosting"):
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.install"):
         _prepare_worker("celery@shop", Worker())
     assert [r.getMessage().split(" is off")[0] for r in caplog.records] == [
         "merchant-tasks: result_backend_always_retry"

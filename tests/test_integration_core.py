@@ -25,17 +25,18 @@ from werkzeug.wrappers import Request, Response
 
 from conftest import TEST_API_KEY, TEST_SECRET
 from merchant_tasks.accounts import FleetClient, client_for
+from merchant_tasks.api.exchange import TokenExchange
 from merchant_tasks.exceptions import (
     ConfigurationError,
     CredentialsRejected,
     MerchantError,
     TokenExchangeError,
 )
-from merchant_tasks.exchange import IssuedToken, TokenExchange
-from merchant_tasks.local import spawn, wait_all_ready, wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.processes import spawn, wait_all_ready, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings
+from merchant_tasks.token import IssuedToken
 
 pytestmark = pytest.mark.integration
 

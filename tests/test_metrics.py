@@ -15,11 +15,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from merchant_tasks.accounts import AccountClients, FleetClient
-from merchant_tasks.local import free_port, running
-from merchant_tasks.metrics import FleetCollector
-from merchant_tasks.policy import BreakerKind, Outcome
-from merchant_tasks.status import account_status
-from merchant_tasks.token import RenewalReason
+from merchant_tasks.ops.metrics import FleetCollector
+from merchant_tasks.ops.status import account_status
+from merchant_tasks.sandbox.processes import free_port, running
+from merchant_tasks.token import BreakerKind, Outcome, RenewalReason
 
 pytestmark = pytest.mark.integration
 
@@ -109,7 +108,7 @@ def exporter_with_redis_down(merchant_env: dict[str, str], tmp_path: Path) -> It
     port = free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("MERCHANT_")}
     child_env |= {**merchant_env, "MERCHANT_REDIS_URL": "redis://ops:hunter2-pw@127.0.0.1:1/0"}
-    argv = [sys.executable, "-m", "merchant_tasks.cli", "metrics", "--port", str(port)]
+    argv = [sys.executable, "-m", "merchant_tasks.ops.cli", "metrics", "--port", str(port)]
     url = f"http://127.0.0.1:{port}/metrics"
 
     def answers() -> bool:

@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import TEST_SECRET
 from merchant_tasks.accounts import AccountClients
-from merchant_tasks.cli import EXIT_CONFIGURATION, EXIT_FAILED, EXIT_STORE_UNAVAILABLE, main
-from merchant_tasks.metrics import FleetCollector
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.status import AccountStatus, account_status, format_status
+from merchant_tasks.ops.cli import EXIT_CONFIGURATION, EXIT_FAILED, EXIT_STORE_UNAVAILABLE, main
+from merchant_tasks.ops.metrics import FleetCollector
+from merchant_tasks.ops.status import AccountStatus, account_status, format_status
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +126,7 @@ def test_one_scrape_sees_the_exchanges_of_every_process(
     child_env = {k: v for k, v in os.environ.items() if k != "MERCHANT_API_SECRET"} | merchant_env
     for _ in range(2):
         subprocess.run(
-            [sys.executable, "-m", "merchant_tasks.cli", "renew", "--force"],
+            [sys.executable, "-m", "merchant_tasks.ops.cli", "renew", "--force"],
             env=child_env,
             check=True,
             capture_output=True,
@@ -209,7 +209,7 @@ def test_the_sandbox_on_a_busy_port_fails_without_printing_its_banner(tmp_path: 
         busy.listen()
         port = busy.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "merchant_tasks.cli", "sandbox", "--port", str(port)],
+            [sys.executable, "-m", "merchant_tasks.ops.cli", "sandbox", "--port", str(port)],
             env={**os.environ, "MERCHANT_API_KEY": "k", "MERCHANT_API_SECRET": "s"},
             capture_output=True,
             text=True,

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from merchant_tasks.local import Child, spawn, wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox.processes import Child, spawn, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Settings, child_env
 
 pytestmark = pytest.mark.integration

@@ -28,9 +28,9 @@ from celery_fleet import (
     Fleet,
     kill_the_worker_running,
 )
-from merchant_tasks.celery_app import REDIS_ONLY_TRANSPORT_OPTIONS, RENEWAL_QUEUE, load_config
-from merchant_tasks.local import RedisServer, wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox.processes import RedisServer, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.worker.app import REDIS_ONLY_TRANSPORT_OPTIONS, RENEWAL_QUEUE, load_config
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,9 @@ from celery_fleet import (
     Fleet,
     running_on,
 )
-from merchant_tasks.local import Child, wait_until
-from merchant_tasks.policy import CounterName
-from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox.processes import Child, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.token import CounterName
 
 pytestmark = pytest.mark.integration
 

@@ -12,12 +12,12 @@ import redis
 
 from conftest import TEST_API_KEY
 from merchant_tasks.accounts import AccountClients, client_for
-from merchant_tasks.completions import CompletionRecords
-from merchant_tasks.local import wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.redis_topology import redis_from_url
+from merchant_tasks.sandbox.processes import wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings
-from merchant_tasks.store import LOCK_WAIT_SECONDS
+from merchant_tasks.store.token_store import LOCK_WAIT_SECONDS
+from merchant_tasks.store.topology import redis_from_url
+from merchant_tasks.worker.completions import CompletionRecords
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,19 @@ TOKEN_STORE_COMMANDS = (
     "+get +set +del +hincrby +hgetall +zadd +zcount +zremrangebyscore +rpush +lrange +ltrim "
     "+pexpire +eval +evalsha +script|load +time +ping +publish +subscribe +unsubscribe "
     "+type +hset +pttl +zcard"  # the scripts check a key's type and TTL before writing over it
+    " +select"  # a Redis URL naming a database other than 0 (redis-py selects it on connect)
 )
+OTHER_DATABASE = 3  # where the ACL user works when the test's Redis URL names database 0
+
+
+def _on_another_database(url: str, user: str = "") -> str:
+    """``url`` (as ``user``, "name:password", if given) on a database other than 0: the
+    test's own when it names one, else ``OTHER_DATABASE`` (a user without SELECT rights
+    works on database 0 alone)."""
+    address, _, database = url.split("://", 1)[1].partition("/")
+    if database in ("", "0"):
+        database = str(OTHER_DATABASE)
+    return f"redis://{user + '@' if user else ''}{address}/{database}"
 
 
 def test_the_topologies_page_and_the_reliability_notes_show_this_acl() -> None:
@@ -66,14 +78,12 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     merchant_secret_file: Path,
 ) -> None:
     name, password = acl_user
-    host = merchant_redis_url.split("://", 1)[1]
+    store_url = _on_another_database(merchant_redis_url, f"{name}:{password}")
     settings = Settings(
         api_key=TEST_API_KEY,
         secret=Secret(path=merchant_secret_file),
         base_url=merchant_sandbox.url,
-        fleet=FleetSettings(
-            redis_url=f"redis://{name}:{password}@{host}", key_prefix=merchant_key_prefix
-        ),
+        fleet=FleetSettings(redis_url=store_url, key_prefix=merchant_key_prefix),
     )
     client = client_for(settings)
     assert client.request("GET", "/open-api/v1/ping") == {"ok": True}
@@ -102,6 +112,10 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     fleet = AccountClients({"default": settings, "other": replace(settings, api_key="other")})
     assert fleet.due() == ["other"]
     fleet.renewal_done("other")
+    cleanup = redis_from_url(_on_another_database(merchant_redis_url))  # not the fixtures' to empty
+    keys = list(cleanup.scan_iter(match=f"{merchant_key_prefix}:*"))
+    if keys:
+        cleanup.delete(*keys)
 
 
 def test_the_acl_user_cannot_touch_keys_outside_its_prefix(

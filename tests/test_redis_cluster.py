@@ -22,11 +22,11 @@ import redis
 
 from conftest import TEST_SECRET
 from merchant_tasks.accounts import AccountClients
-from merchant_tasks.local import RedisServer, free_port, wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
-from merchant_tasks.status import account_status
-from merchant_tasks.store import TokenStore
+from merchant_tasks.ops.status import account_status, account_statuses
+from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.processes import RedisServer, free_port, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.store.token_store import TokenStore
 
 pytestmark = pytest.mark.integration
 
@@ -221,7 +221,7 @@ def test_accounts_on_different_nodes_call_renew_after_401_and_lock_through_the_c
     assert len(nodes_used) == MASTERS
 
     # status reads every account across the nodes in pipelines: what each store reads alone
-    statuses = fleet.statuses()
+    statuses = account_statuses(fleet)
     for api_key in ACCOUNTS:
         alone = account_status(api_key, fleet.accounts[api_key], fleet.get(api_key).manager.store)
         assert statuses[api_key].generation == alone.generation == 2

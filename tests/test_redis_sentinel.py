@@ -30,11 +30,11 @@ from celery_fleet import (
 from fault_harness import CallLoop, Evidence
 from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import StoreUnavailable
-from merchant_tasks.local import RedisServer, redis_answers, wait_until
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.redis_topology import redis_from_url
-from merchant_tasks.sandbox import TOKEN_PATH, SandboxApp, SandboxConfig
+from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxApp, SandboxConfig
+from merchant_tasks.sandbox.processes import RedisServer, redis_answers, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Settings
+from merchant_tasks.store.topology import redis_from_url
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment

@@ -16,13 +16,6 @@ import pytest
 import redis
 
 from conftest import FakeExchange, dead_redis, make_manager
-from merchant_tasks.breaker import (
-    PROBE_INTERVAL,
-    RATE_LIMITED_BACKOFF,
-    REJECTED_BACKOFF,
-    RETRY_AFTER_MARGIN,
-    UNAVAILABLE_BACKOFF,
-)
 from merchant_tasks.exceptions import (
     CredentialsRejected,
     ExchangeRateLimited,
@@ -33,16 +26,21 @@ from merchant_tasks.exceptions import (
     TokenExchangeError,
     TokenRejected,
 )
-from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.local import wait_until
-from merchant_tasks.policy import BreakerKind
-from merchant_tasks.records import BreakerRecord
-from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET, FORCED_RENEWAL_PERIOD, REFUSED_BACKOFF
-from merchant_tasks.renewal import TokenManager
-from merchant_tasks.renewer import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX
-from merchant_tasks.single_flight import POLL_INITIAL, POLL_MAX
-from merchant_tasks.store import TokenStore
-from merchant_tasks.token import RenewalReason, Token, fingerprint
+from merchant_tasks.renewal.lock import POLL_INITIAL, POLL_MAX
+from merchant_tasks.renewal.manager import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, TokenManager
+from merchant_tasks.renewal.refusals import (
+    FORCED_RENEWAL_BUDGET,
+    FORCED_RENEWAL_PERIOD,
+    PROBE_INTERVAL,
+    RATE_LIMITED_BACKOFF,
+    REFUSED_BACKOFF,
+    REJECTED_BACKOFF,
+    RETRY_AFTER_MARGIN,
+    UNAVAILABLE_BACKOFF,
+)
+from merchant_tasks.sandbox.processes import wait_until
+from merchant_tasks.store.token_store import BreakerRecord, TokenStore
+from merchant_tasks.token import BreakerKind, IssuedToken, RenewalReason, Token, fingerprint
 
 RENEW_BEFORE = 480.0
 RENEW_MANDATORY = 120.0

@@ -10,7 +10,7 @@ import pytest
 from celery import Celery
 from kombu import Connection, Exchange, Queue
 
-from merchant_tasks.routing import remove_stale_bindings
+from merchant_tasks.worker.routing import remove_stale_bindings
 
 pytestmark = pytest.mark.integration
 

@@ -18,8 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from werkzeug.test import Client, TestResponse
 
-from merchant_tasks.local import spawn
-from merchant_tasks.sandbox import (
+from merchant_tasks.sandbox.emulator import (
     DEFAULT_PORT,
     TOKEN_PATH,
     SandboxApp,
@@ -27,6 +26,7 @@ from merchant_tasks.sandbox import (
     SandboxConfig,
     SandboxServer,
 )
+from merchant_tasks.sandbox.processes import spawn
 
 API_KEY = "app_key_0123"
 SECRET = "Secret-Value-That-Must-Never-Leak-42"
@@ -831,7 +831,7 @@ def test_real_server_cannot_start_twice() -> None:
 FOREGROUND_SCRIPT = """
 import signal, threading, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from merchant_tasks.sandbox import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
 server = SandboxServer(SandboxApp(SandboxConfig("key", "secret")))
 def announce():
     while not server.url:

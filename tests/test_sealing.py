@@ -21,19 +21,18 @@ import redis
 from conftest import make_manager, shows
 from merchant_tasks.accounts import client_for
 from merchant_tasks.exceptions import ConfigurationError, TokenUnreadable
-from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.local_copy import LOCAL_COPY_TTL
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.sealing import (
+from merchant_tasks.renewal.lock import LOCAL_COPY_TTL
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.settings import Settings
+from merchant_tasks.store.sealing import (
     PLAIN_TEXT,
     SEALED_PREFIX,
     KeyFileReadableByOthers,
     Sealer,
     codec_for,
 )
-from merchant_tasks.settings import Settings
-from merchant_tasks.store import TokenStore
-from merchant_tasks.token import RenewalReason, Token
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.token import IssuedToken, RenewalReason, Token
 
 PING = "/open-api/v1/ping"
 NAMESPACE = "mt-test:sandbox:app"
@@ -172,7 +171,7 @@ def test_a_key_file_only_its_owner_reads_raises_no_warning(key_file: Path) -> No
 def test_the_key_file_warning_reaches_the_stderr_of_a_command(key_file: Path) -> None:
     key_file.chmod(0o644)
     done = subprocess.run(
-        [sys.executable, "-m", "merchant_tasks.cli", "status"],
+        [sys.executable, "-m", "merchant_tasks.ops.cli", "status"],
         env={
             "PATH": os.environ.get("PATH", ""),
             "MERCHANT_API_KEY": "k",

@@ -26,21 +26,20 @@ from celery.result import AsyncResult
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
-from merchant_tasks import refusals
 from merchant_tasks.accounts import AccountClients, FleetClient, client_for
-from merchant_tasks.celery_app import isolated_config, load_config, write_config_module
-from merchant_tasks.cli import main
 from merchant_tasks.exceptions import MerchantError, StoreUnavailable
-from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.local import RedisServer, free_port, spawn, wait_until
-from merchant_tasks.metrics import FleetCollector
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.refusals import FORCED_RENEWAL_BUDGET
-from merchant_tasks.renewal_lock import RenewalLock
+from merchant_tasks.ops.cli import main
+from merchant_tasks.ops.metrics import FleetCollector
+from merchant_tasks.ops.status import account_status
+from merchant_tasks.renewal import refusals
+from merchant_tasks.renewal.lock import RenewalLock
+from merchant_tasks.renewal.refusals import FORCED_RENEWAL_BUDGET
+from merchant_tasks.sandbox.processes import RedisServer, free_port, spawn, wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Settings, child_env
-from merchant_tasks.status import account_status
-from merchant_tasks.store import TokenStore
-from merchant_tasks.token import Token
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.token import IssuedToken, Token
+from merchant_tasks.worker.app import isolated_config, load_config, write_config_module
 
 pytestmark = pytest.mark.integration
 

@@ -10,10 +10,15 @@ import redis
 
 from conftest import UNIT_NAMESPACE, dead_redis
 from merchant_tasks.exceptions import StoreUnavailable
-from merchant_tasks.policy import BreakerKind, CounterName, Outcome
-from merchant_tasks.records import BREAKER_MEMORY, BreakerRecord, Histogram
-from merchant_tasks.store import LOCK_WAIT_SECONDS, RedisClock, TokenStore
-from merchant_tasks.token import RenewalReason, Token
+from merchant_tasks.store.token_store import (
+    BREAKER_MEMORY,
+    LOCK_WAIT_SECONDS,
+    BreakerRecord,
+    Histogram,
+    RedisClock,
+    TokenStore,
+)
+from merchant_tasks.token import BreakerKind, CounterName, Outcome, RenewalReason, Token
 
 
 def make_token(generation: int, left: float = 3600.0, value: str | None = None) -> Token:

@@ -12,13 +12,12 @@ import redis
 from conftest import CountingConnection
 from merchant_tasks import accounts as accounts_module
 from merchant_tasks.accounts import AccountClients, exchange_rate_for, store_for
-from merchant_tasks.local import RedisServer
-from merchant_tasks.policy import BreakerKind, Outcome
-from merchant_tasks.records import BreakerRecord
-from merchant_tasks.redis_topology import StoreClient
+from merchant_tasks.ops.status import AccountState, account_status, account_statuses
+from merchant_tasks.sandbox.processes import RedisServer
 from merchant_tasks.settings import FleetSettings, Settings
-from merchant_tasks.status import AccountState, account_status
-from merchant_tasks.token import RenewalReason, Token
+from merchant_tasks.store.token_store import BreakerRecord
+from merchant_tasks.store.topology import StoreClient
+from merchant_tasks.token import BreakerKind, Outcome, RenewalReason, Token
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +60,7 @@ def _round_trips_of_statuses(
         monkeypatch.setattr(accounts_module, "redis_for", lambda fleet: counting)
         fleet = AccountClients(accounts)
         before = CountingConnection.sent
-        statuses = fleet.statuses()
+        statuses = account_statuses(fleet)
         trips = CountingConnection.sent - before
     finally:
         counting.close()
@@ -99,7 +98,7 @@ def test_statuses_of_the_fleet_are_what_one_account_at_a_time_reads(
     record = BreakerRecord(BreakerKind.REJECTED, until=now + 300, detail="check the secret")
     stores["shop-2"].records.open_breaker(record, now)
     client.set(stores["shop-3"].keys.counters, "not a hash")  # corrupt: reads as absent
-    statuses = fleet.statuses()
+    statuses = account_statuses(fleet)
     for name, settings in accounts.items():
         one = account_status(
             name, settings, stores[name], exchange_rate_for(settings, stores[name])
@@ -135,7 +134,7 @@ def test_accounts_on_two_redis_servers_are_each_read_on_their_own(
     fleet = AccountClients({**here, **there})
     _store_tokens(fleet.redis_for(merchant_settings.fleet.redis_url), here, generation=1)
     _store_tokens(fleet.redis_for(private_redis.url), there, generation=5)
-    statuses = fleet.statuses()
+    statuses = account_statuses(fleet)
     assert [statuses[name].generation for name in here] == [1, 1, 1]
     assert [statuses[name].generation for name in there] == [5, 5, 5]
     rates = {name: status.exchange_rate for name, status in statuses.items()}

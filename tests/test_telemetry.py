@@ -38,10 +38,8 @@ from celery_fleet import CALL_API, PING, READY_TIMEOUT, Fleet
 from conftest import TEST_SECRET, dead_redis
 from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.exceptions import CredentialsRejected
-from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.local import wait_until
-from merchant_tasks.policy import BreakerKind, CounterName
-from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox.processes import wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.telemetry import (
     ACCOUNT,
@@ -63,7 +61,7 @@ from merchant_tasks.telemetry import (
     URL_PATH,
     WAITED,
 )
-from merchant_tasks.token import Token
+from merchant_tasks.token import BreakerKind, CounterName, IssuedToken, Token
 from traced_worker import SPANS_FILE
 
 pytestmark = pytest.mark.integration

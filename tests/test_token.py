@@ -115,3 +115,10 @@ def test_a_token_is_immutable() -> None:
     token = make_token()
     with pytest.raises(dataclasses.FrozenInstanceError):
         token.value = "other"  # type: ignore[misc]
+
+
+def test_a_stored_tokens_time_left_is_read_from_its_expiry_and_garbage_has_none() -> None:
+    token = Token("v", issued_at=0.0, expires_at=500.0, generation=1)
+    assert Token.stored_time_left(token.to_json(), now=200.0) == 300.0
+    for garbage in (b"not json", b"[]", b'{"expires_at": "x"}', b'{"expires_at": 1e999}'):
+        assert Token.stored_time_left(garbage, now=200.0) == 0.0

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from merchant_tasks.exceptions import ConfigurationError
-from merchant_tasks.sealing import codec_for
 from merchant_tasks.settings import Settings
+from merchant_tasks.store.sealing import codec_for
 from merchant_tasks.variable_files import permission_bits, read_file, read_text_file
 
 CONTENT = "s3cr3t-content-9f1e"

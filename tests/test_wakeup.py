@@ -11,11 +11,10 @@ import pytest
 import redis
 
 from conftest import dead_redis, make_manager
-from merchant_tasks.exchange import IssuedToken
-from merchant_tasks.local import wait_until
-from merchant_tasks.store import TokenStore
-from merchant_tasks.token import RenewalReason, Token
-from merchant_tasks.wakeup import RenewalSignal
+from merchant_tasks.sandbox.processes import wait_until
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.store.wakeup import RenewalSignal
+from merchant_tasks.token import IssuedToken, RenewalReason, Token
 
 pytestmark = pytest.mark.integration
 

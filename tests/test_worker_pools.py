@@ -23,11 +23,11 @@ from celery import Celery
 from celery_fleet import (
     Fleet,
 )
-from merchant_tasks.celery_app import CALLS_QUEUE, VISIBILITY_TIMEOUT, package_defaults
-from merchant_tasks.policy import CounterName
-from merchant_tasks.pytest_plugin import MerchantSandbox
-from merchant_tasks.sandbox import SandboxApp, SandboxConfig
-from merchant_tasks.worker_pools import CONSUMER_CONNECTIONS, size_pools, worker_concurrency
+from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.token import CounterName
+from merchant_tasks.worker.app import CALLS_QUEUE, VISIBILITY_TIMEOUT, package_defaults
+from merchant_tasks.worker.pools import CONSUMER_CONNECTIONS, size_pools, worker_concurrency
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -92,7 +92,7 @@ def test_a_cap_set_too_small_is_raised_with_a_warning_naming_the_setting(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     conf = _conf(broker_transport_options={"max_connections": 10, "visibility_timeout": 60})
-    with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker_pools"):
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.pools"):
         size_pools(conf, 50)
     assert conf.broker_transport_options == {"max_connections": 60, "visibility_timeout": 60}
     assert "broker_transport_options['max_connections'] allows 10 connections" in caplog.text

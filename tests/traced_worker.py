@@ -20,7 +20,7 @@ from opentelemetry.instrumentation.celery import CeleryInstrumentor
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
-from merchant_tasks.celery_app import app
+from merchant_tasks.worker.app import app
 
 SPANS_FILE = "TRACED_WORKER_SPANS"  # the variable naming the file spans are appended to
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from merchant_tasks.local import Child, spawn, stop_all
+from merchant_tasks.sandbox.processes import Child, spawn, stop_all
 from merchant_tasks.settings import Settings, child_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,8 +2,8 @@
 
 from typing import Any
 
-from merchant_tasks.local import Child, wait_until
 from merchant_tasks.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox.processes import Child, wait_until
 
 WAIT = 60.0  # seconds for a payment or a renewal on a busy machine
 

@@ -1,0 +1,177 @@
+"""What an operator asks about an account, read from the fleet's Redis (never a token)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from merchant_tasks.accounts import AccountClients
+from merchant_tasks.settings import Settings
+from merchant_tasks.store.exchange_rate import ExchangeRate
+from merchant_tasks.store.reading import AccountReading, read_many, read_one
+from merchant_tasks.store.token_store import TokenStore, paused
+from merchant_tasks.token import TokenState
+
+HOUR = 3600.0
+DAY = 86400.0
+WINDOWS = (HOUR, DAY)  # the exchange counts status shows: the last hour, the last day
+
+
+class AccountState(enum.StrEnum):
+    """Where an account's stored token stands (a ``TokenState``, or none stored)."""
+
+    FRESH = TokenState.FRESH.value
+    ADVISORY = TokenState.ADVISORY.value
+    MANDATORY = TokenState.MANDATORY.value
+    EXPIRED = TokenState.EXPIRED.value
+    MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class AccountStatus:
+    """One account's token, renewals, breaker and counters at one moment (Redis time)."""
+
+    account: str
+    environment: str
+    api_key: str
+    now: float
+    state: AccountState
+    generation: int | None = None
+    fingerprint: str | None = None  # a short hash: tells tokens apart, reveals nothing
+    issued_at: float | None = None
+    age: float | None = None
+    time_left: float | None = None
+    last_renewal_reason: str | None = None
+    renewed_by: str | None = None
+    exchanges_last_hour: int = 0
+    exchanges_last_day: int = 0
+    breaker: dict[str, Any] | None = None  # kind, failures, closes_in, detail
+    lock_holder: str | None = None
+    counters: dict[str, int] = field(default_factory=dict)
+    histograms: dict[str, int] = field(default_factory=dict)  # raw fields (AccountRecords.observe)
+    # the token endpoint host's fleet-wide exchange rate: host, rate and cap (per second),
+    # permits in the bucket, and its counts (store.exchange_rate.RateState)
+    exchange_rate: dict[str, Any] | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """A token is usable outside the mandatory window and no breaker is open."""
+        return self.state in (AccountState.FRESH, AccountState.ADVISORY) and self.breaker is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def account_status(
+    name: str, settings: Settings, store: TokenStore, rate: ExchangeRate | None = None
+) -> AccountStatus:
+    """Read one account's status from its store (and its host's exchange rate)."""
+    state = asdict(rate.state()) if rate is not None else None
+    return status_of(name, settings, read_one(store, WINDOWS), state)
+
+
+def account_statuses(fleet: AccountClients) -> dict[str, AccountStatus]:
+    """Every account's status in ``fleet``: a few round trips per Redis server, whatever the
+    number of accounts, and no client built."""
+    stores, rates = fleet.stores_and_rates()
+    return fleet_statuses(fleet.accounts, stores, rates)
+
+
+def fleet_statuses(
+    accounts: Mapping[str, Settings],
+    stores: Mapping[str, TokenStore],
+    rates: Mapping[str, ExchangeRate],
+) -> dict[str, AccountStatus]:
+    """Every account's status, read in a few round trips per Redis server
+    (``store.reading.read_many``), each host's exchange rate read once (accounts sharing a
+    host share one ``ExchangeRate`` in ``rates``)."""
+    readings = read_many(stores, WINDOWS)
+    states: dict[int, dict[str, Any]] = {}
+    for rate in rates.values():
+        if id(rate) not in states:
+            states[id(rate)] = asdict(rate.state())
+    return {
+        name: status_of(name, settings, readings[name], states[id(rates[name])])
+        for name, settings in accounts.items()
+    }
+
+
+def status_of(
+    name: str, settings: Settings, reading: AccountReading, rate: dict[str, Any] | None
+) -> AccountStatus:
+    """An account's status from what was read of it, and its host's rate state."""
+    now, token = reading.now, reading.token
+    record = paused(reading.breaker, now)
+    breaker = None
+    if record is not None:
+        breaker = {
+            "kind": record.kind,
+            "failures": record.failures,
+            "closes_in": round(record.until - now, 3),
+            "detail": record.detail,
+        }
+    last_hour, last_day = reading.exchanges
+    common: dict[str, Any] = {
+        "account": name,
+        "environment": settings.environment,
+        "api_key": settings.api_key,
+        "now": now,
+        "exchanges_last_hour": last_hour,
+        "exchanges_last_day": last_day,
+        "breaker": breaker,
+        "lock_holder": reading.lock_holder,
+        "counters": reading.counters,
+        "histograms": reading.histograms,
+        "exchange_rate": rate,
+    }
+    if token is None:
+        return AccountStatus(state=AccountState.MISSING, **common)
+    state = token.state(now, settings.renew_before, settings.renew_mandatory)
+    return AccountStatus(
+        state=AccountState(state),
+        generation=token.generation,
+        fingerprint=token.fingerprint,
+        issued_at=token.issued_at,
+        age=round(now - token.issued_at, 3),
+        time_left=round(max(0.0, token.time_left(now)), 3) if state != TokenState.EXPIRED else 0.0,
+        last_renewal_reason=token.reason,
+        renewed_by=token.renewed_by,
+        **common,
+    )
+
+
+def format_status(status: AccountStatus) -> str:
+    """Human-readable lines for `merchant-tasks status`."""
+    lines = [f"{status.account} ({status.environment}, key {status.api_key}): {status.state}"]
+    if status.generation is not None:
+        lines.append(
+            f"  token       generation {status.generation}, fingerprint {status.fingerprint}, "
+            f"age {status.age:.0f} s, {status.time_left:.0f} s left"
+        )
+        lines.append(f"  renewed     {status.last_renewal_reason} by {status.renewed_by}")
+    lines.append(
+        f"  exchanges   {status.exchanges_last_hour} in the last hour, "
+        f"{status.exchanges_last_day} in the last day"
+    )
+    if status.breaker is not None:
+        b = status.breaker
+        lines.append(
+            f"  breaker     OPEN ({b['kind']}, {b['failures']} failure(s)), closes in "
+            f"{b['closes_in']:.0f} s: {b['detail']}"
+        )
+    else:
+        lines.append("  breaker     closed")
+    lines.append(f"  lock        {status.lock_holder or 'free'}")
+    if status.exchange_rate is not None:
+        r, counts = status.exchange_rate, status.exchange_rate["counts"]
+        halved = f" (cap {r['cap']:g}, lowered after a 429)" if r["rate"] < r["cap"] else ""
+        lines.append(
+            f"  exch. rate  {r['rate']:g}/s to {r['host']}{halved}; permits waited for "
+            f"{counts['waited']}, refused {counts['gave_up']}, 429 halvings {counts['cuts']}"
+        )
+    if status.counters:
+        counted = ", ".join(f"{k}={v}" for k, v in sorted(status.counters.items()))
+        lines.append(f"  counters    {counted}")
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""One account's Redis commands, under the token store and its records
+(``store.token_store``): every key name made from the account's namespace (``AccountKeys``), every
+Redis error typed (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed
+value read as absent and logged once. docs/design.md, "Seams".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis
+from redis.exceptions import RedisClusterException
+
+from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.store.topology import StoreClient
+
+log = logging.getLogger(__name__)
+
+CORRUPT = (ValueError, KeyError, TypeError, AttributeError, RecursionError)  # parsing garbage
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)  # whatever a Redis client raises
+
+T = TypeVar("T")
+
+
+_KEY_OF = {"exchange_log": "exchanges", "renewal_sent": "renewal-sent"}  # field -> key, where
+# they differ (the names in Redis never change: a fleet upgraded mid-flight keeps its keys)
+
+
+@dataclass(frozen=True)
+class AccountKeys:
+    """Every key of one account, made from its namespace here and nowhere else."""
+
+    namespace: str
+    token: str
+    generation: str
+    lock: str
+    breaker: str
+    counters: str
+    histograms: str
+    exchange_log: str
+    accepted: str
+    forced: str
+    probe: str
+    waits: str
+    renewal_sent: str
+    renewed: str  # a channel
+
+    @classmethod
+    def of(cls, namespace: str) -> AccountKeys:
+        """The keys under ``namespace``: ``<namespace>:<field>``, but for the fields below."""
+        names = [key.name for key in dataclasses.fields(cls) if key.name != "namespace"]
+        return cls(namespace, **{name: f"{namespace}:{_KEY_OF.get(name, name)}" for name in names})
+
+    @staticmethod
+    def namespace_for(
+        prefix: str, environment: str, api_key: str, *, hash_tag: bool = False
+    ) -> str:
+        """The account's key namespace; with ``hash_tag`` (Redis Cluster), its keys share
+        one hash slot, as the save script and the lock need."""
+        if hash_tag:
+            return f"{prefix}:{{{environment}:{api_key}}}"
+        return f"{prefix}:{environment}:{api_key}"
+
+    @staticmethod
+    def exchange_rate(prefix: str, host: str) -> str:
+        """The fleet-wide exchange rate of the token endpoint ``host`` (``store.exchange_rate``),
+        shared by every account on it: one key, hash-tagged so that it names its own slot
+        on a Redis Cluster."""
+        return f"{prefix}:{{exchange-rate:{host}}}"
+
+    def completed(self, task_id: str) -> str:
+        """The completion record of call ``task_id`` (``worker.completions``)."""
+        return f"{self.namespace}:completed:{task_id}"
+
+
+class AccountRedis:
+    """One account's Redis commands: every error typed (``StoreUnavailable`` naming the
+    cause), every corrupt or wrong-typed value read as absent and logged once."""
+
+    def __init__(self, client: StoreClient, keys: AccountKeys) -> None:
+        self.client = client
+        self.keys = keys
+        self._reported: set[str] = set()  # keys whose corrupt value was logged
+
+    @property
+    def address(self) -> str:
+        """host:port of the client in use, for error messages (never a password)."""
+        return redis_address(self.client)
+
+    def command(self, command: Callable[[], T]) -> T:
+        with unavailable_as_error(self.address):
+            return command()
+
+    def read(self, key: str, command: Callable[[], Any], parse: Callable[[Any], T], absent: T) -> T:
+        """``parse`` of what ``command`` read from ``key``; ``absent`` when nothing is
+        there or what is there is corrupt or of the wrong type (logged once)."""
+        try:
+            raw = self.command(command)
+        except StoreUnavailable as exc:
+            if not wrong_type(exc.__cause__):
+                raise
+            raw = exc.__cause__
+        return self.reply(key, raw, parse, absent)
+
+    def reply(self, key: str, raw: Any, parse: Callable[[Any], T], absent: T) -> T:
+        """``read`` of a reply already received (a pipeline's, errors left in it): an error
+        other than WRONGTYPE is raised as StoreUnavailable."""
+        if isinstance(raw, Exception):
+            if not wrong_type(raw):
+                raise store_error(raw, self.address) from raw
+            self.corrupt(key, "a value of the wrong type")
+            return absent
+        if raw is None:
+            return absent
+        try:
+            return parse(raw)
+        except CORRUPT as exc:
+            self.corrupt(key, type(exc).__name__)
+            return absent
+
+    def get(self, key: str, parse: Callable[[bytes], T], absent: T) -> T:
+        """GET ``key``, parsed; see ``read``."""
+        return self.read(key, lambda: self.client.get(key), parse, absent)
+
+    def corrupt(self, key: str, why: str) -> None:
+        if key not in self._reported:
+            self._reported.add(key)
+            log.warning(
+                "%s holds what merchant-tasks never writes (%s): treated as absent; "
+                "the next write replaces it",
+                key,
+                why,
+            )
+
+    def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        """Run one of ``store.scripts``, sent whole (EVAL), not by digest (EVALSHA).
+
+        They run a few times a renewal, never on the hot path; after a Redis restart or
+        failover the server's script cache is empty, and a digest would cost every process
+        two more commands (NOSCRIPT, SCRIPT LOAD) in the very storm that follows.
+        """
+        return self.command(lambda: self.client.eval(script, len(keys), *keys, *args))
+
+
+def milliseconds(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def wrong_type(exc: BaseException | None) -> bool:
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE")
+
+
+def redis_address(client: object) -> str:
+    """Where a client connects (host:port or socket path), never its user or password."""
+    pool = getattr(client, "connection_pool", None)  # a cluster client has one per node
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return "MERCHANT_REDIS_URL"
+    if kwargs.get("path"):
+        return str(kwargs["path"])
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+
+def cause(exc: Exception) -> str:
+    """What a Redis error says about the store, without any text the server chose."""
+    name = type(exc).__name__
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return f"is a read-only replica ({name}): a failover may be under way"
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return f"refused a command its ACL user may not run ({name})"
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return f"is out of memory ({name}): check its maxmemory"
+    if isinstance(exc, redis.ResponseError):
+        code = str(exc).split(" ", 1)[0]
+        return f"refused a command ({name} {code if code.isalpha() and code.isupper() else ''})"
+    return f"unavailable: {name}"
+
+
+@contextmanager
+def unavailable_as_error(address: str | None = None) -> Iterator[None]:
+    """Every Redis error as StoreUnavailable naming ``address`` (host:port) and the cause
+    (unreachable, read-only, out of memory, a refused command); the original is chained."""
+    try:
+        yield
+    except REDIS_ERRORS as exc:
+        raise store_error(exc, address) from exc
+
+
+def store_error(exc: Exception, address: str | None = None) -> StoreUnavailable:
+    """The StoreUnavailable a Redis error ``exc`` becomes (chain it with ``from``)."""
+    where = f"Redis at {address}" if address else "Redis"
+    return StoreUnavailable(f"token store ({where}) {cause(exc)}; check MERCHANT_REDIS_URL")

@@ -1,0 +1,600 @@
+"""The token store: one account's keys in Redis, and the records kept beside its token.
+
+``TokenStore`` holds the token, its generation, its acceptance and the renewal lock;
+``AccountRecords``, reached as ``TokenStore.records``, the breaker (``BreakerRecord``,
+read by ``open_breaker`` and ``paused``), the forced-renewal budget, the half-open probe,
+the fleet-wide counters and histograms, and the completion records. Both go through one
+``store.keys.AccountRedis``, which types every error and reads every corrupt value as
+absent. With ``store.keys`` and ``store.reading`` (many accounts' status at once) this is
+the only code that speaks to Redis.
+
+Keys, under ``<prefix>:<environment>:<api key>:`` (``<prefix>:{<environment>:<api key>}:``
+on a Redis Cluster: the hash tag keeps them in one slot, as the save script and the lock
+need), all named by ``store.keys.AccountKeys``:
+
+- ``token``      the current token as JSON (value, issue and expiry times, generation, who
+                 renewed and why, the renewal's trace context); its TTL is the token's
+                 time left, so it expires with it; the value is sealed when a codec is
+                 given (``store.sealing``)
+- ``generation`` a counter that only grows; a write names the generation it replaces and
+                 is refused if another write came first, so an older token never
+                 overwrites a newer one
+- ``lock``       the renewal lock; its value names the holding process (``renewal.lock``)
+- ``breaker``    why exchanges are paused and until when (kept a while past the pause,
+                 to count failures in a row)
+- ``counters``   fleet-wide counters (``CounterName`` and the fields ``renewal_counter``,
+                 ``attempt_counter`` and ``opening_counter`` make)
+- ``exchanges``  the last day's exchange attempts (a sorted set by time), for rates
+- ``accepted``   the highest generation the API accepted (evidence that a later 401 is a
+                 revocation, docs/design.md "Refusals")
+- ``forced``     forced renewals of the last period (a sorted set by time), the budget
+- ``probe``      the half-open breaker's probe slot
+- ``waits``      when each caller waiting for another's renewal began (and its limit); the
+                 next write turns them into the lock-wait histogram (and its meter's)
+- ``completed:<task id>`` a call's result (``worker.completions``); ``renewal-sent`` beat's claim
+- channel ``renewed``: the generation of each token written, to wake waiting processes
+
+Every Redis error reaches callers as ``StoreUnavailable`` naming its cause (unreachable,
+read-only replica, out of memory, a refused command). A corrupt or wrong-typed value in any
+key reads as absent, is logged once naming the key, and the next write replaces it.
+
+Times come from Redis's own clock (TIME), the one clock all hosts share: ``RedisClock``
+reads it once a minute and advances it with the local monotonic clock in between, so the
+hot path costs one GET and no TIME. See docs/design.md, "Keys".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, cast
+
+from redis.client import PubSub
+from redis.cluster import RedisCluster
+
+from merchant_tasks import telemetry
+from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.store import scripts
+from merchant_tasks.store.keys import (
+    CORRUPT,
+    AccountKeys,
+    AccountRedis,
+    milliseconds,
+    store_error,
+    unavailable_as_error,
+    wrong_type,
+)
+from merchant_tasks.store.sealing import PLAIN_TEXT, TokenCodec
+from merchant_tasks.store.topology import StoreClient
+from merchant_tasks.token import BreakerKind, CounterName, Outcome, RenewalReason, Token
+
+log = logging.getLogger(__name__)
+
+EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last day)
+# upper bounds (seconds) of the fleet-wide histograms: an exchange takes ~0.1-1 s, a wait
+# for another process's exchange as long, up to the read timeout (10 s) and its retries
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+OVERFLOW = "+Inf"  # the bucket of durations above every bound (Prometheus's name for it)
+_BOUNDS = [(bound, f"{bound:g}") for bound in DURATION_BUCKETS]  # seconds, and as fields say
+BREAKER_MEMORY = 600.0  # a breaker record is kept this long past its pause, so that
+# failures in a row are counted and the back-off grows; a success deletes it
+
+
+def renewal_counter(reason: RenewalReason, outcome: Outcome) -> str:
+    """The counter of renewals for ``reason`` that ended with ``outcome`` (one a renewal,
+    however many HTTP attempts it made)."""
+    return f"renewals:{reason}:{outcome}"
+
+
+def attempt_counter(reason: RenewalReason, outcome: Outcome) -> str:
+    """The counter of HTTP attempts at the token endpoint, made for a renewal for
+    ``reason``, that ended with ``outcome``."""
+    return f"exchange_attempts:{reason}:{outcome}"
+
+
+def opening_counter(kind: BreakerKind) -> str:
+    """The counter of breaker openings of ``kind``."""
+    return f"breaker_openings:{kind}"
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A fleet-wide duration histogram's fields in the account's ``histograms`` hash.
+
+    ``<name>:le:<bound>`` counts the durations of that bucket (not cumulative; ``+Inf`` for
+    longer ones; their total is the count) and ``<name>:sum_us`` adds them up in
+    microseconds (integers only). The field names are made here only: the store's scripts
+    get them as arguments (``script_args``) and only pick the bucket.
+    """
+
+    name: str
+
+    def field(self, bound: str) -> str:
+        """The field counting the durations of the bucket whose upper bound is ``bound``."""
+        return f"{self.name}:le:{bound}"
+
+    @property
+    def sum_field(self) -> str:
+        return f"{self.name}:sum_us"
+
+    def script_args(self) -> list[str | int]:
+        """ARGV for the scripts' ``observe``: the sum's field, the overflow bucket's field,
+        then pairs of (upper bound in microseconds, field), bounds ascending."""
+        args: list[str | int] = [self.sum_field, self.field(OVERFLOW)]
+        for bound, label in _BOUNDS:
+            args += [round(bound * 1e6), self.field(label)]
+        return args
+
+    def cumulative(self, raw: Mapping[str, int]) -> tuple[list[tuple[str, float]], float]:
+        """Prometheus buckets (cumulative, ending with +Inf) and the sum in seconds, from
+        the hash's fields ``raw``."""
+        buckets: list[tuple[str, float]] = []
+        running = 0
+        for label in [*(label for _, label in _BOUNDS), OVERFLOW]:
+            running += raw.get(self.field(label), 0)
+            buckets.append((label, running))
+        return buckets, raw.get(self.sum_field, 0) / 1e6
+
+
+@dataclass(frozen=True)
+class BreakerRecord:
+    """Why token exchanges are paused fleet-wide, and until when (Redis time)."""
+
+    kind: BreakerKind
+    until: float
+    failures: int = 1
+    secret_fingerprint: str = ""  # "rejected", "refused": the secret in use; a new one ends it
+    detail: str = ""  # the error's message, free of secrets by construction
+    generation: int = 0  # for "refused": the refused token's generation
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> BreakerRecord:
+        data = json.loads(raw)
+        record = cls(**{**data, "kind": BreakerKind(data["kind"])})
+        if not math.isfinite(float(record.until)) or not isinstance(record.failures, int):
+            raise ValueError("not a breaker record")
+        return record
+
+
+class AccountRecords:
+    """Breaker, budget, probe, counters, histograms and completion records of one account."""
+
+    def __init__(self, commands: AccountRedis, account: str = "") -> None:
+        self.commands = commands
+        self.account = account  # its name in this process's meters (telemetry)
+        self.keys = commands.keys
+
+    def __repr__(self) -> str:
+        return f"AccountRecords(namespace={self.keys.namespace!r})"
+
+    # -- breaker, budget, probe ------------------------------------------------------------
+
+    def load_breaker(self) -> BreakerRecord | None:
+        key = self.keys.breaker
+        return self.commands.get(key, BreakerRecord.from_json, None)
+
+    def open_breaker(self, record: BreakerRecord, now: float) -> None:
+        """Store the breaker; it outlives ``record.until`` by BREAKER_MEMORY."""
+        ttl_ms = milliseconds(record.until - now + BREAKER_MEMORY)
+        self.commands.command(
+            lambda: self.commands.client.set(
+                self.keys.breaker, json.dumps(asdict(record)), px=ttl_ms
+            )
+        )
+
+    def close_breaker(self) -> None:
+        self.commands.command(lambda: self.commands.client.delete(self.keys.breaker))
+
+    def forced_in_period(self, now: float, period: float) -> int:
+        """Forced renewals logged in the ``period`` seconds before ``now``."""
+        return int(
+            self.commands.run(scripts.COUNT_RECENT, [self.keys.forced], [repr(now - period), ""])
+        )
+
+    def log_forced(self, now: float) -> None:
+        """Log one forced renewal at ``now``, for the budget."""
+        horizon = repr(now - EXCHANGE_LOG_SPAN)
+        self.commands.run(scripts.COUNT_RECENT, [self.keys.forced], [horizon, f"{now:.6f}"])
+
+    def take_probe(self, interval: float) -> bool:
+        """The half-open probe slot, at most once per ``interval`` seconds fleet-wide."""
+        args = [milliseconds(interval)]
+        return bool(self.commands.run(scripts.TAKE_SLOT, keys=[self.keys.probe], args=args))
+
+    # -- counters and histograms ---------------------------------------------------------
+
+    def count(self, *events: str) -> None:
+        """Add one to each named fleet-wide counter."""
+        self._add(self.keys.counters, [(event, 1) for event in events])
+
+    def _add(
+        self,
+        hash_key: str,
+        increments: list[tuple[str, int]],
+        logged: tuple[str, float] | None = None,
+    ) -> None:
+        """Add to fields of ``hash_key``; with ``logged`` (entry, time), also log the entry
+        in the exchange log, which keeps the last EXCHANGE_LOG_SPAN seconds."""
+        entry, at = logged if logged is not None else ("", 0.0)
+        args: list[Any] = [entry, repr(at), repr(at - EXCHANGE_LOG_SPAN)]
+        args += [x for increment in increments for x in increment]
+        self.commands.run(scripts.COUNT, [hash_key, self.keys.exchange_log], args)
+
+    def record_attempt(self, reason: RenewalReason, outcome: Outcome, now: float) -> None:
+        """Count one HTTP attempt at the token endpoint, and log its time for rates."""
+        telemetry.count_exchange_attempt(self.account, reason, outcome)
+        counter = attempt_counter(reason, outcome)
+        self._add(self.keys.counters, [(counter, 1)], logged=(f"{now:.6f}:{counter}", now))
+
+    def record_renewal(self, reason: RenewalReason, outcome: Outcome) -> None:
+        """Count one renewal (however many attempts it made) by reason and outcome."""
+        telemetry.count_renewal(self.account, reason, outcome)
+        self.count(renewal_counter(reason, outcome))
+
+    def exchanges_since(self, since: float) -> int:
+        """Exchange attempts (any outcome) since ``since``, within the last day."""
+        key = self.keys.exchange_log
+        return self.commands.read(
+            key, lambda: self.commands.client.zcount(key, since, "+inf"), int, 0
+        )
+
+    def counters(self) -> dict[str, int]:
+        return self._numbers(self.keys.counters)
+
+    def _numbers(self, key: str) -> dict[str, int]:
+        raw: dict[bytes, bytes] = self.commands.read(
+            key, lambda: self.commands.client.hgetall(key), dict, {}
+        )
+        return self.numbers(key, raw)
+
+    def numbers(self, key: str, raw: Mapping[bytes, bytes]) -> dict[str, int]:
+        """The fields of hash ``key`` as read (``raw``), as integers; a field that is not
+        one is left out (logged once)."""
+        numbers = {}
+        for field, value in raw.items():
+            try:
+                numbers[field.decode()] = int(value)
+            except ValueError:
+                self.commands.corrupt(key, f"field {field.decode(errors='replace')[:64]!r}")
+        return numbers
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Add one duration to the fleet-wide histogram ``name`` (see ``Histogram``).
+
+        Best effort: a failure is logged, never raised, so it cannot fail what it measures.
+        """
+        micros = round(max(0.0, seconds) * 1e6)
+        args = [micros, *Histogram(name).script_args()]
+        try:
+            self.commands.run(scripts.OBSERVE, [self.keys.histograms], args)
+        except StoreUnavailable as exc:
+            log.warning("could not record %s in Redis: %s", name, exc)
+
+    def histograms(self) -> dict[str, int]:
+        """The raw fields of every histogram (``Histogram``)."""
+        return self._numbers(self.keys.histograms)
+
+    # -- completion records ----------------------------------------------------------------
+
+    def load_completion(self, task_id: str) -> dict[str, Any] | None:
+        """The completion record of ``task_id`` (``{"result": ...}``), or None."""
+        key = self.keys.completed(task_id)
+        return self.commands.get(key, _completion, None)
+
+    def save_completion(self, task_id: str, result: Any, ttl: float) -> None:
+        payload = json.dumps({"result": result})
+        key = self.keys.completed(task_id)
+        self.commands.command(lambda: self.commands.client.set(key, payload, px=milliseconds(ttl)))
+
+
+def _completion(raw: bytes) -> dict[str, Any]:
+    record = json.loads(raw)
+    return {"result": record["result"]}
+
+
+MGET_CHUNK = 1000  # keys read by one command in beat's check, not one command each
+CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
+LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding another's renewal under way to a
+# token being stored: recorded by the store's write, not by the waiters
+_LOCK_WAIT_ARGS = Histogram(LOCK_WAIT_SECONDS).script_args()  # the same for every write
+
+
+class RedisClock:
+    """Redis's clock, estimated locally between reads of TIME."""
+
+    def __init__(
+        self,
+        read_time: Callable[[], float],
+        monotonic: Callable[[], float] = time.monotonic,
+        resync: float = CLOCK_RESYNC,
+    ) -> None:
+        self._read_time = read_time
+        self._monotonic = monotonic
+        self._resync = resync
+        self._base: tuple[float, float] | None = None  # (redis time, monotonic) at the last read
+        self._next_read = 0.0
+
+    def __call__(self) -> float:
+        """Redis's time now. Raises StoreUnavailable only if Redis was never reached."""
+        mono = self._monotonic()
+        if self._base is None or mono >= self._next_read:
+            self._next_read = mono + self._resync
+            try:
+                before = self._monotonic()
+                remote = self._read_time()
+                after = self._monotonic()
+            except StoreUnavailable:
+                if self._base is None:
+                    raise
+            else:
+                self._base = (remote, (before + after) / 2)  # read about mid round trip
+        remote_then, mono_then = self._base
+        return remote_then + (mono - mono_then)
+
+
+class TokenStore:
+    """One account's token, generation, acceptance and renewal lock; ``records`` holds its
+    breaker, budget, counters and completion records. The manager, beat's check,
+    completions, wake-ups, status and metrics reach Redis through it."""
+
+    namespace_for = staticmethod(AccountKeys.namespace_for)
+
+    def __init__(
+        self,
+        client: StoreClient,
+        namespace: str,
+        codec: TokenCodec = PLAIN_TEXT,
+        account: str = "",
+    ) -> None:
+        self.namespace = namespace
+        self.account = account  # the account's name (``accounts``), in telemetry
+        self.keys = AccountKeys.of(namespace)
+        self.codec = codec  # how the token value is kept at rest (store.sealing)
+        self.commands = AccountRedis(client, self.keys)
+        self.records: AccountRecords = AccountRecords(self.commands, account)
+        self._parsed: tuple[bytes, Token] | None = None
+        self._parsed_lock = threading.Lock()
+        # the highest generation this process has seen stored: Redis may lose the last
+        # writes in a failover (asynchronous replication), and a process that used a token
+        # must never go back to an older one
+        self._seen_generation = 0
+
+    def __repr__(self) -> str:
+        return f"TokenStore(namespace={self.namespace!r})"
+
+    @property
+    def redis(self) -> StoreClient:
+        """The Redis client (wake-ups subscribe with it; tests swap it)."""
+        return self.commands.client
+
+    @redis.setter
+    def redis(self, client: StoreClient) -> None:
+        self.commands.client = client
+
+    # -- the token ---------------------------------------------------------------------------
+
+    def time(self) -> float:
+        """Redis's clock, in seconds."""
+        seconds, micros = self.commands.command(self.redis.time)
+        return float(seconds + micros / 1e6)
+
+    def load(self) -> Token | None:
+        """The stored token, or None. One GET; an unchanged value is not parsed again.
+
+        None too when the stored token is older than one this process has seen stored
+        (Redis lost writes): it is renewed rather than used again.
+        """
+        key = self.keys.token
+        return self.parse_token(self.commands.get(key, bytes, None))
+
+    def parse_token(self, raw: bytes | None) -> Token | None:
+        """The token a GET of its key read (``raw``), opened; see ``load``."""
+        if raw is None:
+            return None
+        parsed = self._parsed
+        if parsed is not None and parsed[0] == raw:
+            token = parsed[1]
+        else:
+            try:
+                token = Token.from_json(raw)
+                token = replace(token, value=self.codec.open(token.value, self.namespace))
+            except CORRUPT as exc:  # (a value in clear where a key seals them is a ValueError)
+                self.commands.corrupt(self.keys.token, type(exc).__name__)
+                return None
+            with self._parsed_lock:
+                self._parsed = (raw, token)
+        if token.generation < self._seen_generation:
+            return None
+        if token.generation > self._seen_generation:
+            self._see(token.generation)
+        return token
+
+    def look_after_401(
+        self,
+        refused_generation: int,
+        lock_value: str | None,
+        owner_prefix: str,
+        lease: float,
+        wait_limit: float,
+        *,
+        count: bool = True,
+    ) -> tuple[Token | None, int]:
+        """After a 401, in one round trip: count it (unless ``count`` is False: no new 401
+        came, the call follows an earlier one), load the token and, if it is still the
+        refused generation (or none is stored), try the renewal lock with ``lock_value``
+        (None: a thread of this process holds it; only ``renewal.lock`` calls this).
+
+        Returns the stored token and 1 (lock taken), 0 (not tried) or -1 (another holds
+        it: the wait was noted, see ``note_wait``).
+        """
+        raw, outcome = self.commands.run(
+            scripts.LOOK_AFTER_401,
+            keys=[self.keys.token, self.keys.lock, self.keys.counters, self.keys.waits],
+            args=[
+                refused_generation,
+                lock_value or "",
+                owner_prefix,
+                milliseconds(lease),
+                CounterName.UNAUTHORIZED if count else "",
+                CounterName.LOCK_WAITS,
+                milliseconds(wait_limit),
+            ],
+        )
+        return self.parse_token(raw), int(outcome)
+
+    def generation(self) -> int:
+        """The generation of the last token written (0 if none ever was), or the highest
+        this process has seen stored if Redis has lost writes since."""
+        key = self.keys.generation
+        return max(self.commands.get(key, int, 0), self._seen_generation)
+
+    def save(self, token: Token) -> tuple[bool, int]:
+        """Write ``token`` if it is the successor of the stored generation.
+
+        ``token.generation`` must be the stored generation plus one. Returns whether it was
+        written and the generation now stored.
+        """
+        written, generation, *waits = self.commands.run(
+            scripts.SAVE_IF_GENERATION,
+            keys=[self.keys.token, self.keys.generation, self.keys.waits, self.keys.histograms],
+            args=[
+                token.generation - 1,
+                replace(token, value=self.codec.seal(token.value, self.namespace)).to_json(),
+                repr(token.kept_until),
+                self._seen_generation,
+                *_LOCK_WAIT_ARGS,
+            ],
+        )
+        if written == 1:
+            self._see(int(generation))
+            for micros in waits:  # this process's meter gets the waits its write ended
+                telemetry.observe_lock_wait(self.account, int(micros) / 1e6)
+        return written == 1, int(generation)
+
+    def _see(self, generation: int) -> None:
+        with self._parsed_lock:
+            self._seen_generation = max(self._seen_generation, generation)
+
+    @property
+    def seen_generation(self) -> int:
+        """The highest generation this process has seen stored."""
+        return self._seen_generation
+
+    def announce(self, generation: int) -> bool:
+        """Tell waiting processes that ``generation`` is stored. Best effort (they poll too):
+        False if it could not be published (Redis down, or an ACL without the channel)."""
+        try:
+            self.commands.command(lambda: self.redis.publish(self.keys.renewed, str(generation)))
+        except StoreUnavailable as exc:
+            log.warning("could not announce a new token: %s", exc)
+            return False
+        return True
+
+    def note_wait(self, stale_generation: int, wait_limit: float) -> bool:
+        """Count a wait for another's renewal of ``stale_generation`` and note when it
+        began, for the lock-wait histogram: the write that ends it records it, so a waiter
+        sends no command for it. False, nothing noted, if a newer generation is stored."""
+        noted = self.commands.run(
+            scripts.NOTE_WAIT_UNLESS_RENEWED,
+            keys=[self.keys.token, self.keys.counters, self.keys.waits],
+            args=[stale_generation, CounterName.LOCK_WAITS, milliseconds(wait_limit)],
+        )
+        return bool(noted)
+
+    def mark_accepted(self, generation: int) -> None:
+        """Record that the API accepted a token of ``generation`` (no write if already known)."""
+        self.commands.run(scripts.RAISE_ACCEPTED, keys=[self.keys.accepted], args=[generation])
+
+    def accepted_generation(self) -> int:
+        """The highest generation the API is known to have accepted (0: none ever)."""
+        key = self.keys.accepted
+        return self.commands.get(key, int, 0)
+
+    # -- the renewal lock (``renewal.lock.RenewalLock`` is its only user) -----------------
+
+    def take_lock(self, value: str, owner_prefix: str, lease: float) -> bool:
+        args = [value, owner_prefix, milliseconds(lease)]
+        return bool(self.commands.run(scripts.TAKE_LOCK, keys=[self.keys.lock], args=args))
+
+    def extend_lock(self, value: str, lease: float) -> bool:
+        args = [value, milliseconds(lease)]
+        return bool(self.commands.run(scripts.EXTEND_LOCK, keys=[self.keys.lock], args=args))
+
+    def release_lock(self, value: str) -> bool:
+        return bool(self.commands.run(scripts.RELEASE_LOCK, keys=[self.keys.lock], args=[value]))
+
+    def lock_holder(self) -> str | None:
+        """Who holds the renewal lock, if anyone."""
+        key = self.keys.lock
+        return self.commands.get(key, bytes.decode, None)
+
+
+def read_values(client: StoreClient, keys: list[str]) -> tuple[float, list[bytes | None]]:
+    """Redis's time and the string value of each key, in one round trip (beat's due check);
+    a key of the wrong type reads as absent or empty. Keys go by MGET_CHUNK per script
+    (``READ_STRINGS``; one GET each on a Cluster, whose slots a script may not span):
+    10,000 GETs cost more to pack and parse than the round trip itself."""
+    pipe = client.pipeline(transaction=False)
+    clustered = isinstance(client, RedisCluster)  # its pipelines refuse TIME: read it apart
+    if clustered:
+        for key in keys:
+            pipe.get(key)
+    else:
+        pipe.time()
+        for start in range(0, len(keys), MGET_CHUNK):
+            chunk = keys[start : start + MGET_CHUNK]
+            pipe.eval(scripts.READ_STRINGS, len(chunk), *chunk)
+    with unavailable_as_error():
+        clock = [client.time()] if clustered else []
+        replies = [*clock, *pipe.execute(raise_on_error=False)]
+    for reply in replies:
+        if isinstance(reply, Exception) and not wrong_type(reply):
+            raise store_error(reply) from reply
+    seconds, micros = cast(tuple[int, int], replies[0])
+    found = replies[1:] if clustered else [raw for chunk in replies[1:] for raw in chunk]
+    values = [b"" if wrong_type(raw) else cast(bytes | None, raw) for raw in found]
+    return seconds + micros / 1e6, values
+
+
+def claim_slots(client: StoreClient, slots: list[tuple[str, float]]) -> list[bool]:
+    """SET NX each (key, lifetime) in one round trip; whether each was taken."""
+    pipe = client.pipeline(transaction=False)
+    for key, ttl in slots:
+        pipe.set(key, b"1", nx=True, px=milliseconds(ttl))
+    with unavailable_as_error():
+        return [bool(won) for won in pipe.execute()]
+
+
+def open_subscription(client: StoreClient) -> PubSub:
+    """A pub/sub connection of ``client``, for ``store.wakeup``'s subscriber thread."""
+    # Redis and RedisCluster both make their own kind of PubSub here
+    pubsub: PubSub = client.pubsub()  # type: ignore[no-untyped-call]
+    return pubsub
+
+
+def delete_key(client: StoreClient, key: str) -> None:
+    with unavailable_as_error():
+        client.delete(key)
+
+
+def open_breaker(store: TokenStore, now: float) -> BreakerRecord | None:
+    """The breaker record while its pause runs at ``now`` (Redis time)."""
+    return paused(store.records.load_breaker(), now)
+
+
+def paused(record: BreakerRecord | None, now: float) -> BreakerRecord | None:
+    """``record`` while its pause runs at ``now``; a record kept past its pause only
+    remembers failures in a row, and reads as closed."""
+    return record if record is not None and record.until > now else None
+
+
+def breaker_states(store: TokenStore) -> list[tuple[BreakerKind, int]]:
+    """Each kind with 1 if the breaker paused now is of that kind, else 0: the exporter's
+    ``breaker_open`` of one account, for the meter's gauge (``telemetry.watch_breaker``)."""
+    record = open_breaker(store, store.time())
+    return [(kind, int(record is not None and record.kind == kind)) for kind in BreakerKind]

@@ -1,0 +1,145 @@
+"""The token store's Redis client for each topology: one server, Sentinel, or Cluster.
+
+``MERCHANT_REDIS_URL`` takes three forms:
+
+- ``redis://``, ``rediss://`` or ``unix://``: one server (the usual case);
+- Celery's own Sentinel form, ``sentinel://[:password@]host:26379[/db]`` repeated with
+  ``;`` for each sentinel: the client asks the sentinels for the master named by
+  ``MERCHANT_REDIS_SENTINEL_MASTER`` and follows a failover by itself. The URL's password
+  is the master's (as for Celery); the sentinels' own is
+  ``MERCHANT_REDIS_SENTINEL_PASSWORD``;
+- with ``MERCHANT_REDIS_CLUSTER=1``, the ``redis://`` or ``rediss://`` URL of any node of
+  a Redis Cluster; every key of one account then carries a hash tag, so they share a slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TypeAlias
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.cluster import RedisCluster
+from redis.sentinel import Sentinel
+
+from merchant_tasks.exceptions import ConfigurationError
+
+StoreClient: TypeAlias = "redis.Redis | RedisCluster"
+
+SOCKET_CONNECT_TIMEOUT = 2.0  # a dead Redis (or sentinel) fails a call fast...
+SOCKET_TIMEOUT = 5.0  # ... and so does one that accepted the connection and hangs
+HEALTH_CHECK_INTERVAL = 30  # seconds idle before a pooled connection is pinged on reuse
+DEFAULT_SENTINEL_MASTER = "mymaster"  # Redis's own example name, and Celery's docs'
+SENTINEL_PORT = 26379  # the port Redis assigns to Sentinel
+SENTINEL_SCHEME = "sentinel"
+URL_VARIABLE = "MERCHANT_REDIS_URL"
+KOMBU_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "socket", "sentinel"})
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """Celery's ``sentinel://...;sentinel://...`` form, taken apart."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    db: int
+    username: str | None
+    password: str | None = field(repr=False)  # the master's (Celery reads it from the first
+    # address too); never in repr, which a log line or a traceback could show
+
+
+def is_kombu_redis_url(url: str) -> bool:
+    """Whether a Celery broker or result backend URL is served by kombu's Redis transport."""
+    return url.split("://", 1)[0].lower() in KOMBU_REDIS_SCHEMES
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.lower().startswith(f"{SENTINEL_SCHEME}://")
+
+
+def parse_sentinel_url(url: str, variable: str = URL_VARIABLE) -> SentinelUrl:
+    """Take Celery's Sentinel form apart; ConfigurationError names ``variable``, never the URL.
+
+    Every address must be ``sentinel://`` with a host, and all must name the same database
+    and credentials (Celery takes them from the first one: differing ones would be ignored
+    there and used here).
+    """
+    parts = [part.strip() for part in url.split(";") if part.strip()]
+    if not parts:
+        raise ConfigurationError(f"{variable}: no sentinel address given")
+    sentinels = []
+    seen: set[tuple[int, str | None, str | None]] = set()
+    for number, part in enumerate(parts, start=1):
+        where = f"{variable}: sentinel address #{number}"
+        split = urlsplit(part)
+        if split.scheme.lower() != SENTINEL_SCHEME:
+            raise ConfigurationError(f"{where} must start with sentinel:// (separate them with ;)")
+        try:
+            port = split.port or SENTINEL_PORT
+        except ValueError:
+            raise ConfigurationError(f"{where} has a port that is not a number") from None
+        if not split.hostname:
+            raise ConfigurationError(f"{where} has no host (sentinel://host:26379)")
+        path = split.path.strip("/")
+        if path and not path.isdigit():
+            raise ConfigurationError(f"{where}: the path must be a database number (/0)")
+        if split.query or split.fragment:
+            raise ConfigurationError(
+                f"{where}: options after ? or # are not supported in the sentinel form"
+            )
+        username = unquote(split.username) if split.username else None
+        password = unquote(split.password) if split.password else None
+        seen.add((int(path or 0), username, password))
+        sentinels.append((split.hostname, port))
+    if len(seen) > 1:
+        raise ConfigurationError(
+            f"{variable}: every sentinel address must give the same database and password"
+        )
+    db, username, password = seen.pop()
+    return SentinelUrl(tuple(sentinels), db, username, password)
+
+
+def redis_from_url(
+    url: str,
+    *,
+    sentinel_master: str = DEFAULT_SENTINEL_MASTER,
+    sentinel_password: str | None = None,
+    cluster: bool = False,
+) -> StoreClient:
+    """The token store's client for ``url``, with timeouts so a dead Redis fails fast.
+
+    A Sentinel client reads and writes on the master: a replica may lag behind it, and the
+    store compares generations.
+    """
+    timeouts = {
+        "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT,
+        "socket_timeout": SOCKET_TIMEOUT,
+    }
+    if is_sentinel_url(url):
+        parsed = parse_sentinel_url(url)
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            list(parsed.sentinels),
+            sentinel_kwargs={**timeouts, "password": sentinel_password},
+            **timeouts,
+        )
+        master: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+            sentinel_master,
+            db=parsed.db,
+            username=parsed.username,
+            password=parsed.password,
+            health_check_interval=HEALTH_CHECK_INTERVAL,
+        )
+        return master
+    if cluster:
+        return RedisCluster.from_url(url, **timeouts)
+    return redis.Redis.from_url(url, health_check_interval=HEALTH_CHECK_INTERVAL, **timeouts)
+
+
+def probe_redis(url: str, *, connect_timeout: float) -> bool:
+    """Whether the Redis at ``url`` answers a PING; the probe's connection is not kept."""
+    probe = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout)
+    try:
+        return bool(probe.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        probe.close()

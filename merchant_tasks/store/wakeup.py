@@ -1,0 +1,196 @@
+"""Wake-ups: a process waiting for another process's renewal is woken when it is stored.
+
+The renewer publishes the new generation on the account's ``renewed`` channel
+(``TokenStore.announce``). Each process keeps one subscriber thread and one connection per
+Redis client, subscribed to the channel of every account the process uses: a worker
+serving a thousand accounts holds one listening connection, not a thousand. Waiters block
+on their account's condition, not on Redis, so a storm costs no polling. A lost message
+(the subscription dropped, or not yet confirmed) costs a bounded poll, which the caller
+keeps as its fallback (docs/design.md, "Storms").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+from redis.client import PubSub
+
+from merchant_tasks.store.keys import REDIS_ERRORS
+from merchant_tasks.store.token_store import TokenStore, open_subscription
+from merchant_tasks.store.topology import StoreClient
+
+log = logging.getLogger(__name__)
+
+LISTEN_TICK = 0.5  # seconds the subscriber blocks on its socket before it takes up a newly
+# used account's channel, or ends because no account of the process needs it any more
+RESUBSCRIBE_AFTER = 1.0  # after a dropped subscription, try again at most once a second
+
+
+class RenewalSignal:
+    """Counts the renewals of one account this process has heard of; threads wait for the next."""
+
+    def __init__(self, store: TokenStore) -> None:
+        self._redis = store.redis
+        self.channel = store.keys.renewed
+        self.heard = 0  # announcements heard so far; waiters wait for it to grow
+        self._reset_after_fork()
+        _SIGNALS.add(self)
+
+    def _reset_after_fork(self) -> None:
+        # a forked child has no subscriber thread; the parent's connection is not ours
+        self._cond = threading.Condition()
+        self._listening = False
+
+    @property
+    def listening(self) -> bool:
+        """Whether announcements are being received (else callers poll)."""
+        return self._listening
+
+    @property
+    def subscriber_thread(self) -> threading.Thread | None:
+        """The thread that listens for this signal's account, while one runs."""
+        return _subscriber_for(self._redis).thread_of(self)
+
+    def start(self) -> None:
+        """Have this process's subscriber listen for the account (cheap: called on each
+        store read)."""
+        if not self._listening:
+            _subscriber_for(self._redis).add(self)
+
+    def wait(self, heard: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for an announcement after ``heard``; True if one came."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.heard > heard, timeout)
+
+    def _heard(self) -> None:
+        with self._cond:
+            self.heard += 1
+            self._cond.notify_all()
+
+    def _subscribed(self, listening: bool) -> None:
+        with self._cond:
+            self._listening = listening
+            self._cond.notify_all()  # waiters re-check the store rather than trust a dead line
+
+
+class _Subscriber:
+    """One process's subscription connection to one Redis, shared by every account on it."""
+
+    def __init__(self, client: StoreClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._signals: dict[str, weakref.WeakSet[RenewalSignal]] = {}
+        self._confirmed: set[str] = set()  # channels the server confirmed subscribing
+        self.thread: threading.Thread | None = None
+        self._next_try = 0.0
+
+    def add(self, signal: RenewalSignal) -> None:
+        with self._lock:
+            self._signals.setdefault(signal.channel, weakref.WeakSet()).add(signal)
+            confirmed = signal.channel in self._confirmed
+            if self.thread is None and time.monotonic() >= self._next_try:
+                self.thread = threading.Thread(
+                    target=self._listen, name="renewal-announcements", daemon=True
+                )
+                self.thread.start()
+        if confirmed:  # another signal of this account subscribed already
+            signal._subscribed(True)
+
+    def thread_of(self, signal: RenewalSignal) -> threading.Thread | None:
+        with self._lock:
+            members = self._signals.get(signal.channel)
+            return self.thread if members is not None and signal in members else None
+
+    def _wanted(self) -> set[str]:
+        """The channels some live signal still needs; forgets the others."""
+        with self._lock:
+            for channel in [c for c, members in self._signals.items() if not members]:
+                del self._signals[channel]
+            if not self._signals:
+                self.thread = None  # decided under the lock: a new add() starts another
+            self._confirmed &= set(self._signals)
+            return set(self._signals)
+
+    def _deliver(self, message: dict[str, Any]) -> None:
+        """A subscription confirmed or an announcement heard: tell the channel's signals."""
+        if message["type"] not in ("subscribe", "message"):
+            return
+        channel = message["channel"]
+        channel = channel.decode() if isinstance(channel, bytes) else str(channel)
+        with self._lock:
+            if message["type"] == "subscribe":
+                self._confirmed.add(channel)
+            members = list(self._signals.get(channel, ()))
+        for signal in members:
+            if message["type"] == "subscribe":
+                signal._subscribed(True)
+            else:
+                signal._heard()
+
+    def _listen(self) -> None:
+        """The subscriber thread: takes up new channels each tick, ends when none is left."""
+        pubsub: PubSub | None = None
+        try:
+            pubsub = open_subscription(self._client)
+            subscribed: set[str] = set()
+            while True:
+                wanted = self._wanted()
+                if not wanted:
+                    return
+                if wanted - subscribed:
+                    pubsub.subscribe(*(wanted - subscribed))
+                if subscribed - wanted:
+                    pubsub.unsubscribe(*(subscribed - wanted))  # type: ignore[no-untyped-call]
+                subscribed = wanted
+                message: dict[str, Any] | None = pubsub.get_message(timeout=LISTEN_TICK)
+                if message is not None:
+                    self._deliver(message)  # holds no signal across ticks: they may end
+        except (*REDIS_ERRORS, OSError, ValueError, AttributeError) as exc:
+            log.info(
+                "renewal announcements lost (%s); waiters poll until resubscribed",
+                type(exc).__name__,
+            )
+            self._stopped()
+        finally:
+            if pubsub is not None:
+                with contextlib.suppress(*REDIS_ERRORS, OSError):
+                    pubsub.close()
+
+    def _stopped(self) -> None:
+        with self._lock:
+            self.thread = None
+            self._confirmed.clear()
+            self._next_try = time.monotonic() + RESUBSCRIBE_AFTER
+            signals = [s for members in self._signals.values() for s in members]
+        for signal in signals:
+            signal._subscribed(False)
+
+
+_SUBSCRIBERS: weakref.WeakKeyDictionary[StoreClient, _Subscriber] = weakref.WeakKeyDictionary()
+_SUBSCRIBERS_LOCK = threading.Lock()
+_SIGNALS: weakref.WeakSet[RenewalSignal] = weakref.WeakSet()
+
+
+def _subscriber_for(client: StoreClient) -> _Subscriber:
+    with _SUBSCRIBERS_LOCK:
+        subscriber = _SUBSCRIBERS.get(client)
+        if subscriber is None:
+            subscriber = _SUBSCRIBERS[client] = _Subscriber(client)
+        return subscriber
+
+
+def _after_fork_in_child() -> None:
+    global _SUBSCRIBERS_LOCK
+    _SUBSCRIBERS_LOCK = threading.Lock()
+    _SUBSCRIBERS.clear()  # the parent's threads and connections are not the child's
+    for signal in list(_SIGNALS):
+        signal._reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,80 @@
+"""Completion records: a redelivered call whose earlier run succeeded is not run again.
+
+Celery delivers ``call_api`` at least once and keeps the task id across redeliveries (a
+failed acknowledgement, a worker lost after the task ended, the visibility timeout). When a
+call succeeds, ``call_api`` writes ``<account namespace>:completed:<task id>`` holding the
+call's JSON result, before the task returns and so before its message is acknowledged.
+A delivery that finds the record returns that result without calling the API.
+
+The record outlives the visibility timeout: a message whose acknowledgement was lost comes
+back within that timeout (plus the restore sweep), or at once when its worker stops. It
+holds the API's answer only, never a token or the secret.
+
+What is left: the API answered but the worker died before the record was written; and two
+deliveries running at once (a task outlasting the visibility timeout). Only an idempotency
+key that the API understands closes those: ``call_api(..., idempotency_key=...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.token import CounterName
+
+log = logging.getLogger(__name__)
+
+RECORD_TTL_FACTOR = 2  # records live twice the visibility timeout: a lost ack's redelivery
+# comes within one timeout plus kombu's restore sweep (seconds to a few minutes)
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The result a call returned the first time it ran."""
+
+    result: Any
+
+
+class CompletionRecords:
+    """One account's completion records, in its token store's Redis and namespace.
+
+    Both methods are best effort: with the store unreachable a call goes ahead (its token
+    may still come from the process's copy) and the guarantee falls back to at least once.
+    """
+
+    def __init__(self, store: TokenStore, ttl: float) -> None:
+        self.store = store
+        self.ttl = ttl
+
+    def __repr__(self) -> str:
+        return f"CompletionRecords(namespace={self.store.namespace!r})"
+
+    def earlier_run(self, task_id: str) -> Completed | None:
+        """The successful earlier run of ``task_id``, counted as a redelivery, or None."""
+        try:
+            record = self.store.records.load_completion(task_id)
+            if record is None:
+                return None
+            self.store.records.count(CounterName.REDELIVERED)
+        except StoreUnavailable as exc:
+            log.warning("no completion record of call %s could be read (%s)", task_id, exc)
+            return None
+        log.warning(
+            "call %s already succeeded: its result is returned, the API not called", task_id
+        )
+        return Completed(record["result"])
+
+    def record(self, task_id: str, result: Any) -> None:
+        """Remember that ``task_id`` succeeded with ``result`` (the API's decoded JSON)."""
+        try:
+            self.store.records.save_completion(task_id, result, self.ttl)
+        except StoreUnavailable as exc:
+            log.warning(
+                "completion record of call %s not written (%s): a redelivery would call the "
+                "API again",
+                task_id,
+                exc,
+            )

@@ -1,0 +1,190 @@
+"""Celery tasks: thin wrappers over the client and the token manager.
+
+``call_api`` decides how Celery should retry what the client raised, and answers a
+redelivery of a call that already succeeded from its completion record (``worker.completions``)
+instead of calling the API again; ``renew_token`` finds the accounts due for renewal and
+sends ``renew_account`` for each, which asks the account's manager to renew if the advisory
+window has begun. None sees a token or the secret in its arguments or result: the token
+stays in Redis and in the worker's memory.
+
+The tasks belong to no app here: ``install(app)`` (``worker.install``) registers them on the user's
+Celery app or on the package's own. ``call_api`` and the others below stand for the task of
+the current app when install() ran on it, else of the package's own app (``celery -A
+merchant_tasks``), so ``call_api.delay(...)`` sends through whichever app serves the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from celery.signals import worker_process_init
+from celery.utils.time import get_exponential_backoff_interval
+
+from merchant_tasks.accounts import AccountClients, FleetClient
+from merchant_tasks.api.client import IDEMPOTENCY_HEADER
+from merchant_tasks.exceptions import CredentialsRejected, MerchantError, TokenRejected
+from merchant_tasks.renewal.due import claim_ttl
+from merchant_tasks.settings import FleetSettings
+from merchant_tasks.worker.completions import RECORD_TTL_FACTOR, CompletionRecords
+from merchant_tasks.worker.routing import RENEWAL_QUEUE, VISIBILITY_TIMEOUT
+
+log = logging.getLogger(__name__)
+
+TRANSIENT_MAX_RETRIES = 8  # with the back-off below: about 10 minutes of an unavailable API
+TRANSIENT_BACKOFF_FACTOR = 2  # seconds; doubles per retry, full jitter
+COUNTDOWN_MAX = 300  # far below the broker's visibility timeout (3600 s), so no redelivery
+REJECTED_RETRY_PACE = 60  # seconds between retries while the credentials are refused
+
+# every task of merchant-tasks by name: its function and Celery options, for install()
+TASKS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
+
+_clients: AccountClients | None = None
+_clients_lock = threading.Lock()
+
+
+def clients() -> AccountClients:
+    """This process's clients, one per account, made after fork on first use."""
+    global _clients
+    if _clients is None:
+        with _clients_lock:
+            if _clients is None:
+                _clients = AccountClients.from_env()
+    return _clients
+
+
+def use_clients(fleet: AccountClients | None) -> None:
+    """Make ``fleet`` this process's clients; None: build them from the environment again
+    on next use (the pytest plugin's eager fixture gives each test its own account)."""
+    global _clients
+    with _clients_lock:
+        _clients = fleet
+
+
+def client(account: str | None = None) -> FleetClient:
+    """The client of ``account`` (the only or ``default`` account when None)."""
+    return clients().get(account)
+
+
+@worker_process_init.connect
+def _forget_parent_clients(**_: Any) -> None:
+    """A forked child must not share the parent's sockets: make its own on first use."""
+    global _clients
+    _clients = None
+
+
+CALL_API = "merchant_tasks.call_api"
+RENEW_TOKEN = "merchant_tasks.renew_token"
+RENEW_ACCOUNT = "merchant_tasks.renew_account"
+
+
+def task(name: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Record a task's function for install(), which registers it on an app under ``name``
+    (``merchant_tasks.tasks`` gives callers the task of whichever app serves them)."""
+
+    def record(run: Callable[..., Any]) -> Callable[..., Any]:
+        TASKS[name] = (run, options)
+        return run
+
+    return record
+
+
+def completion_records(api: FleetClient, conf: Any) -> CompletionRecords:
+    """The completion records of ``api``'s account, kept past the broker's visibility timeout
+    (from ``conf``, the configuration of the app running the task)."""
+    options = conf.broker_transport_options or {}
+    visibility_timeout = float(options.get("visibility_timeout", VISIBILITY_TIMEOUT))
+    return CompletionRecords(api.manager.store, RECORD_TTL_FACTOR * visibility_timeout)
+
+
+@task(CALL_API, bind=True)
+def call_api(
+    self: Any,
+    method: str,
+    path: str,
+    json: Any = None,
+    params: dict[str, Any] | None = None,
+    account: str | None = None,
+    idempotency_key: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Any:
+    """Call the merchant API as ``account`` and return the decoded JSON body.
+
+    A redelivery of a call that already succeeded returns that call's result without
+    calling the API. ``idempotency_key`` is sent as the ``Idempotency-Key`` header (give the
+    same key to every attempt of one operation, e.g. the order id); ``headers`` are more
+    request headers (never credentials: they show in Flower like every argument).
+    """
+    task_id: str | None = self.request.id
+    try:
+        api = client(account)
+        records = completion_records(api, self.app.conf)
+        earlier = records.earlier_run(task_id) if task_id else None
+        if earlier is not None:
+            return earlier.result
+        if idempotency_key is not None:
+            headers = {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
+        result = api.request(method, path, json=json, params=params, headers=headers)
+    except (CredentialsRejected, TokenRejected) as exc:
+        # the secret may be rotated meanwhile: retry slowly for a while, then fail clearly
+        window = FleetSettings.from_env().rejected_retry_window
+        raise self.retry(
+            exc=exc,
+            countdown=REJECTED_RETRY_PACE,
+            max_retries=int(window // REJECTED_RETRY_PACE),
+        ) from None
+    except MerchantError as exc:
+        if not exc.retryable:
+            raise
+        countdown = get_exponential_backoff_interval(
+            TRANSIENT_BACKOFF_FACTOR, self.request.retries, COUNTDOWN_MAX, full_jitter=True
+        )
+        retry_after = getattr(exc, "retry_after", None) or 0
+        raise self.retry(
+            exc=exc,
+            countdown=min(COUNTDOWN_MAX, max(1, countdown, retry_after)),
+            max_retries=TRANSIENT_MAX_RETRIES,
+        ) from None
+    if task_id:
+        records.record(task_id, result)  # before the task returns, so before the ack
+    return result
+
+
+@task(RENEW_TOKEN, bind=True, ignore_result=True)
+def renew_token(self: Any) -> None:
+    """Beat's check of every account: one renewal task per account that is due.
+
+    One pipelined round trip per Redis server, and no client built, when nothing is due
+    (``renewal.due``); each due account is renewed by its own task, so a slow or failing
+    account never delays another.
+    """
+    fleet = clients()
+    try:
+        due = fleet.due()
+    except MerchantError as exc:
+        log.warning("scheduled token check failed: %s", exc)  # beat ticks again soon
+        return
+    for name in due:
+        settings = fleet.accounts[name]
+        # sent once while pending (see renewal.due); after the advisory window a renewal
+        # nobody ran is dropped and beat sends another
+        self.app.tasks[RENEW_ACCOUNT].apply_async(
+            (name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings)
+        )
+
+
+@task(RENEW_ACCOUNT, ignore_result=True)
+def renew_account(account: str) -> None:
+    """Renew ``account``'s token if its advisory window has begun (sent by renew_token)."""
+    fleet = clients()
+    try:
+        fleet.get(account).manager.renew()
+    except MerchantError as exc:
+        # beat checks again soon, and callers renew in the mandatory window; say why here
+        log.warning("scheduled token renewal of account %s failed: %s", account, exc)
+    finally:
+        with contextlib.suppress(MerchantError):  # the claim expires by itself
+            fleet.renewal_done(account)

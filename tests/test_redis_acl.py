@@ -112,10 +112,11 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     fleet = AccountClients({"default": settings, "other": replace(settings, api_key="other")})
     assert fleet.due() == ["other"]
     fleet.renewal_done("other")
-    cleanup = redis_from_url(_on_another_database(merchant_redis_url))  # not the fixtures' to empty
-    keys = list(cleanup.scan_iter(match=f"{merchant_key_prefix}:*"))
-    if keys:
-        cleanup.delete(*keys)
+    # the other database is not the fixtures' to empty; the client is closed, not left to GC
+    with redis_from_url(_on_another_database(merchant_redis_url)) as cleanup:
+        keys = list(cleanup.scan_iter(match=f"{merchant_key_prefix}:*"))
+        if keys:
+            cleanup.delete(*keys)
 
 
 def test_the_acl_user_cannot_touch_keys_outside_its_prefix(
@@ -123,6 +124,8 @@ def test_the_acl_user_cannot_touch_keys_outside_its_prefix(
 ) -> None:
     name, password = acl_user
     host = merchant_redis_url.split("://", 1)[1]
-    limited = redis_from_url(f"redis://{name}:{password}@{host}")
-    with pytest.raises(redis.exceptions.NoPermissionError):
+    with (
+        redis_from_url(f"redis://{name}:{password}@{host}") as limited,
+        pytest.raises(redis.exceptions.NoPermissionError),
+    ):
         limited.get("celery")

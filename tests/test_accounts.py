@@ -171,7 +171,7 @@ def test_a_base_url_with_a_password_in_an_accounts_file_is_refused_without_echoi
         "https://API.example.test",
         "https://api.example.test:443",
         "https://api.example.test.",
-        "https://api.example.test.:443/v2",
+        "https://api.example.test.:443/open-api/v1",
     ],
 )
 def test_the_environment_guard_compares_canonical_origins(

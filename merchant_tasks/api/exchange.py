@@ -299,13 +299,15 @@ def classify(
     # what no token endpoint answers: the request went to some other server or path, so
     # the base URL is wrong, whatever the key and secret (a redirect is not followed: it
     # would resend the secret elsewhere)
-    if 300 <= status < 400 or status in (404, 405) or _is_html(response):
-        if 300 <= status < 400:
-            detail = " (a redirect, not followed)"
-        elif _is_html(response):
-            detail = " with an HTML page"
-        else:
-            detail = " (no token endpoint there)"
+    redirect, html = 300 <= status < 400, _is_html(response)
+    if redirect or html or status in (404, 405):
+        detail = (
+            " (a redirect, not followed)"
+            if redirect
+            else " with an HTML page"
+            if html
+            else " (no token endpoint there)"
+        )
         raise WrongBaseUrl(
             f"{url or 'the token endpoint'} answered HTTP {status}{detail}: MERCHANT_BASE_URL "
             "does not point at the API (set it to the API's scheme://host[:port]); this says "

@@ -17,7 +17,8 @@ an error.
 
 What an account does not set (windows, timeouts) comes from the MERCHANT_* variables;
 the fleet's settings (Redis, key prefix, token keys) are every account's. Tokens, locks,
-breakers and counters are keyed by environment and API key, so accounts never share them.
+breakers and counters are keyed by environment and API key, so two accounts of one
+environment and key are refused unless they are the same in every field.
 A sandbox account and a production account may not share a server (compared by origin: a
 key of one environment must never reach the other).
 """
@@ -90,6 +91,7 @@ def load_accounts(
             "MERCHANT_ACCOUNTS_FILE or MERCHANT_ACCOUNTS_SOURCE (several)"
         )
     _check_environments_apart(accounts)
+    _check_one_account_per_token(accounts)
     return accounts
 
 
@@ -176,6 +178,22 @@ def _check_environments_apart(accounts: Mapping[str, Settings]) -> None:
             raise ConfigurationError(
                 f"accounts {other[0]!r} ({other[1]}) and {name!r} ({settings.environment}) share "
                 f"the base URL {origin}: a key of one environment must never reach the other"
+            )
+
+
+def _check_one_account_per_token(accounts: Mapping[str, Settings]) -> None:
+    """Two accounts of one environment and API key share one token record (its namespace
+    holds neither the base URL nor the secret), so unless they are one account in every
+    field, each would renew over the other's token: refused."""
+    seen: dict[str, tuple[str, Settings]] = {}
+    for name, settings in accounts.items():
+        other = seen.setdefault(namespace_of(settings), (name, settings))
+        if other[0] != name and other[1].to_env() != settings.to_env():
+            raise ConfigurationError(
+                f"accounts {other[0]!r} and {name!r} have the same environment "
+                f"({settings.environment}) and API key but differ in other settings: they "
+                "would share one token record and revoke each other's tokens; give each its "
+                "own API key, or define the account once"
             )
 
 

@@ -5,6 +5,8 @@ MerchantError                      base; ``retryable`` says whether trying later
 │                                  fields status, code, excerpt, retry_after (None/"")
 ├── ConfigurationError             a setting is missing or invalid (names the variable)
 │   ├── TokenUnreadable            the stored token is sealed with a key this process lacks
+│   ├── WrongBaseUrl               the token endpoint is not at MERCHANT_BASE_URL (404/405,
+│   │                              HTML, a redirect): never blamed on the credentials
 │   └── MissingExtra               an optional part is not installed (names the extra)
 ├── StoreUnavailable               Redis cannot be reached                        retryable
 ├── TokenExchangeError             the token endpoint did not give us a token
@@ -91,6 +93,12 @@ class ConfigurationError(MerchantError):
 class TokenUnreadable(ConfigurationError):
     """The stored token is sealed with a key this process does not have; no exchange is
     made over it. Set MERCHANT_TOKEN_KEY_FILE to the key the rest of the fleet uses."""
+
+
+class WrongBaseUrl(ConfigurationError):
+    """The token endpoint answered as no token endpoint does (404, 405, an HTML page, a
+    redirect): MERCHANT_BASE_URL does not point at the API. A configuration error, not a
+    refusal: it opens no pause on exchanges, so the next exchange after the fix is made."""
 
 
 class MissingExtra(ConfigurationError):

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 ENVIRONMENTS = ("sandbox", "production")
 SANDBOX_DEFAULT_PORT = 8480  # where `merchant-tasks sandbox` serves unless told otherwise
 SANDBOX_DEFAULT_BASE_URL = f"http://127.0.0.1:{SANDBOX_DEFAULT_PORT}"  # the local emulator
+API_PATH = "/open-api/v1"  # the root of every API path; a base URL may end with it
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_KEY_PREFIX = "merchant-tasks"
 TOKEN_LIFETIME = 7200  # the API documents 7200 s as the lifetime when a response omits it
@@ -140,7 +141,8 @@ VARIABLES = (
     Variable("MERCHANT_ENVIRONMENT", "`sandbox` or `production`", TEXT, Scope.ACCOUNT),
     Variable(
         "MERCHANT_BASE_URL",
-        "base URL of that environment; https in production; no `user:password@`",
+        "base URL of that environment, `scheme://host[:port]` (a trailing `/open-api/v1` is "
+        "dropped, any other path refused); https in production; no `user:password@`",
         URL,
         Scope.ACCOUNT,
         "the emulator (`http://127.0.0.1:8480`) in sandbox; required in production",
@@ -421,6 +423,7 @@ class Settings:
         if not self.api_key:
             raise ConfigurationError("MERCHANT_API_KEY is required")
         parts = check_base_url(self.base_url)
+        object.__setattr__(self, "base_url", api_base_url(parts))
         if (
             self.environment == "production"
             and parts.scheme != "https"
@@ -474,8 +477,6 @@ class Settings:
             )
         if not values.get("api_key"):
             raise ConfigurationError("MERCHANT_API_KEY is required (the API Key, or appid)")
-        if "base_url" in values:
-            values["base_url"] = values["base_url"].rstrip("/")
         return cls(**values, secret=env.secret(read_secret), fleet=fleet)
 
     @classmethod
@@ -526,6 +527,20 @@ def check_base_url(url: str) -> SplitResult:
             "the API is authenticated by its token"
         )
     return parts
+
+
+def api_base_url(parts: SplitResult) -> str:
+    """scheme://host[:port] of a checked base URL: a trailing ``/open-api/v1`` (how API
+    docs print it) is the API's own path, dropped; any other path is a ConfigurationError
+    naming MERCHANT_BASE_URL, since every request would go to a path that is not there."""
+    path = parts.path.rstrip("/").removesuffix(API_PATH)
+    if path or parts.query or parts.fragment:
+        extra = f"the path {parts.path!r}" if path else "a query or fragment"
+        raise ConfigurationError(
+            f"MERCHANT_BASE_URL must be the API's scheme://host[:port] (optionally ending in "
+            f"{API_PATH}), not a URL with {extra}"
+        )
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def origin(url: str) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis
+from click.testing import CliRunner
 
 from conftest import TEST_API_KEY, TEST_SECRET
 from merchant_tasks.accounts import (
@@ -23,6 +24,7 @@ from merchant_tasks.accounts import (
     load_accounts,
 )
 from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.ops.cli import EXIT_CONFIGURATION, main
 from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import ACCOUNT_KEYS
@@ -171,7 +173,7 @@ def test_a_base_url_with_a_password_in_an_accounts_file_is_refused_without_echoi
         "https://API.example.test",
         "https://api.example.test:443",
         "https://api.example.test.",
-        "https://api.example.test.:443/v2",
+        "https://api.example.test.:443/open-api/v1",
     ],
 )
 def test_the_environment_guard_compares_canonical_origins(
@@ -219,6 +221,41 @@ def test_servers_apart_by_port_or_scheme_may_serve_both_environments(
     }
     path = _write(tmp_path / "accounts.json", json.dumps(document))
     assert set(load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})) == {"test", "live"}
+
+
+def _two_accounts_of_one_key(tmp_path: Path, secret_file: Path, second_url: str) -> Path:
+    entry = f'environment = "sandbox"\napi_key = "shared-key"\napi_secret_file = "{secret_file}"'
+    return _write(
+        tmp_path / "accounts.toml",
+        f'[accounts.shop-a]\n{entry}\nbase_url = "http://127.0.0.1:8480"\n\n'
+        f'[accounts.shop-b]\n{entry}\nbase_url = "{second_url}"\n',
+    )
+
+
+def test_two_accounts_of_one_environment_and_key_are_refused_naming_both(
+    tmp_path: Path, merchant_secret_file: Path, merchant_key_prefix: str
+) -> None:
+    path = _two_accounts_of_one_key(tmp_path, merchant_secret_file, "http://127.0.0.2:8480")
+    with pytest.raises(ConfigurationError, match="accounts 'shop-a' and 'shop-b' have the same"):
+        load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
+    env = {
+        "MERCHANT_ACCOUNTS_FILE": str(path),
+        "MERCHANT_KEY_PREFIX": merchant_key_prefix,
+        "MERCHANT_API_KEY": None,  # no default account from the shell
+        "MERCHANT_API_SECRET": None,
+        "MERCHANT_API_SECRET_FILE": None,
+    }
+    result = CliRunner().invoke(main, ["status"], env=env)
+    assert result.exit_code == EXIT_CONFIGURATION
+    [line] = result.stderr.splitlines()
+    assert "'shop-a' and 'shop-b'" in line
+
+
+def test_one_account_under_two_names_is_accepted(
+    tmp_path: Path, merchant_secret_file: Path
+) -> None:
+    path = _two_accounts_of_one_key(tmp_path, merchant_secret_file, "http://127.0.0.1:8480/")
+    assert sorted(load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})) == ["shop-a", "shop-b"]
 
 
 def test_no_account_at_all_is_an_error() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from merchant_tasks.sandbox.processes import RedisServer
+from merchant_tasks.ops.cli import EXIT_INTERRUPTED
+from merchant_tasks.sandbox.processes import RedisServer, spawn
 
 pytestmark = pytest.mark.integration
 
@@ -94,10 +96,38 @@ def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
         assert summary["result"] == "OK"
         assert "revoke-all" in out
 
-        # the other fleet's keys are as they were; every key the demo left carries its prefix
-        assert {key: shared.dump(key) for key in foreign} == foreign
-        prefixes = {key.split(b":")[0] for key in shared.scan_iter() if key not in foreign}
-        assert len(prefixes) == 1, prefixes
-        assert prefixes.pop().startswith(b"mt-demo-")
+        # the other fleet's keys are as they were, and the demo left none of its own
+        assert {key: shared.dump(key) for key in shared.scan_iter()} == foreign
 
     assert _processes_working_in(demo_tmp) == []  # worker, its pool and beat all stopped
+
+
+@pytest.mark.long
+def test_a_demo_stopped_with_ctrl_c_removes_its_processes_and_keys(tmp_path: Path) -> None:
+    demo_tmp = tmp_path / "tmp"
+    demo_tmp.mkdir()
+    with RedisServer(tmp_path / "redis") as server:
+        shared = redis.Redis.from_url(server.url)
+        shared.set("another-fleet:token", "kept")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
+        env |= {"TMPDIR": str(demo_tmp), "MERCHANT_REDIS_URL": server.url}
+        options = ["--duration", "600", "--rate", "5", "--lifetime", "8", "--workers", "1"]
+        demo = spawn(
+            "demo",
+            [sys.executable, "-m", "merchant_tasks.ops.cli", "demo", *options],
+            tmp_path / "demo.log",
+            env=env,
+            cwd=tmp_path,
+            stdout_pipe=True,
+        )
+        try:
+            while not re.search(r"calls ok +[1-9]", line := demo.read_line()):
+                assert line or demo.process.poll() is None, demo.log_tail()
+            assert any(key.startswith(b"mt-demo-") for key in shared.scan_iter())
+            demo.send_signal(signal.SIGINT)  # the demo alone: its children have their own
+            demo.output(timeout=DEMO_TIMEOUT)
+        finally:
+            demo.stop()
+        assert demo.process.returncode == EXIT_INTERRUPTED, demo.log_tail()
+        assert list(shared.scan_iter()) == [b"another-fleet:token"]
+    assert _processes_working_in(demo_tmp) == []

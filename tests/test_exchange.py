@@ -41,6 +41,7 @@ from merchant_tasks.exceptions import (
     MerchantError,
     TokenEndpointUnavailable,
     TokenExchangeError,
+    WrongBaseUrl,
 )
 from merchant_tasks.renewal.lock import LOCAL_COPY_TTL
 from merchant_tasks.sandbox.processes import wait_until
@@ -124,6 +125,51 @@ def test_a_redirect_is_not_followed_and_is_a_configuration_error(status: int) ->
     with pytest.raises(ConfigurationError, match="MERCHANT_BASE_URL"):
         exchange_with(transport)()
     assert len(transport.sent) == 1  # the secret went nowhere else
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "headers"),
+    [
+        (404, {"error": "not_found"}, {}),
+        (405, b"", {"Allow": "GET"}),
+        (200, b"<!doctype html><title>Welcome</title>", {}),
+        (401, b"<html><body>Sign in</body></html>", {"Content-Type": "text/html"}),
+        (403, b"Forbidden", {"Content-Type": "text/html; charset=utf-8"}),
+        (302, b"", {"Location": "https://elsewhere.example.test/"}),
+    ],
+)
+def test_an_answer_no_token_endpoint_gives_says_the_base_url_is_wrong_not_the_credentials(
+    status: int, body: Any, headers: dict[str, str]
+) -> None:
+    transport = FakeTransport(response(status, body, headers))
+    with pytest.raises(WrongBaseUrl) as caught:
+        exchange_with(transport)()
+    message = str(caught.value)
+    assert message.startswith(f"{BASE_URL}{TOKEN_PATH} answered HTTP {status}")
+    assert "MERCHANT_BASE_URL does not point at the API" in message
+    assert "MERCHANT_API_SECRET" not in message
+    assert "\n" not in message
+    assert not isinstance(caught.value, TokenExchangeError)  # no pause on exchanges
+    assert caught.value.status == status
+    assert not caught.value.retryable
+
+
+def test_a_proxys_html_error_page_for_a_5xx_is_still_an_endpoint_outage() -> None:
+    page = response(502, b"<html>Bad Gateway</html>", {"Content-Type": "text/html"})
+    with pytest.raises(TokenEndpointUnavailable):
+        classify(page, 7200)
+
+
+def test_a_wrong_base_url_opens_no_pause_so_the_exchange_after_the_fix_is_made(
+    store: TokenStore,
+) -> None:
+    transport = FakeTransport(response(404, b"<html>Not Found</html>"), ok().replies[0])
+    manager = make_manager(store, exchange_with(transport))
+    with pytest.raises(WrongBaseUrl):
+        manager.renew(force=True)
+    assert store.records.load_breaker() is None
+    assert manager.renew(force=True).value == TOKEN_VALUE  # at once: nothing to wait out
+    assert len(transport.sent) == 2
 
 
 def test_the_secret_is_read_at_exchange_time(tmp_path: Path) -> None:
@@ -258,8 +304,7 @@ def test_network_failures_are_endpoint_unavailable(failure: Exception) -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        b"<html>gateway</html>",
-        b"",
+        b"",  # an HTML page is a wrong base URL, below
         b'["access_token"]',
         b'"access_token"',
         b"null",

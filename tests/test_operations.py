@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -171,6 +175,64 @@ def test_renew_force_with_a_wrong_secret_prints_the_error_once_with_its_fields(
     assert err.count("refused the credentials") == 1
     assert err.splitlines()[0].startswith("error: CredentialsRejected: ")
     assert err.splitlines()[1] == "  status 401, code 'invalid_client'"
+
+
+@pytest.fixture
+def web_page_server() -> Iterator[str]:
+    """A loopback server that answers every request with a 404 web page: a base URL
+    pointing at some other site."""
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = b"<html><body>Not Found</body></html>"
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def test_a_base_url_with_the_apis_path_works_and_any_other_path_exits_2_naming_it(
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
+) -> None:
+    printed = {**merchant_env, "MERCHANT_BASE_URL": merchant_sandbox.url + "/open-api/v1"}
+    code, out, err = _run(printed, "renew", "--force")
+    assert (code, err) == (0, "")
+    assert out.startswith("generation 1, ")
+    code, out, err = _run(
+        {**merchant_env, "MERCHANT_BASE_URL": merchant_sandbox.url + "/v2"}, "renew"
+    )
+    assert code == EXIT_CONFIGURATION
+    [line] = err.splitlines()
+    assert line.startswith("error: ConfigurationError: MERCHANT_BASE_URL must be")
+
+
+def test_a_wrong_base_url_is_named_as_such_and_the_renew_after_the_fix_succeeds_at_once(
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox, web_page_server: str
+) -> None:
+    code, _, err = _run({**merchant_env, "MERCHANT_BASE_URL": web_page_server}, "renew")
+    assert code == EXIT_CONFIGURATION
+    assert err.splitlines()[0].startswith(
+        f"error: WrongBaseUrl: {web_page_server}/open-api/v1/auth/access_token answered "
+        "HTTP 404 with an HTML page: MERCHANT_BASE_URL does not point at the API"
+    )
+    assert "MERCHANT_API_SECRET" not in err
+    assert "OPEN" not in _run(merchant_env, "status")[1]  # no pause to wait out
+    code, out, err = _run(merchant_env, "renew", "--force")  # the URL fixed
+    assert (code, err) == (0, "")
+    assert out.startswith("generation 1, ")
+    assert merchant_sandbox.exchanges()["ok"] == 1
 
 
 def test_call_prints_the_apis_status_error_code_and_excerpt(merchant_env: dict[str, str]) -> None:

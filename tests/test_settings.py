@@ -283,6 +283,45 @@ def test_a_base_url_without_http_scheme_and_host_is_an_error(env: dict[str, str]
         Settings.from_env(env)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8480/open-api/v1",
+        "http://127.0.0.1:8480/open-api/v1/",
+        "http://127.0.0.1:8480/",
+        "http://127.0.0.1:8480",
+    ],
+)
+def test_a_base_url_ending_in_the_apis_path_is_understood_as_its_host(
+    env: dict[str, str], url: str
+) -> None:
+    env["MERCHANT_BASE_URL"] = url
+    assert Settings.from_env(env).base_url == "http://127.0.0.1:8480"
+    assert Settings(api_key=API_KEY, secret=Secret(SECRET), base_url=url).base_url == (
+        "http://127.0.0.1:8480"
+    )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8480/v2",
+        "http://127.0.0.1:8480/open-api",
+        "http://127.0.0.1:8480/api/open-api/v1",
+        "http://127.0.0.1:8480/open-api/v1/auth/access_token",
+        "http://127.0.0.1:8480/?tenant=1",
+        "http://127.0.0.1:8480/open-api/v1#top",
+    ],
+)
+def test_any_other_path_on_the_base_url_is_refused_in_one_line_naming_it(
+    env: dict[str, str], url: str
+) -> None:
+    env["MERCHANT_BASE_URL"] = url
+    with pytest.raises(ConfigurationError, match=r"^MERCHANT_BASE_URL must be the API") as caught:
+        Settings.from_env(env)
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize("flag", ["maybe", "2", "enabled"])
 def test_an_invalid_flag_is_an_error_naming_the_variable(env: dict[str, str], flag: str) -> None:
     env["MERCHANT_ALLOW_INSECURE_HTTP"] = flag

@@ -26,11 +26,11 @@ from urllib3 import HTTPConnectionPool, HTTPResponse, HTTPSConnectionPool
 from urllib3.exceptions import HTTPError
 
 from merchant_tasks.exceptions import (
-    ConfigurationError,
     CredentialsRejected,
     ExchangeRateLimited,
     MalformedTokenResponse,
     TokenEndpointUnavailable,
+    WrongBaseUrl,
 )
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, TOKEN_LIFETIME, Secret, Settings
 from merchant_tasks.token import IssuedToken
@@ -142,7 +142,7 @@ class TokenExchange:
             answer.status_code,
             time.monotonic() - started,
         )
-        return classify(answer, self.default_lifetime, secret=secret)
+        return classify(answer, self.default_lifetime, secret=secret, url=self.url)
 
     def _send(self, body: Mapping[str, str]) -> Answer:
         """Post the request and read the answer, up to its size limit."""
@@ -269,10 +269,13 @@ class _DeadlineAdapter(HTTPAdapter):
         }
 
 
-def classify(response: Answered, default_lifetime: float, secret: str = "") -> IssuedToken:
+def classify(
+    response: Answered, default_lifetime: float, secret: str = "", url: str = ""
+) -> IssuedToken:
     """Turn a token endpoint's answer into an ``IssuedToken`` or the matching error.
 
-    ``secret`` is only used to make sure nothing quoted from the body contains it.
+    ``secret`` is only used to make sure nothing quoted from the body contains it; ``url``
+    (the token endpoint's) is named when the answer says the base URL is wrong.
     """
     status = response.status_code
     found = error_code(response, secret) if status >= 400 else None
@@ -293,9 +296,24 @@ def classify(response: Answered, default_lifetime: float, secret: str = "") -> I
             code=code,
             retry_after=parse_retry_after(response.headers.get("Retry-After")),
         )
-    if 300 <= status < 400:
-        raise ConfigurationError(
-            f"token endpoint answered a redirect (HTTP {status}); check MERCHANT_BASE_URL"
+    # what no token endpoint answers: the request went to some other server or path, so
+    # the base URL is wrong, whatever the key and secret (a redirect is not followed: it
+    # would resend the secret elsewhere)
+    redirect, html = 300 <= status < 400, _is_html(response)
+    if redirect or html or status in (404, 405):
+        detail = (
+            " (a redirect, not followed)"
+            if redirect
+            else " with an HTML page"
+            if html
+            else " (no token endpoint there)"
+        )
+        raise WrongBaseUrl(
+            f"{url or 'the token endpoint'} answered HTTP {status}{detail}: MERCHANT_BASE_URL "
+            "does not point at the API (set it to the API's scheme://host[:port]); this says "
+            "nothing of the key or secret",
+            status=status,
+            code=code,
         )
     if status >= 400:
         raise CredentialsRejected(
@@ -307,6 +325,14 @@ def classify(response: Answered, default_lifetime: float, secret: str = "") -> I
             code=code,
         )
     return parse_token(response, default_lifetime, secret)
+
+
+def _is_html(response: Answered) -> bool:
+    """Whether an answer is a web page (a site or a proxy's error page), not the API's JSON."""
+    if "html" in response.headers.get("Content-Type", "").lower():
+        return True
+    body = response.body if isinstance(response, Answer) else getattr(response, "content", b"")
+    return isinstance(body, bytes) and body.lstrip()[:1] == b"<"
 
 
 def parse_token(response: Answered, default_lifetime: float, secret: str = "") -> IssuedToken:

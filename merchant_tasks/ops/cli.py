@@ -30,6 +30,7 @@ from merchant_tasks.variable_files import read_text_file
 EXIT_FAILED = 1
 EXIT_CONFIGURATION = 2
 EXIT_STORE_UNAVAILABLE = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports it (128 + SIGINT)
 
 
 @click.group()
@@ -138,7 +139,11 @@ def demo(duration: float, rate: float, lifetime: float, workers: int) -> None:
         refuse_unknown_names()  # the demo reads MERCHANT_REDIS_URL
     from merchant_tasks.ops.demo import run_demo
 
-    summary = run_demo(duration=duration, rate=rate, lifetime=lifetime, workers=workers)
+    try:
+        summary = run_demo(duration=duration, rate=rate, lifetime=lifetime, workers=workers)
+    except KeyboardInterrupt:  # its processes are stopped and its keys deleted by now
+        click.echo("demo: interrupted; everything it started and wrote is gone", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     sys.exit(0 if summary.healthy else EXIT_FAILED)
 
 

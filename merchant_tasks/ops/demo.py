@@ -4,7 +4,7 @@ It starts the emulator (short token lifetime), finds a Redis (MERCHANT_REDIS_URL
 answers, else a private ``redis-server``, else fakeredis's TCP server), starts a real Celery
 worker and beat as child processes, enqueues calls, revokes every token midway, and shows
 token generation, time left, exchanges, calls and 401 recoveries. It stops every process
-it started, whatever happens.
+it started and deletes every key it wrote, whatever happens (Ctrl-C included).
 
 When it runs on a Redis that other programs use, nothing it writes can meet theirs: its token
 keys carry a key prefix of their own, and every Celery key (queues, results, events) carries
@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 from celery import Celery
 
+from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.sandbox.processes import (
     RedisServer,
@@ -51,7 +52,7 @@ from merchant_tasks.settings import (
     use_environment,
 )
 from merchant_tasks.store.token_store import TokenStore
-from merchant_tasks.store.topology import probe_redis, redis_from_url
+from merchant_tasks.store.topology import delete_under_prefix, probe_redis, redis_from_url
 from merchant_tasks.worker.app import isolated_config, package_defaults, write_config_module
 
 DEMO_API_KEY = "demo-app-id"
@@ -111,6 +112,9 @@ def run_demo(
                 renew_interval=max(1.0, round(lifetime * 0.05, 3)),
             ),
         )
+        # last out, once the worker and beat below have stopped (Ctrl-C included): every
+        # key the run wrote, its own and Celery's, carries its prefix
+        stack.callback(_delete_keys, redis_url, key_prefix, out)
         # the children get these settings and nothing else of ours: no MERCHANT_* or CELERY_*
         # variable of this shell (Celery reads its URLs from the environment first)
         env = child_env(settings)
@@ -136,6 +140,14 @@ def run_demo(
         out.write(_summary_text(summary))
         return summary
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
+
+
+def _delete_keys(redis_url: str, key_prefix: str, out: TextIO) -> None:
+    """Delete the run's keys; say so if Redis would not, leaving the stop to go on."""
+    try:
+        delete_under_prefix(redis_url, key_prefix)
+    except StoreUnavailable as exc:
+        out.write(f"demo: its keys {key_prefix}:* are left in Redis: {exc}\n")
 
 
 def _start_worker_and_beat(

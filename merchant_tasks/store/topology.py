@@ -22,7 +22,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
-from merchant_tasks.exceptions import ConfigurationError
+from merchant_tasks.exceptions import ConfigurationError, StoreUnavailable
 
 StoreClient: TypeAlias = "redis.Redis | RedisCluster"
 
@@ -143,3 +143,31 @@ def probe_redis(url: str, *, connect_timeout: float) -> bool:
         return False
     finally:
         probe.close()
+
+
+DELETE_BATCH = 500  # keys scanned and unlinked per round trip
+
+
+def delete_under_prefix(url: str, prefix: str) -> int:
+    """Delete every key of the Redis at ``url`` that starts with ``prefix:`` (a run's own
+    keys, the demo's, on a Redis that others use); the number deleted. StoreUnavailable if
+    Redis fails meanwhile."""
+    pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + ":*"
+    client = redis.Redis.from_url(url)
+    deleted = 0
+    try:
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=pattern, count=DELETE_BATCH):
+            batch.append(key)
+            if len(batch) == DELETE_BATCH:
+                deleted += int(client.unlink(*batch))
+                batch.clear()
+        if batch:
+            deleted += int(client.unlink(*batch))
+    except redis.RedisError as exc:
+        raise StoreUnavailable(
+            f"Redis failed while deleting the keys under {prefix} ({type(exc).__name__})"
+        ) from exc
+    finally:
+        client.close()
+    return deleted

@@ -29,7 +29,13 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from celery.signals import beat_init, before_task_publish, celeryd_after_setup, worker_init
+from celery.signals import (
+    beat_init,
+    before_task_publish,
+    celeryd_after_setup,
+    worker_init,
+    worker_ready,
+)
 from kombu import Queue
 
 from merchant_tasks.exceptions import ConfigurationError
@@ -43,6 +49,7 @@ from merchant_tasks.worker.routing import (
     own_queue,
     remove_stale_bindings,
 )
+from merchant_tasks.worker.store_check import start_store_check
 from merchant_tasks.worker.tasks import CALL_API, COUNTDOWN_MAX, TASKS
 
 log = logging.getLogger(__name__)
@@ -301,6 +308,12 @@ def _load_accounts_or_exit(app: Any, read_secrets: bool) -> None:
         exit_with(exc)
 
 
+def _check_store_at_start(sender: Any = None, **_: Any) -> None:
+    """Worker and beat: the token store checked in the background (``worker.store_check``)."""
+    if getattr(sender, "app", None) in _installed:
+        start_store_check()
+
+
 def _prepare_worker(sender: str, instance: Any, **_: Any) -> None:
     """Once the worker logs, before it connects: pools fit its concurrency, the settings
     that break a guarantee are named, and no stale binding remains."""
@@ -325,6 +338,8 @@ def _tag_sent_call(
 
 
 before_task_publish.connect(_tag_sent_call)
+worker_ready.connect(_check_store_at_start)
+beat_init.connect(_check_store_at_start)
 worker_init.connect(_check_accounts)
 worker_init.connect(_check_queues)
 beat_init.connect(_check_beat_accounts)

@@ -12,8 +12,11 @@ standalone app (``celery -A merchant_tasks``) are built the same way. ``install`
 - at worker and beat start: the accounts' settings checked (a mistake stops the process
   with one line; beat does not read the secret files);
 - at worker start: the connection pools sized for the concurrency (``worker.pools``),
-  bindings of older releases removed, and a warning naming each setting of the app that
-  breaks a delivery guarantee.
+  bindings of older releases removed, a queue shape that would run a call twice refused in
+  one line, and a warning naming each setting of the app that breaks a delivery guarantee;
+- at worker and beat start: the token store checked in the background
+  (``worker.store_check``);
+- on every ``call_api`` sent: the sending fleet and account in its headers (``worker.fleet``).
 
 Nothing else of the app's configuration changes. What ``install`` adds to the
 configuration is added again whenever Celery (re)loads it (``on_after_configure``), so it
@@ -118,9 +121,9 @@ def beat_entry(interval: float) -> dict[str, Any]:
 
 def with_renewal_queue(queues: Any, app: Any) -> Any:
     """``queues`` (the app's task_queues) with the renewal queue added, or bound to its own
-    exchange and routing key where the app lists it by name alone (Celery would bind it to
-    its default exchange and routing key, beside the calls' queue: a call would land in
-    both); the same object when nothing changes."""
+    exchange and routing key where the app lists it bound otherwise (by name alone, Celery
+    binds it to its default exchange and routing key, beside the calls' queue: a call would
+    land in both); the same object when nothing changes."""
     renewal = own_queue(RENEWAL_QUEUE)
     if not queues:  # Celery would make the default queue alone: keep it, as Celery makes it
         return (*app.amqp.Queues(None).values(), renewal)

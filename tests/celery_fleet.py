@@ -30,7 +30,7 @@ from merchant_tasks.sandbox.processes import Child, RedisServer, spawn, stop_all
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
 from merchant_tasks.store.token_store import TokenStore
-from merchant_tasks.worker.app import load_config
+from merchant_tasks.worker.app import celery_key_prefix, load_config
 
 PING = "/open-api/v1/ping"
 ECHO = "/open-api/v1/echo"
@@ -214,9 +214,10 @@ class Fleet:
             config = load_config(
                 {
                     **self.env,
-                    # whatever celeryconfig the test process may import, use our Redis
-                    "CELERY_BROKER_URL": self.redis_url,
-                    "CELERY_RESULT_BACKEND": self.redis_url,
+                    # whatever celeryconfig the test process may import, use the
+                    # workers' broker: our Redis unless the test gave them another
+                    "CELERY_BROKER_URL": self.env.get("CELERY_BROKER_URL", self.redis_url),
+                    "CELERY_RESULT_BACKEND": self.env.get("CELERY_RESULT_BACKEND", self.redis_url),
                 }
             )
             config["imports"] = ()  # the client never imports the tasks module
@@ -251,6 +252,11 @@ class Fleet:
             return len(replies) >= count
 
         wait_until(answering, f"{count} workers answering a ping", READY_TIMEOUT)
+
+    def broker_key(self, name: str) -> str:
+        """The Redis key of Celery's ``name`` (a queue, ``unacked``) for this fleet's workers:
+        under its key prefix (``worker.app.celery_key_prefix``)."""
+        return celery_key_prefix(self.key_prefix) + name
 
     def store(self) -> TokenStore:
         client = redis.Redis.from_url(self.redis_url)

@@ -330,3 +330,29 @@ def test_beat_starts_without_the_secret_file_a_worker_needs(
     hosting._check_beat_accounts(sender=SimpleNamespace(app=celery_app.app))  # no SystemExit
     with pytest.raises(SystemExit):
         hosting._check_accounts(sender=SimpleNamespace(app=celery_app.app))
+
+
+def test_a_fleet_with_its_own_key_prefix_keeps_celerys_keys_under_it() -> None:
+    env = {"MERCHANT_REDIS_URL": "redis://127.0.0.1:6379/3", "MERCHANT_KEY_PREFIX": "shop-eu"}
+    config = load_config(env)
+    for options in ("broker_transport_options", "result_backend_transport_options"):
+        assert config[options]["global_keyprefix"] == "shop-eu:celery:"
+    # the default prefix keeps the key names older releases wrote (their queued calls)
+    plain = load_config({"MERCHANT_REDIS_URL": "redis://127.0.0.1:6379/3"})
+    assert "global_keyprefix" not in plain["broker_transport_options"]
+
+
+def test_a_broker_of_the_users_choosing_gets_no_key_prefix_and_celeryconfig_wins(
+    tmp_path: Path,
+) -> None:
+    env = {
+        "MERCHANT_REDIS_URL": "redis://127.0.0.1:6379/3",
+        "MERCHANT_KEY_PREFIX": "shop-eu",
+        "CELERY_BROKER_URL": "redis://127.0.0.1:6379/5",
+    }
+    config = load_config(env)
+    assert "global_keyprefix" not in config["broker_transport_options"]
+    assert config["result_backend_transport_options"]["global_keyprefix"] == "shop-eu:celery:"
+    write_celeryconfig(tmp_path, "broker_transport_options = {'global_keyprefix': 'mine:'}\n")
+    env.pop("CELERY_BROKER_URL")
+    assert load_config(env)["broker_transport_options"]["global_keyprefix"] == "mine:"

@@ -21,6 +21,7 @@ from merchant_tasks.worker.install import (
     RENEWAL_TASKS,
     _prepare_worker,
     broken_guarantees,
+    shared_bindings,
 )
 from merchant_tasks.worker.routing import CALLS_QUEUE, RENEWAL_QUEUE
 
@@ -223,3 +224,49 @@ def test_call_api_falls_back_to_the_package_app_under_an_app_without_install(
         assert tasks.call_api.app is package_app
     finally:
         previous.set_current()
+
+
+@pytest.mark.parametrize("as_mapping", [False, True], ids=["tuple", "mapping"])
+def test_a_renewal_queue_listed_by_name_gets_its_own_binding_and_no_call_lands_twice(
+    own_app: Celery, as_mapping: bool
+) -> None:
+    """Celery binds a queue listed by name alone to celery/celery, beside the calls' queue."""
+    listed = (Queue(CALLS_QUEUE), Queue(RENEWAL_QUEUE, queue_arguments={"x-max-priority": 5}))
+    own_app.conf.task_queues = {q.name: q for q in listed} if as_mapping else listed
+    merchant_tasks.install(own_app)
+    queues = own_app.amqp.queues
+    renewal = queues[RENEWAL_QUEUE]
+    assert (renewal.exchange.name, renewal.routing_key) == (RENEWAL_QUEUE, RENEWAL_QUEUE)
+    assert renewal.queue_arguments == {"x-max-priority": 5}
+    assert (queues[CALLS_QUEUE].exchange.name, queues[CALLS_QUEUE].routing_key) == (
+        CALLS_QUEUE,
+        CALLS_QUEUE,
+    )
+    assert shared_bindings(own_app) == []
+
+
+def test_two_of_the_users_queues_on_the_calls_binding_are_named_as_unsafe(
+    own_app: Celery,
+) -> None:
+    own_app.conf.task_queues = (Queue(CALLS_QUEUE), Queue("shop"))  # both on celery/celery
+    merchant_tasks.install(own_app)
+    [problem] = shared_bindings(own_app)
+    assert "celery, shop" in problem
+    assert "routing key 'celery'" in problem
+    assert "Queue('shop', Exchange('shop'), routing_key='shop')" in problem
+
+
+def test_a_fanout_or_topic_queue_on_the_calls_exchange_is_unsafe_and_own_bindings_are_safe(
+    own_app: Celery,
+) -> None:
+    own_app.conf.task_queues = (
+        Queue(CALLS_QUEUE),
+        Queue("audit", Exchange(CALLS_QUEUE, type="topic"), routing_key="#"),
+    )
+    merchant_tasks.install(own_app)
+    assert len(shared_bindings(own_app)) == 1
+    safe = Celery("safe", set_as_current=False)
+    safe.conf.task_queues = (Queue(CALLS_QUEUE), Queue("shop", Exchange("shop"), "shop"))
+    merchant_tasks.install(safe)
+    assert shared_bindings(safe) == []
+    safe.close()

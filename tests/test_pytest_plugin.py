@@ -16,21 +16,80 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RUN_TIMEOUT = 600.0  # an example's suite starts real workers on a busy machine
 
 
-def run_example_suite(name: str, redis_url: str) -> str:
-    """Run ``examples/<name>``'s tests as its developers would; their output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
+def run_suite(root: Path, redis_url: str, expect_success: bool = True) -> str:
+    """Run the tests of the project at ``root`` as its developers would, from its root and
+    without PYTHONPATH; their output."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MERCHANT_", "CELERY_", "DJANGO_")) and k != "PYTHONPATH"
+    }
     env["MERCHANT_TEST_REDIS_URL"] = redis_url
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q"],
-        cwd=EXAMPLES / name,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=root,
         env=env,
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT,
         check=False,
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    if expect_success:
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     return done.stdout
+
+
+def run_example_suite(name: str, redis_url: str) -> str:
+    """Run ``examples/<name>``'s tests as its developers would; their output."""
+    return run_suite(EXAMPLES / name, redis_url)
+
+
+DJANGO_SETTINGS = """SECRET_KEY = "test-only"\nINSTALLED_APPS = []\nUSE_TZ = True\n"""
+DJANGO_CONFTEST = (
+    """import os\n\nos.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")\n"""
+)
+WORKER_TEST = """
+def test_a_call_through_the_plugins_worker(merchant_worker):
+    assert merchant_worker.call("GET", "/open-api/v1/ping").get(timeout=60) == {"ok": True}
+"""
+BROKEN_SETTINGS = "import proj.missing_module  # {filler}\n"
+
+
+def django_project(root: Path, settings: str = DJANGO_SETTINGS) -> Path:
+    """A Django project's root: ``proj/settings.py``, a root conftest naming it (as
+    pytest-django's ``DJANGO_SETTINGS_MODULE`` would), and a test using ``merchant_worker``."""
+    (root / "proj").mkdir(parents=True)
+    (root / "proj" / "__init__.py").write_text("")
+    (root / "proj" / "settings.py").write_text(settings)
+    (root / "conftest.py").write_text(DJANGO_CONFTEST)
+    (root / "test_worker.py").write_text(WORKER_TEST)
+    return root
+
+
+@pytest.mark.long
+def test_merchant_worker_runs_in_a_django_project_from_its_root_without_pythonpath(
+    merchant_redis_url: str, tmp_path: Path
+) -> None:
+    """The worker inherits DJANGO_SETTINGS_MODULE, and Celery's Django fix-up imports it:
+    the worker gets the test process's import path."""
+    assert "1 passed" in run_suite(django_project(tmp_path / "shop"), merchant_redis_url)
+
+
+@pytest.mark.long
+def test_a_worker_that_dies_at_start_reports_its_whole_traceback(
+    merchant_redis_url: str, tmp_path: Path
+) -> None:
+    filler = "x" * 50
+    root = django_project(tmp_path / "shop", BROKEN_SETTINGS.format(filler=filler))
+    (root / "proj" / "settings.py").write_text(BROKEN_SETTINGS.format(filler=filler))
+    (root / "conftest.py").write_text(
+        'import os\n\nos.environ["DJANGO_SETTINGS_MODULE"] = "proj.settings"\n'
+    )
+    output = run_suite(root, merchant_redis_url, expect_success=False)
+    assert "the test's Celery worker exited; its log ends:" in output
+    report = output.split("its log ends:", 1)[1]
+    assert "Traceback (most recent call last)" in report
+    assert "ModuleNotFoundError: No module named 'proj.missing_module'" in report
 
 
 @pytest.mark.long

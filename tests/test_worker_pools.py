@@ -174,8 +174,8 @@ def _assert_each_payment_once_one_exchange_no_failed_ack(
     assert f"connection pools sized for {concurrency} tasks at once" in log
     failures = [line for line in log.splitlines() if any(f in line for f in ACK_FAILURES)]
     assert not failures, failures[:5]
-    assert broker.llen(CALLS_QUEUE) == 0, "calls were put back to be delivered again"
-    assert broker.hlen("unacked") == 0
+    assert broker.llen(fleet.broker_key(CALLS_QUEUE)) == 0, "calls were put back to be delivered"
+    assert broker.hlen(fleet.broker_key("unacked")) == 0
     assert _payments_created(sandbox.app) == CALLS
 
 

@@ -26,6 +26,7 @@ from merchant_tasks.store.topology import probe_redis
 
 STOP_TIMEOUT = 10.0  # seconds a child gets to exit after SIGTERM before SIGKILL
 START_TIMEOUT = 10.0  # seconds a redis-server gets to answer
+LAST_WORDS_LINES = 200  # of a child's log shown when it dies at start: a whole traceback
 PROBE_CONNECT_TIMEOUT = 0.2  # a redis-server on this host that is up accepts at once
 
 
@@ -54,7 +55,7 @@ def wait_all_ready(
     def answers() -> bool:
         for child in children:
             if child.process.poll() is not None:
-                raise RuntimeError(f"{child.name} exited; its log ends:\n{child.log_tail()}")
+                raise RuntimeError(f"{child.name} exited; its log ends:\n{child.last_words()}")
         return ready()
 
     wait_until(answers, what, timeout)
@@ -94,6 +95,13 @@ class Child:
 
     def log_tail(self, lines: int = 15) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def last_words(self, lines: int = LAST_WORDS_LINES) -> str:
+        """How the log ends, whole: from its last traceback's first line (within ``lines``
+        of the end), else its last ``lines`` lines, for a child that died."""
+        tail = self.log_text().splitlines()[-lines:]
+        starts = [n for n, line in enumerate(tail) if line.startswith("Traceback (most recent")]
+        return "\n".join(tail[starts[-1] :] if starts else tail)
 
     def wait_ready(
         self, ready: Callable[[], bool], what: str = "", timeout: float = START_TIMEOUT

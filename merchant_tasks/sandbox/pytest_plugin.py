@@ -27,6 +27,7 @@ private ``redis-server`` started for the session. The emulator needs the ``sandb
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import sys
@@ -227,6 +228,17 @@ def merchant_celery_eager(
         app.conf.update(saved)
 
 
+def worker_env(settings: Settings) -> dict[str, str]:
+    """The test worker's environment: the account's variables, and this process's import
+    path (a Django project's ``DJANGO_SETTINGS_MODULE`` names a package that pytest found
+    from the project's root, not from the worker's directory)."""
+    env = child_env(settings)
+    path = [entry or os.getcwd() for entry in sys.path]
+    given = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join([*path, given] if given else path)
+    return env
+
+
 @pytest.fixture
 def merchant_worker(
     merchant_settings: Settings, merchant_key_prefix: str, tmp_path: Path
@@ -250,7 +262,7 @@ def merchant_worker(
         "the test's Celery worker",
         [*argv, "--loglevel=INFO"],
         log,
-        env=child_env(merchant_settings),
+        env=worker_env(merchant_settings),
         cwd=workdir,
     )
     app = Celery("merchant-tasks-test-client", set_as_current=False)

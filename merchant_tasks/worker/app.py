@@ -12,7 +12,11 @@ Configuration is layered, each layer overriding the one before:
 
 Broker and result backend default to MERCHANT_REDIS_URL (or MERCHANT_REDIS_URL_FILE), the
 token store's Redis: the defaults are built from the validated ``FleetSettings``, so a
-setting is read and checked in one place. A configuration mistake stops ``celery -A
+setting is read and checked in one place. On that Redis, a fleet with its own
+MERCHANT_KEY_PREFIX keeps Celery's keys (queues, bindings, results, control) under
+``<prefix>:celery:`` (kombu's ``global_keyprefix``), so two fleets sharing a Redis never run
+each other's calls; the default prefix keeps Celery's plain key names, as older releases
+wrote them. A configuration mistake stops ``celery -A
 merchant_tasks ...`` with a one-line message naming the variable, and a worker with no
 account configured stops at start rather than failing every task.
 """
@@ -29,7 +33,12 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from merchant_tasks.exceptions import ConfigurationError
-from merchant_tasks.settings import FleetSettings, celery_url_overrides, environment
+from merchant_tasks.settings import (
+    DEFAULT_KEY_PREFIX,
+    FleetSettings,
+    celery_url_overrides,
+    environment,
+)
 from merchant_tasks.store.topology import is_kombu_redis_url, is_sentinel_url
 from merchant_tasks.worker.install import exit_with, install, started_by_celery_command
 from merchant_tasks.worker.routing import (
@@ -55,6 +64,13 @@ PUBLISH_RETRY_POLICY = {
 REDIS_ONLY_TRANSPORT_OPTIONS = frozenset(kombu_redis.SentinelChannel.from_transport_options) - (
     frozenset(virtual.Channel.from_transport_options)
 )
+
+
+def celery_key_prefix(key_prefix: str) -> str:
+    """Where a fleet keeps Celery's keys on the token store's Redis: under its own
+    MERCHANT_KEY_PREFIX; nowhere apart for the default prefix (older releases' key names,
+    so an upgrade finds the calls they queued)."""
+    return "" if key_prefix == DEFAULT_KEY_PREFIX else f"{key_prefix}:celery:"
 
 
 def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -91,21 +107,21 @@ def load_config(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Package defaults, then celeryconfig.py (if importable), then the environment."""
     env = environment(environ)
     config = package_defaults(env)
+    chosen: dict[str, Any] = {}
     try:
         module = importlib.import_module("celeryconfig")
     except ModuleNotFoundError as exc:
         if exc.name != "celeryconfig":
             raise  # celeryconfig.py exists but imports something missing: say so
     else:
-        config.update(
-            {k: v for k, v in vars(module).items() if not k.startswith("_") and k.islower()}
-        )
+        chosen = {k: v for k, v in vars(module).items() if not k.startswith("_") and k.islower()}
+    config.update(chosen)
     config.update(celery_url_overrides(env))
     for url, options in (
         ("broker_url", "broker_transport_options"),
         ("result_backend", "result_backend_transport_options"),
-    ):
-        config[options] = transport_options(config[url], config.get(options) or {}, env)
+    ):  # the defaults again for the URL finally chosen, under celeryconfig's own options
+        config[options] = transport_options(config[url], chosen.get(options) or {}, env)
     return config
 
 
@@ -118,9 +134,12 @@ def transport_options(
     if not is_kombu_redis_url(url):
         return {k: v for k, v in chosen.items() if k not in REDIS_ONLY_TRANSPORT_OPTIONS}
     defaults: dict[str, Any] = {"visibility_timeout": VISIBILITY_TIMEOUT}
+    fleet = FleetSettings.from_env(environ)
+    if url == fleet.redis_url and celery_key_prefix(fleet.key_prefix):
+        # Celery on the token store's Redis: its keys beside the fleet's own
+        defaults["global_keyprefix"] = celery_key_prefix(fleet.key_prefix)
     if is_sentinel_url(url):
         # the token store's sentinel settings serve Celery too: one value for both
-        fleet = FleetSettings.from_env(environ)
         defaults["master_name"] = fleet.redis_sentinel_master
         if fleet.redis_sentinel_password:
             defaults["sentinel_kwargs"] = {"password": fleet.redis_sentinel_password}
@@ -134,7 +153,7 @@ def isolated_config(redis_url: str, key_prefix: str) -> dict[str, Any]:
     bindings and results never mix with the other's.
     """
     defaults = package_defaults({"MERCHANT_REDIS_URL": redis_url})
-    prefixed = {"global_keyprefix": f"{key_prefix}:celery:"}
+    prefixed = {"global_keyprefix": f"{key_prefix}:celery:"}  # whatever the prefix
     return {
         "broker_url": redis_url,
         "result_backend": redis_url,

@@ -12,8 +12,11 @@ standalone app (``celery -A merchant_tasks``) are built the same way. ``install`
 - at worker and beat start: the accounts' settings checked (a mistake stops the process
   with one line; beat does not read the secret files);
 - at worker start: the connection pools sized for the concurrency (``worker.pools``),
-  bindings of older releases removed, and a warning naming each setting of the app that
-  breaks a delivery guarantee.
+  bindings of older releases removed, a queue shape that would run a call twice refused in
+  one line, and a warning naming each setting of the app that breaks a delivery guarantee;
+- at worker and beat start: the token store checked in the background
+  (``worker.store_check``);
+- on every ``call_api`` sent: the sending fleet and account in its headers (``worker.fleet``).
 
 Nothing else of the app's configuration changes. What ``install`` adds to the
 configuration is added again whenever Celery (re)loads it (``on_after_configure``), so it
@@ -23,16 +26,25 @@ may come before or after ``config_from_object``. Calling it twice is harmless.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from celery.signals import beat_init, celeryd_after_setup, worker_init
+from celery.signals import (
+    beat_init,
+    before_task_publish,
+    celeryd_after_setup,
+    worker_init,
+    worker_ready,
+)
+from kombu import Queue
 
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.extras import require_worker_pool
 from merchant_tasks.settings import FleetSettings
+from merchant_tasks.worker.fleet import tag_call
 from merchant_tasks.worker.pools import size_pools_at_worker_start
 from merchant_tasks.worker.routing import (
     RENEWAL_QUEUE,
@@ -40,7 +52,8 @@ from merchant_tasks.worker.routing import (
     own_queue,
     remove_stale_bindings,
 )
-from merchant_tasks.worker.tasks import COUNTDOWN_MAX, TASKS
+from merchant_tasks.worker.store_check import start_store_check
+from merchant_tasks.worker.tasks import CALL_API, COUNTDOWN_MAX, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -107,16 +120,85 @@ def beat_entry(interval: float) -> dict[str, Any]:
 
 
 def with_renewal_queue(queues: Any, app: Any) -> Any:
-    """``queues`` (the app's task_queues) with the renewal queue added; the same object
-    when it is already there."""
+    """``queues`` (the app's task_queues) with the renewal queue added, or bound to its own
+    exchange and routing key where the app lists it bound otherwise (by name alone, Celery
+    binds it to its default exchange and routing key, beside the calls' queue: a call would
+    land in both); the same object when nothing changes."""
     renewal = own_queue(RENEWAL_QUEUE)
     if not queues:  # Celery would make the default queue alone: keep it, as Celery makes it
         return (*app.amqp.Queues(None).values(), renewal)
     if isinstance(queues, Mapping):
-        return queues if RENEWAL_QUEUE in queues else {**queues, RENEWAL_QUEUE: renewal}
-    if any(queue.name == RENEWAL_QUEUE for queue in queues):
+        given = queues.get(RENEWAL_QUEUE)
+        if given is not None and _is_ours(given):
+            return queues
+        return {**queues, RENEWAL_QUEUE: _rebound(given)}
+    listed = [queue for queue in queues if queue.name == RENEWAL_QUEUE]
+    if not listed:
+        return (*queues, renewal)
+    if all(_is_ours(queue) for queue in listed):
         return queues
-    return (*queues, renewal)
+    return tuple(_rebound(queue) if queue.name == RENEWAL_QUEUE else queue for queue in queues)
+
+
+def _is_ours(queue: Any) -> bool:
+    """Whether a listed renewal queue is bound where merchant-tasks sends the renewals."""
+    if not isinstance(queue, Queue):
+        return False  # a dict of options (Celery's older form): ours replaces it
+    exchange = queue.exchange
+    return bool(
+        exchange is not None
+        and exchange.name == RENEWAL_QUEUE
+        and queue.routing_key == RENEWAL_QUEUE
+    )
+
+
+def _rebound(given: Any) -> Queue:
+    """The renewal queue on its own exchange and routing key, keeping the queue's own
+    arguments (a quorum queue, a max priority) where the app gave some."""
+    queue = own_queue(RENEWAL_QUEUE)
+    arguments = getattr(given, "queue_arguments", None)
+    if arguments:
+        queue.queue_arguments = dict(arguments)
+    return queue
+
+
+def shared_bindings(app: Any) -> list[str]:
+    """One sentence per place where merchant-tasks' messages (or a call published to
+    Celery's default exchange and routing key) would reach more than one of the app's
+    queues, and so run more than once."""
+    conf = app.conf
+    queues = app.amqp.queues
+    destinations = {(conf.task_default_exchange, conf.task_default_routing_key)}
+    for name in TASKS:
+        queue = app.amqp.router.route({}, name).get("queue")
+        if isinstance(queue, Queue) and queue.exchange is not None:
+            destinations.add((queue.exchange.name, queue.routing_key))
+    found = []
+    for exchange, routing_key in sorted(destinations, key=str):
+        bound = sorted(
+            queue.name for queue in queues.values() if _receives(queue, exchange, routing_key)
+        )
+        if len(bound) > 1:
+            found.append(
+                f"task_queues bind {', '.join(bound)} to exchange {exchange!r} with routing "
+                f"key {routing_key!r}: a message sent there lands in each of them and a call "
+                f"runs {len(bound)} times; give each queue its own routing key, e.g. "
+                f"Queue({bound[-1]!r}, Exchange({bound[-1]!r}), routing_key={bound[-1]!r})"
+            )
+    return found
+
+
+def _receives(queue: Any, exchange: str, routing_key: str | None) -> bool:
+    """Whether ``queue`` gets a message sent to ``exchange`` with ``routing_key``."""
+    bound = queue.exchange
+    if bound is None or bound.name != exchange:
+        return False
+    if bound.type in ("fanout", "headers"):
+        return True
+    if bound.type == "topic":
+        pattern = re.escape(queue.routing_key or "").replace(r"\*", r"[^.]+")
+        return re.fullmatch(pattern.replace(r"\#", ".*"), routing_key or "") is not None
+    return bool(queue.routing_key == routing_key)
 
 
 def with_renewal_routes(routes: Any) -> Any:
@@ -200,6 +282,17 @@ def _check_accounts(sender: Any = None, **_: Any) -> None:
     _load_accounts_or_exit(getattr(sender, "app", None), read_secrets=True)
 
 
+def _check_queues(sender: Any = None, **_: Any) -> None:
+    """Before a worker consumes: no message of merchant-tasks can land in two queues, or
+    the worker stops in one line (``shared_bindings``)."""
+    app = getattr(sender, "app", None)
+    if app not in _installed:
+        return
+    problems = shared_bindings(app)
+    if problems:
+        exit_with(ConfigurationError(problems[0]))
+
+
 def _check_beat_accounts(sender: Any = None, **_: Any) -> None:
     """Before beat's first tick: the same check, but beat holds no secret."""
     _load_accounts_or_exit(getattr(sender, "app", None), read_secrets=False)
@@ -218,6 +311,12 @@ def _load_accounts_or_exit(app: Any, read_secrets: bool) -> None:
         exit_with(exc)
 
 
+def _check_store_at_start(sender: Any = None, **_: Any) -> None:
+    """Worker and beat: the token store checked in the background (``worker.store_check``)."""
+    if getattr(sender, "app", None) in _installed:
+        start_store_check()
+
+
 def _prepare_worker(sender: str, instance: Any, **_: Any) -> None:
     """Once the worker logs, before it connects: pools fit its concurrency, the settings
     that break a guarantee are named, and no stale binding remains."""
@@ -233,6 +332,18 @@ def _prepare_worker(sender: str, instance: Any, **_: Any) -> None:
         log.warning("could not check the broker for stale queue bindings: %r", exc)
 
 
+def _tag_sent_call(
+    sender: str | None = None, body: Any = None, headers: dict[str, Any] | None = None, **_: Any
+) -> None:
+    """Every call_api this process sends names its fleet and account (``worker.fleet``)."""
+    if sender == CALL_API and headers is not None:
+        tag_call(body, headers)
+
+
+before_task_publish.connect(_tag_sent_call)
+worker_ready.connect(_check_store_at_start)
+beat_init.connect(_check_store_at_start)
 worker_init.connect(_check_accounts)
+worker_init.connect(_check_queues)
 beat_init.connect(_check_beat_accounts)
 celeryd_after_setup.connect(_prepare_worker)

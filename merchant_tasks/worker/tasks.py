@@ -30,6 +30,7 @@ from merchant_tasks.exceptions import CredentialsRejected, MerchantError, TokenR
 from merchant_tasks.renewal.due import claim_ttl
 from merchant_tasks.settings import FleetSettings
 from merchant_tasks.worker.completions import RECORD_TTL_FACTOR, CompletionRecords
+from merchant_tasks.worker.fleet import refuse_foreign_call
 from merchant_tasks.worker.routing import RENEWAL_QUEUE, VISIBILITY_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -114,13 +115,16 @@ def call_api(
     """Call the merchant API as ``account`` and return the decoded JSON body.
 
     A redelivery of a call that already succeeded returns that call's result without
-    calling the API. ``idempotency_key`` is sent as the ``Idempotency-Key`` header (give the
+    calling the API; a call another fleet sent is refused (``worker.fleet``).
+    ``idempotency_key`` is sent as the ``Idempotency-Key`` header (give the
     same key to every attempt of one operation, e.g. the order id); ``headers`` are more
     request headers (never credentials: they show in Flower like every argument).
     """
     task_id: str | None = self.request.id
     try:
         api = client(account)
+        fleet = clients()
+        refuse_foreign_call(self.request, fleet.accounts[account or fleet.default_name()])
         records = completion_records(api, self.app.conf)
         earlier = records.earlier_run(task_id) if task_id else None
         if earlier is not None:

@@ -40,7 +40,7 @@ def make_app(sleeps: list[float] | None = None, seed: int = 0, **config: Any) ->
     recorded: list[float] = [] if sleeps is None else sleeps
     return SandboxApp(
         SandboxConfig(API_KEY, SECRET, **config),
-        clock=SandboxClock(),
+        clock=SandboxClock(monotonic=lambda: 1000.0),  # only advance() moves it
         sleep=recorded.append,
         rng=random.Random(seed),
     )

@@ -161,15 +161,20 @@ class SandboxConfig:
 
 
 class SandboxClock:
-    """The emulator's clock: monotonic seconds plus an offset that tests advance."""
+    """The emulator's clock: monotonic seconds plus an offset that tests advance.
 
-    def __init__(self) -> None:
+    ``monotonic`` is the clock it extends; a unit test passes a fixed one, so that only
+    ``advance`` moves time however slowly the machine runs.
+    """
+
+    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self._monotonic = monotonic
         self._offset = 0.0
         self._lock = threading.Lock()
 
     def now(self) -> float:
         """Seconds on the emulator's clock."""
-        return time.monotonic() + self._offset
+        return self._monotonic() + self._offset
 
     def advance(self, seconds: float) -> None:
         """Move the clock forward; like the monotonic clock it extends, it never goes back."""

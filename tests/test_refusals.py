@@ -84,7 +84,7 @@ def test_a_secret_reset_in_a_storm_sends_the_revoked_token_a_bounded_number_of_t
         new_secret = merchant_sandbox.app.reset_secret("reset-in-the-dashboard-7a8b9c")
         time.sleep(5.0)
         refused = merchant_sandbox.calls().get("unauthorized", 0)
-        rejected = merchant_sandbox.exchanges().get("invalid_client", 0)
+        rejected = merchant_sandbox.exchanges().get("rejected", 0)
         failed_before = sum(n for outcome, n in calling.outcomes.items() if outcome != "ok")
         secret_file.write_text(new_secret, encoding="utf-8")
         ok_before = calling.outcomes["ok"]
@@ -94,7 +94,7 @@ def test_a_secret_reset_in_a_storm_sends_the_revoked_token_a_bounded_number_of_t
         f"exchanges, outcomes {dict(calling.outcomes)}"
     )
     assert refused <= 80
-    assert rejected <= 2
+    assert 1 <= rejected <= 2
     assert failed_before > 0  # calls did fail meanwhile, with the pause's error
 
 

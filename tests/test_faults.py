@@ -1162,7 +1162,7 @@ def test_a_2xx_business_body_nested_too_deep_is_a_typed_error(
 # -- 11. persistent 401 on a fresh token ------------------------------------------------------
 
 
-def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
+def test_a_persistent_401_on_fresh_tokens_is_token_rejected_after_one_replacement(
     merchant_sandbox: MerchantSandbox,
     merchant_settings: Settings,
     merchant_secret_file: Path,
@@ -1184,10 +1184,11 @@ def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
     for report in reports:
         assert set(report_outcomes(report, "0")) == {"TokenRejected"}, report
         message = report["samples"]["TokenRejected"]
-        assert "never accepted" in message
+        assert "in a row" in message
         assert "MERCHANT_ENVIRONMENT" in message
-    assert merchant_sandbox.exchanges()["ok"] == 1
-    assert merchant_sandbox.calls()["unauthorized"] == 3  # one request per process
+    # the first token is replaced once (it may have been revoked before use), then waits
+    assert merchant_sandbox.exchanges()["ok"] == 2
+    assert merchant_sandbox.calls()["unauthorized"] <= 2 * 3  # each token once per process
 
 
 def test_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_more_exchanges(

@@ -250,20 +250,31 @@ return count
 """
 )
 
-# KEYS: the forced renewals' times (a sorted set). ARGV: the spacing (ms), how long times
-# are kept (ms). Reserves the next forced renewal's time, one spacing after the last
-# reserved (or now), and returns how long (ms) its renewer waits for it.
+# KEYS: the forced renewals' times (a sorted set, seconds). ARGV: the spacing (ms), how
+# long times are kept (ms). Reserves the next forced renewal's time, one spacing after the
+# last reserved (or now), and returns how long (ms) its renewer waits for it. The last
+# time is found by bisection with ZCOUNT: the README's least-privilege ACL user has
+# ZCOUNT, not ZRANGE or ZSCORE.
 SPACE_FORCED = (
     _HELPERS
     + """
 fit(KEYS[1], 'zset')
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local spacing = tonumber(ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ((now_ms - tonumber(ARGV[2])) / 1000))
-local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+local function later_than(ms)
+  return redis.call('ZCOUNT', KEYS[1], '(' .. (ms / 1000), '+inf') > 0
+end
 local at = now_ms
-if #last == 2 then
-  at = math.max(now_ms, math.floor(tonumber(last[2]) * 1000) + tonumber(ARGV[1]))
+if later_than(now_ms - spacing) then
+  local low, high = now_ms - spacing, now_ms + spacing
+  while later_than(high) do low, high = high, high + (high - low) * 2 end
+  while high - low > 1 do  -- the last time reserved is in (low, high]
+    local middle = math.floor((low + high) / 2)
+    if later_than(middle) then low = middle else high = middle end
+  end
+  at = math.max(now_ms, high + spacing)
 end
 local seconds = string.format('%.3f', at / 1000)
 redis.call('ZADD', KEYS[1], seconds, seconds)

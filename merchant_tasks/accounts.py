@@ -223,7 +223,8 @@ def client_for(
     manager = TokenManager(
         store,
         TimedExchange(TokenExchange.from_settings(settings), store, server=server),
-        lambda: fingerprint(settings.secret.reveal()),
+        # what a pause over rejected credentials is tied to: the key, the secret, the endpoint
+        lambda: fingerprint(f"{settings.api_key}\n{settings.base_url}\n{settings.secret.reveal()}"),
         renew_before=settings.renew_before,
         renew_mandatory=settings.renew_mandatory,
         exchange_timeout=settings.connect_timeout + settings.read_timeout,

@@ -60,6 +60,12 @@ class Token:
     lag: float = 0.0  # seconds the issuing exchange took: the server's expiry is at most
     # this much later than ``expires_at`` (which counts from before the request was sent)
     traceparent: str = ""  # the span of the renewal that stored it (telemetry), or ""
+    # evidence, kept in the token's own record (written by the store's scripts in the same
+    # command as the fact they record, docs/design.md "Refusals"); older records lack them
+    accepted: bool = False  # the API accepted it at least once
+    refused_at: float = 0.0  # when the API first refused it (Redis time); 0: never
+    first_use_refusals: int = 0  # tokens before it refused on their first use, in a row,
+    # with no acceptance between (what the back-off after a refusal counts)
 
     @property
     def kept_until(self) -> float:
@@ -71,6 +77,16 @@ class Token:
     def fingerprint(self) -> str:
         """A short, non-reversible name for the token, safe for logs."""
         return fingerprint(self.value)
+
+    @property
+    def refused(self) -> bool:
+        """The API refused it: no process of the fleet sends it again."""
+        return self.refused_at > 0
+
+    @property
+    def refused_on_first_use(self) -> bool:
+        """Refused before the API ever accepted it."""
+        return self.refused and not self.accepted
 
     def time_left(self, now: float) -> float:
         return self.expires_at - now
@@ -118,7 +134,8 @@ class Token:
         return (
             f"Token(fingerprint={self.fingerprint!r}, generation={self.generation}, "
             f"issued_at={self.issued_at:.3f}, expires_at={self.expires_at:.3f}, "
-            f"renewed_by={self.renewed_by!r}, reason={self.reason!r}, final={self.final})"
+            f"renewed_by={self.renewed_by!r}, reason={self.reason!r}, final={self.final}, "
+            f"accepted={self.accepted}, refused={self.refused})"
         )
 
     def to_json(self) -> str:
@@ -134,6 +151,10 @@ class Token:
                 "final": self.final,
                 "lag": self.lag,
                 "traceparent": self.traceparent,
+                # the scripts rewrite these two in place (``store.scripts.set_field``)
+                "first_use_refusals": self.first_use_refusals,
+                "accepted": self.accepted,
+                "refused_at": self.refused_at,
             },
             separators=(",", ":"),
         )
@@ -155,10 +176,14 @@ class Token:
                 final=bool(data.get("final", False)),
                 lag=float(data.get("lag", 0.0)),
                 traceparent=str(data.get("traceparent", ""))[:TRACEPARENT_MAX],
+                accepted=data.get("accepted", False) is True,
+                refused_at=float(data.get("refused_at", 0.0)),
+                first_use_refusals=int(data.get("first_use_refusals", 0)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a stored token ({type(exc).__name__})") from None
-        if not all(map(math.isfinite, (token.issued_at, token.expires_at, token.lag))):
+        times = (token.issued_at, token.expires_at, token.lag, token.refused_at)
+        if not all(map(math.isfinite, times)):
             raise ValueError("not a stored token (a time that is not finite)")
         return token
 
@@ -187,7 +212,8 @@ class BreakerKind(enum.StrEnum):
     REJECTED = "rejected"  # the credentials were refused
     RATE_LIMITED = "rate_limited"  # 429
     UNAVAILABLE = "unavailable"  # 5xx, timeouts, unreachable
-    REVOKED = "revoked"  # the forced-renewal budget is spent
+    REVOKED = "revoked"  # no longer opened (the forced-renewal budget it stood for is gone);
+    # kept so that a record written by an older release still reads
     REFUSED = "refused"  # a token refused before first use: renewed after a back-off
 
 

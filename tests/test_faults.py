@@ -60,7 +60,6 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.renewal.lock import LOCAL_COPY_TTL
 from merchant_tasks.renewal.manager import TokenManager
-from merchant_tasks.renewal.refusals import FORCED_RENEWAL_BUDGET
 from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxApp, SandboxConfig, SandboxServer
 from merchant_tasks.sandbox.processes import Child, RedisServer, free_port, spawn, wait_until
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
@@ -1163,7 +1162,7 @@ def test_a_2xx_business_body_nested_too_deep_is_a_typed_error(
 # -- 11. persistent 401 on a fresh token ------------------------------------------------------
 
 
-def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
+def test_a_persistent_401_on_fresh_tokens_is_token_rejected_after_one_replacement(
     merchant_sandbox: MerchantSandbox,
     merchant_settings: Settings,
     merchant_secret_file: Path,
@@ -1185,10 +1184,11 @@ def test_a_persistent_401_on_fresh_tokens_is_token_rejected_with_one_exchange(
     for report in reports:
         assert set(report_outcomes(report, "0")) == {"TokenRejected"}, report
         message = report["samples"]["TokenRejected"]
-        assert "never accepted" in message
+        assert "in a row" in message
         assert "MERCHANT_ENVIRONMENT" in message
-    assert merchant_sandbox.exchanges()["ok"] == 1
-    assert merchant_sandbox.calls()["unauthorized"] == 3  # one request per process
+    # the first token is replaced once (it may have been revoked before use), then waits
+    assert merchant_sandbox.exchanges()["ok"] == 2
+    assert merchant_sandbox.calls()["unauthorized"] <= 2 * 3  # each token once per process
 
 
 def test_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_more_exchanges(
@@ -1338,15 +1338,16 @@ def test_revoke_all_as_soon_as_the_fleet_recovered_under_load_fails_no_call(
     merchant_secret_file: Path,
     callers: Callers,
 ) -> None:
-    """An operator's revoke-all, as many times as the forced-renewal budget allows, each
-    as soon as every one of three calling processes has had a call succeed after the last:
+    """An operator's revoke-all 6 times (past the old budget of 4 a minute, which failed
+    the fifth), each as soon as every one of three calling processes has had a call
+    succeed after the last (forced renewals are spaced, not counted per window):
     every revocation is renewed (the revoked token had been accepted), however soon after
     the last renewal. No call fails, and the fleet makes one exchange per revocation
     besides the first token (no renewal falls due with a 2 h token)."""
     callers.start(child_env(merchant_settings), [{}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok", at_least=5), "calls that succeed", 60.0)
-    revocations = FORCED_RENEWAL_BUDGET
+    revocations = 6
     for n in range(1, revocations + 1):
         merchant_sandbox.app.revoke_all()
         callers.phase(f"revoked {n}")  # a call started from now on meets revocation n

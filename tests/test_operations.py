@@ -51,7 +51,7 @@ def test_call_prints_the_json_response_and_renew_reports_the_new_generation(
     assert json.loads(out) == {"echo": {"amount": 5}}
     code, out, _ = _run(merchant_env, "renew", "--force")
     assert code == 0
-    assert out.startswith("generation 2, fingerprint ")
+    assert out.startswith("exchanged: generation 2, fingerprint ")
     assert merchant_sandbox.exchanges()["ok"] == 2
 
 

@@ -29,8 +29,7 @@ from merchant_tasks.exceptions import (
 from merchant_tasks.renewal.lock import POLL_INITIAL, POLL_MAX
 from merchant_tasks.renewal.manager import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, TokenManager
 from merchant_tasks.renewal.refusals import (
-    FORCED_RENEWAL_BUDGET,
-    FORCED_RENEWAL_PERIOD,
+    FORCED_RENEWAL_SPACING,
     PROBE_INTERVAL,
     RATE_LIMITED_BACKOFF,
     REFUSED_BACKOFF,
@@ -117,8 +116,10 @@ def stored(
     value: str | None = None,
     reason: RenewalReason = RenewalReason.SCHEDULED,
     age: float | None = None,
+    in_a_row: int = 0,
 ) -> Token:
-    """Save, as another process would, a token with ``left`` seconds to live."""
+    """Save, as another process would, a token with ``left`` seconds to live (``in_a_row``:
+    the tokens before it refused on their first use, in a row)."""
     generation = store.generation() + 1
     token = Token(
         value=value or f"tok-stored-{generation}",
@@ -127,6 +128,7 @@ def stored(
         generation=generation,
         renewed_by=OTHER_HOLDER,
         reason=reason,
+        first_use_refusals=in_a_row,
     )
     assert store.save(token) == (True, generation)
     return token
@@ -276,13 +278,30 @@ def test_renewal_after_401_exchanges_when_the_stored_token_is_the_refused_one(
 # -- refusals: evidence, not timers -------------------------------------------------------
 
 
-def test_a_refused_token_the_api_never_accepted_is_token_rejected_without_exchanging(
+def test_a_token_refused_on_its_first_use_the_first_in_a_row_is_replaced_at_once(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
+    """Never accepted, but nothing before it was refused: revoked before use, or a beat
+    renewal nobody called with. Not evidence of a wrong key."""
+    refused = stored(store, clock, left=7190.0, reason=RenewalReason.SCHEDULED, age=10.0)
+    renewed = manager.renew(stale_token=refused)
+    assert renewed.replaces(refused, clock.now)
+    assert renewed.first_use_refusals == 1  # the run its successor would continue
+    assert len(exchange.calls) == 1
+    looked = store.load()
+    assert looked is not None
+    assert looked.generation == renewed.generation
+
+
+def test_a_token_refused_on_its_first_use_right_after_another_is_token_rejected_unsent(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    refused = stored(
+        store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0, in_a_row=1
+    )
     with pytest.raises(TokenRejected, match="other environment") as caught:
         manager.renew(stale_token=refused)
-    assert "never accepted" in str(caught.value)
+    assert "2 tokens in a row" in str(caught.value)
     assert not caught.value.retryable
     assert exchange.calls == []
     assert caught.value.retry_after == REFUSED_BACKOFF
@@ -296,11 +315,13 @@ def test_a_refused_token_the_api_never_accepted_is_token_rejected_without_exchan
 def test_a_token_known_refused_is_not_sent_again_until_its_backoff_ends_then_is_renewed(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
+    refused = stored(
+        store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0, in_a_row=1
+    )
     with pytest.raises(TokenRejected):
         manager.renew(stale_token=refused)
     for _ in range(3):  # fail fast: no Redis command, nothing sent
-        with pytest.raises(TokenRejected, match="known to be refused"):
+        with pytest.raises(TokenRejected, match="in a row"):
             manager.token()
     assert store.records.counters()["unauthorized"] == 1
     clock.now += REFUSED_BACKOFF
@@ -329,10 +350,11 @@ def test_two_revocations_before_first_use_heal_after_one_backoff(
     assert len(exchange.calls) == 4
 
 
-def test_a_key_whose_every_token_is_refused_costs_at_most_8_exchanges_in_2_hours(
+def test_a_key_whose_every_token_is_refused_costs_at_most_9_exchanges_in_2_hours(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    """Calls every 10 s for two hours, every token refused at its first use."""
+    """Calls every 10 s for two hours, every token refused at its first use. (8 before the
+    first refusal in a row was replaced at once, as a token revoked before use is.)"""
     end = clock.now + 7200.0
     pauses: list[float] = []
     while clock.now < end:
@@ -344,7 +366,7 @@ def test_a_key_whose_every_token_is_refused_costs_at_most_8_exchanges_in_2_hours
                 pauses.append(exc.retry_after)
         clock.now += 10.0
     print(f"\nwrong key: {len(exchange.calls)} exchanges in 2 h, pauses {pauses}")
-    assert 2 <= len(exchange.calls) <= 8
+    assert 2 <= len(exchange.calls) <= 9
     assert pauses[0] <= 60.0
     assert max(pauses) <= 1800.0
 
@@ -356,10 +378,12 @@ def test_a_replaced_secret_ends_a_refused_pause_in_the_process_that_met_it(
     exchange: FakeExchange,
     secret: list[str],
 ) -> None:
-    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
+    refused = stored(
+        store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0, in_a_row=1
+    )
     with pytest.raises(TokenRejected):
         manager.renew(stale_token=refused)
-    with pytest.raises(TokenRejected, match="known to be refused"):
+    with pytest.raises(TokenRejected, match="in a row"):
         manager.token()
     secret[0] = "secret-two-rotated-5f6e7d"
     renewed = manager.token()  # not the rest of a back-off of up to 30 minutes
@@ -367,14 +391,16 @@ def test_a_replaced_secret_ends_a_refused_pause_in_the_process_that_met_it(
     assert len(exchange.calls) == 1
 
 
-def test_a_replaced_secret_ends_a_refused_pause_fleet_wide_and_counts_refusals_anew(
+def test_a_replaced_secret_ends_a_refused_pause_fleet_wide(
     manager: TokenManager,
     store: TokenStore,
     clock: ManualClock,
     exchange: FakeExchange,
     secret: list[str],
 ) -> None:
-    refused = stored(store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0)
+    refused = stored(
+        store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0, in_a_row=1
+    )
     with pytest.raises(TokenRejected):
         manager.renew(stale_token=refused)
     record = store.records.load_breaker()
@@ -386,7 +412,8 @@ def test_a_replaced_secret_ends_a_refused_pause_fleet_wide_and_counts_refusals_a
     assert renewed.replaces(refused, clock.now)
     with pytest.raises(TokenRejected) as caught:  # the new secret's token is refused too
         other.renew(stale_token=renewed)
-    assert caught.value.retry_after == REFUSED_BACKOFF  # the first refusal under this secret
+    # the run goes on (no acceptance between): its third token in a row, the second pause
+    assert caught.value.retry_after == 2 * REFUSED_BACKOFF
     assert len(exchange.calls) == 1
 
 
@@ -395,12 +422,12 @@ def test_a_replaced_secret_ends_a_refused_pause_fleet_wide_and_counts_refusals_a
     [
         (BreakerKind.REFUSED, True),
         (BreakerKind.REVOKED, True),
-        (BreakerKind.REJECTED, False),
+        (BreakerKind.REJECTED, True),
         (BreakerKind.RATE_LIMITED, False),
         (BreakerKind.UNAVAILABLE, False),
     ],
 )
-def test_an_operators_forced_renewal_ends_only_the_pauses_over_refused_tokens(
+def test_an_operators_forced_renewal_ends_the_pauses_over_credentials_and_refused_tokens(
     manager: TokenManager,
     store: TokenStore,
     clock: ManualClock,
@@ -409,8 +436,8 @@ def test_an_operators_forced_renewal_ends_only_the_pauses_over_refused_tokens(
     kind: BreakerKind,
     ends: bool,
 ) -> None:
-    """``renew --force`` says the cause is fixed (access restored, the other exchanger
-    stopped); a pause over the endpoint's own answers still holds."""
+    """``renew --force`` says the cause is fixed (access restored, the key re-enabled);
+    a pause over the endpoint's health (rate limited, unavailable) still holds."""
     record = BreakerRecord(kind, clock.now + 600.0, 1, fingerprint(secret[0]), "paused", 1)
     store.records.open_breaker(record, clock.now)
     if ends:
@@ -430,7 +457,7 @@ def test_a_token_accepted_by_another_process_and_refused_is_renewed_at_once_howe
     assert len(exchange.calls) == 1
 
 
-def test_a_token_refused_before_its_first_use_is_renewed_once_if_its_predecessor_was_accepted(
+def test_a_token_refused_before_its_first_use_is_renewed_once_and_the_next_one_waits(
     manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
     """A revocation landing between an exchange and the first call: renewed once more,
@@ -439,7 +466,7 @@ def test_a_token_refused_before_its_first_use_is_renewed_once_if_its_predecessor
     revoked_before_use = stored(store, clock, left=7100.0, reason=RenewalReason.FORCED)
     renewed = manager.renew(stale_token=revoked_before_use)
     assert len(exchange.calls) == 1
-    with pytest.raises(TokenRejected, match="never accepted"):
+    with pytest.raises(TokenRejected, match="in a row"):
         manager.renew(stale_token=renewed)
     assert len(exchange.calls) == 1
 
@@ -464,28 +491,28 @@ def test_acceptance_is_written_to_redis_once_per_generation_and_process(
     assert store.accepted_generation() == token.generation
 
 
-def test_forced_renewals_past_the_budget_open_the_breaker_naming_another_exchanger(
-    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+def test_forced_renewals_are_spaced_fleet_wide_and_none_fails(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
 ) -> None:
+    """Revocations one after another (each token accepted, then refused): each is replaced,
+    the second and later after waiting their turn, one FORCED_RENEWAL_SPACING apart in
+    Redis time; no per-window budget turns a fifth revocation into failures."""
     manager.accepted(stored(store, clock, left=7000.0))
-    for _ in range(FORCED_RENEWAL_BUDGET):
+    for _ in range(6):
         current = store.load()
         assert current is not None
         store.mark_accepted(current.generation)
-        manager.renew(stale_token=current)
-        clock.now += 1.0
-    assert len(exchange.calls) == FORCED_RENEWAL_BUDGET
-    current = store.load()
-    assert current is not None
-    store.mark_accepted(current.generation)
-    with pytest.raises(TokenRejected, match="another system exchanging with the same API key"):
-        manager.renew(stale_token=current)
-    with pytest.raises(TokenRejected, match="known to be refused"):  # not sent again
-        manager.renew(stale_token=current)
-    assert len(exchange.calls) == FORCED_RENEWAL_BUDGET
-    assert store.records.counters()["breaker_openings:revoked"] == 1
-    clock.now += FORCED_RENEWAL_PERIOD  # the budget is spent per period, then refills
-    assert manager.renew(stale_token=current).value != current.value
+        assert manager.renew(stale_token=current).replaces(current, clock.now)
+    assert len(exchange.calls) == 6
+    assert store.records.counters()["forced_renewals"] == 6
+    waits = [seconds for seconds in sleep.waits if seconds > 1.0]
+    assert len(waits) == 5  # Redis's clock hardly moved: each waited about one spacing more
+    assert all(w <= n * FORCED_RENEWAL_SPACING + 0.5 for n, w in enumerate(waits, 1))
+    assert "breaker_openings:revoked" not in store.records.counters()
 
 
 # -- an answer no better than the stored token ---------------------------------------------
@@ -756,10 +783,8 @@ def test_while_the_rejected_breaker_is_open_renewal_raises_without_exchanging(
     with pytest.raises(CredentialsRejected):
         manager.token()
     with pytest.raises(CredentialsRejected, match="paused"):
-        manager.renew(force=True)
-    with pytest.raises(CredentialsRejected, match="paused"):
         manager.token()
-    assert len(exchange.calls) == 1
+    assert len(exchange.calls) == 1  # (an operator's renew --force would try: see above)
 
 
 def test_a_waiter_that_gets_the_lock_after_a_failed_renewal_obeys_the_breaker_it_opened(
@@ -1236,23 +1261,20 @@ def test_a_401_does_not_wait_behind_a_thread_waiting_for_another_process(
     assert outcome == [newer]
 
 
-def test_threads_waiting_on_a_renewal_that_spent_the_budget_share_its_token_rejected(
+def test_threads_meeting_a_refusal_in_a_back_off_share_its_token_rejected(
     copying_manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
-    """Eight threads meet a 401 on a revoked token once the forced-renewal budget is spent:
-    one asks the store and opens the ``revoked`` pause; the others get its TokenRejected
+    """Eight threads meet a 401 on a token refused on its first use right after another:
+    one asks the store and opens the ``refused`` pause; the others get its TokenRejected
     instead of trying again themselves (no second opening, nothing exchanged)."""
-    old = stored(store, clock, left=3600.0)
-    copying_manager.accepted(old)
-    for moment in range(FORCED_RENEWAL_BUDGET):
-        store.records.log_forced(clock.now - moment)
-    counted = store.records.forced_in_period
+    old = stored(store, clock, left=3600.0, in_a_row=1)
+    loaded = store.records.load_breaker
 
-    def slow_count(now: float, period: float) -> int:
+    def slow_load() -> Any:
         time.sleep(0.2)  # the siblings arrive while it decides
-        return counted(now, period)
+        return loaded()
 
-    store.records.forced_in_period = slow_count  # type: ignore[method-assign]
+    store.records.load_breaker = slow_load  # type: ignore[method-assign]
     start = threading.Barrier(8)
     outcomes: list[str] = []
 
@@ -1271,7 +1293,7 @@ def test_threads_waiting_on_a_renewal_that_spent_the_budget_share_its_token_reje
         thread.join()
     assert outcomes == ["TokenRejected"] * 8
     assert exchange.calls == []
-    assert store.records.counters()["breaker_openings:revoked"] == 1
+    assert store.records.counters()["breaker_openings:refused"] == 1
 
 
 def test_a_thread_whose_sibling_renews_past_the_wait_limit_gets_renewal_timeout(

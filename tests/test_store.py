@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import redis
@@ -177,7 +178,11 @@ def test_the_look_after_a_401_counts_it_and_takes_the_lock_when_the_refused_toke
 ) -> None:
     refused = make_token(1)
     assert store.save(refused) == (True, 1)
-    assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0) == (refused, 1)
+    looked, outcome = store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0)
+    assert outcome == 1
+    assert looked is not None
+    assert looked.refused  # recorded in its own record, by the same command
+    assert looked == replace(refused, refused_at=looked.refused_at)
     assert store.lock_holder() == "host-a:1:aa:1"
     assert store.release_lock("host-a:1:aa:1")
     assert store.records.counters() == {CounterName.UNAUTHORIZED: 1}

@@ -408,8 +408,8 @@ def test_the_breaker_gauge_reads_each_accounts_redis_and_leaves_out_one_it_canno
     assert traced.points(BREAKER_OPEN, "closed") == breaker_gauge(None)
     assert traced.points(BREAKER_OPEN, "unreachable") == {}
     assert "could not read unreachable's breaker for the meter" in caplog.text
-    closed.manager.breaker.trip_revoked(30.0, "revoked over and over")  # another process's
-    assert traced.points(BREAKER_OPEN, "closed") == breaker_gauge(BreakerKind.REVOKED)
+    closed.manager.breaker.trip_refused(1, 2, 30.0, "refused in a row")  # another process's
+    assert traced.points(BREAKER_OPEN, "closed") == breaker_gauge(BreakerKind.REFUSED)
     del closed, unreachable
     gc.collect()
     assert traced.points(BREAKER_OPEN, "closed") == {}  # a client dropped leaves the gauge

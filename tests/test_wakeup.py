@@ -125,7 +125,7 @@ def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling
     assert store_a.save(revoked) == (True, 1)
     store_a.mark_accepted(1)
     for manager in (a, b):
-        assert manager.token() == revoked  # each starts hearing announcements
+        assert manager.token().value == revoked.value  # each starts hearing announcements
         assert manager.signal is not None
         listening(manager.signal)
 

@@ -18,6 +18,7 @@ account's settings by ``accounts.client_for``.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ CALL_WAIT_MAX = 5.0
 EXCERPT_LENGTH = 200  # characters of an error body kept in ApiError
 EXCERPT_SCAN = 64 * 1024  # characters searched for the token before the excerpt is cut
 POOL_SIZE = 32  # connections kept per host, for threaded callers
+CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})  # the
+# client signs each call with the fleet's token; a caller's own credentials would speak for
+# it (and a 401 on them would be taken for the token's refusal)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 5.1: a token, no blanks
 
 
 class _Unauthorized(Exception):
@@ -172,7 +177,8 @@ class MerchantClient(Generic[SourceT]):
         """Call ``method path`` and return the decoded JSON body (None when empty).
 
         Raises:
-            ValueError: the path is outside ``/open-api/v1`` or headers set Authorization.
+            ValueError: the path is outside ``/open-api/v1``, or a header would carry
+                credentials (Authorization, however spelt) or is not a header name.
             TokenRejected: the API refuses tokens renewing cannot mend (never accepted,
                 refused again after renewals, or revoked over and over).
             ApiUnavailable: 429/5xx/connection failures outlasted the retries.
@@ -181,8 +187,7 @@ class MerchantClient(Generic[SourceT]):
         """
         method = method.upper()
         _check_path(path)
-        if headers and any(name.lower() == "authorization" for name in headers):
-            raise ValueError("the Authorization header is set by the client from the shared token")
+        _check_headers(headers)
         with telemetry.request_span(method, path, self.account) as span:
             try:
                 answer = self._request(_Call(method, path, json, params, headers, span))
@@ -267,7 +272,7 @@ class MerchantClient(Generic[SourceT]):
         if 200 <= status < 300:
             self.manager.accepted(token)
             return _decode(response, method, path)
-        if status == 401:
+        if status == 401 and _signed_with(response, token):
             call.span.count(telemetry.UNAUTHORIZED)
             raise _Unauthorized(token)
         hidden = {token.value: "<token>"}
@@ -322,6 +327,28 @@ def _check_path(path: str) -> None:
     names = [segment.split(";", 1)[0] for segment in segments]  # as servers that drop ;params
     if (API_PREFIX + "/".join(names)).rstrip("/").lower() == TOKEN_PATH:
         raise ValueError("the token endpoint is called by the exchange, not by request()")
+
+
+def _check_headers(headers: Mapping[str, str] | None) -> None:
+    """Refuse, before anything is sent, a header name that is not one (blanks around it
+    included: ``"Authorization "``) and any that would carry credentials, compared after
+    stripping and case-folding."""
+    for name in headers or {}:
+        if name.strip().casefold() in CREDENTIAL_HEADERS:
+            raise ValueError(
+                f"header {name.strip()!r}: credentials (Authorization, Proxy-Authorization, "
+                "Cookie) are set by the client from the account's shared token"
+            )
+        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"not a header name: {name[:40]!r}")
+
+
+def _signed_with(response: requests.Response, token: Token) -> bool:
+    """Whether the request that got ``response`` carried ``token`` and no other credentials
+    (a session's own auth or hooks could replace them): only then is a 401 the token's."""
+    if response.request is None:  # a transport that keeps no request: as it was given
+        return True
+    return response.request.headers.get("Authorization") == f"Bearer {token.value}"
 
 
 def _dot_like(segment: str) -> bool:

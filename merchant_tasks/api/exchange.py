@@ -45,7 +45,8 @@ GRANT_TYPE = "client_credential"
 MAX_RETRY_AFTER = 3600.0  # a Retry-After beyond an hour is a server bug; do not obey it blindly
 # RFC 6750's b64token: what can be sent in an Authorization header as it is
 _BEARER_TOKEN = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
-MAX_TOKEN_LIFETIME = 30 * 86400.0  # a longer lifetime is a unit mix-up (ms?), not a promise
+MAX_TOKEN_LIFETIME = 30 * 86400.0  # the longest lifetime trusted: a longer one is capped to
+# it (a unit mix-up, ms?, or a generous server), with a warning, and renewed on our schedule
 _ERROR_CODE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")  # only short identifiers are quoted back
 MAX_TOKEN_LENGTH = 8 * 1024  # a longer access_token is not a bearer token we can send
 TOKEN_BODY_LIMIT = 64 * 1024  # a token response is read up to this much, no further
@@ -380,9 +381,15 @@ def parse_token(response: Answered, default_lifetime: float, secret: str = "") -
         if isinstance(expires_in, bool) or not math.isfinite(lifetime) or lifetime < 0:
             raise MalformedTokenResponse("token endpoint's expires_in is not a number >= 0")
     if lifetime > MAX_TOKEN_LIFETIME:
-        raise MalformedTokenResponse(
-            f"token endpoint's expires_in ({lifetime:.0f} s) is beyond {MAX_TOKEN_LIFETIME:.0f} s"
+        # a promise we do not hold the server to: the token is renewed on our schedule
+        log.warning(
+            "token endpoint's expires_in (%.0f s) is beyond %.0f s: treating the token as "
+            "valid for %.0f s",
+            lifetime,
+            MAX_TOKEN_LIFETIME,
+            MAX_TOKEN_LIFETIME,
         )
+        lifetime = MAX_TOKEN_LIFETIME
     return IssuedToken(value=value, expires_in=lifetime, status=response.status_code)
 
 

@@ -19,6 +19,7 @@ from merchant_tasks.accounts import AccountClients
 from merchant_tasks.exceptions import ConfigurationError, MerchantError, StoreUnavailable
 from merchant_tasks.extras import package_version, require
 from merchant_tasks.ops.status import account_statuses, format_status
+from merchant_tasks.renewal.lock import process_owner
 from merchant_tasks.settings import (
     SANDBOX_DEFAULT_PORT,
     TOKEN_LIFETIME,
@@ -199,13 +200,16 @@ def renew(force: bool, account: str | None) -> None:
     """Renew the token if due (or now with --force) and show the stored one."""
     with _exit_codes():
         manager = _clients().get(account).manager
+        manager.store.load()  # the stored token's generation counts if the counter was evicted
         before = manager.store.generation()
         token = manager.renew(force=force)
     stored = f"generation {token.generation}, fingerprint {token.fingerprint}"
-    if token.generation == before:
-        click.echo(f"not due: {stored} is still fresh (renewed by {token.renewed_by})")
-    else:
-        click.echo(f"{stored}, renewed by {token.renewed_by} ({token.reason})")
+    if token.generation <= before:
+        click.echo(f"not due: {stored} is still fresh (renewed by {token.renewed_by}); no exchange")
+    elif token.renewed_by == process_owner():
+        click.echo(f"exchanged: {stored}, renewed by {token.renewed_by} ({token.reason})")
+    else:  # another process stored one meanwhile: it stands for ours
+        click.echo(f"no exchange: {stored} was stored meanwhile by {token.renewed_by}")
 
 
 @main.command()

@@ -60,7 +60,7 @@ from merchant_tasks.renewal.lock import (
     SingleFlight,
     process_owner,
 )
-from merchant_tasks.renewal.refusals import Breaker, Refusals
+from merchant_tasks.renewal.refusals import FORCED_RENEWAL_SPACING, Breaker, Refusals
 from merchant_tasks.store.exchange_rate import PERMIT_WAIT, ExchangeRate, Priority
 from merchant_tasks.store.token_store import RedisClock, TokenStore
 from merchant_tasks.store.wakeup import RenewalSignal
@@ -104,8 +104,12 @@ class Renewer:
         and store the answer if it is better than the stored token; else mark the stored
         one final. ``first`` runs once the first permit is granted, before the exchange
         (the forced-renewal budget: a renewal refused a permit spends none of it)."""
-        expected = self.store.generation()
         current = self.store.load()
+        expected = self.store.generation()  # after the load: the stored token's counts
+        # refusals on first use in a row, carried in each record: any acceptance ends them
+        in_a_row = 0
+        if current is not None and current.refused_on_first_use:
+            in_a_row = current.first_use_refusals + 1
         now = self.clock()
         if current is not None and not current.valid_at(now) and now < current.kept_until:
             # a final token just expired on our clock may live on the server's for as long
@@ -138,6 +142,7 @@ class Renewer:
             reason=reason,
             lag=max(0.0, self.clock() - issued_at),
             traceparent=telemetry.renewal_traceparent(),
+            first_use_refusals=in_a_row,
         )
         return self._store_new(token, expected, issued.expires_in)
 
@@ -269,9 +274,11 @@ def limits(exchange_timeout: float) -> tuple[float, float, float]:
     """How long the longest renewal, a wait for another's and the lock's lease last, for
     one exchange's deadline (``exchange_timeout``, api.exchange)."""
     # every attempt at its deadline after its wait for a permit, plus the waits between
-    # them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX)
+    # them (a back-off and a Retry-After, each up to EXCHANGE_RETRY_WAIT_MAX), after a
+    # forced renewal's wait for its turn
     renewal = (
-        EXCHANGE_ATTEMPTS * (exchange_timeout + PERMIT_WAIT)
+        FORCED_RENEWAL_SPACING
+        + EXCHANGE_ATTEMPTS * (exchange_timeout + PERMIT_WAIT)
         + (EXCHANGE_ATTEMPTS - 1) * 2 * EXCHANGE_RETRY_WAIT_MAX
         + LOCK_MARGIN
     )
@@ -333,7 +340,7 @@ class TokenManager:
             sleep=sleep,
         )
         self.refusals = Refusals(
-            store, self.copy, self.flight, self.lock, self.breaker, self.signal, self.clock
+            store, self.copy, self.flight, self.lock, self.breaker, self.signal, self.clock, sleep
         )
         self._remake_locks()
         _MANAGERS.add(self)  # its locks are remade in a forked child
@@ -404,6 +411,7 @@ class TokenManager:
         if stale_token is not None:
             return self.refusals.renew_after(stale_token, self._renew_forced)
         if force:
+            self.store.load()  # the stored token's generation counts if the counter was evicted
             seen = self.store.generation()
             return self._renew(
                 RenewalReason.MANUAL, lambda t: t is not None and t.generation > seen, None

@@ -3,21 +3,24 @@ the breaker, the fleet-wide pause on token exchanges.
 
 The client's loop sends, and on a 401 asks the token source for a token that replaces the
 refused one; the source (``manager.TokenManager``) hands the question to ``Refusals``, the
-one place that judges a refusal:
+one place that judges a refusal, from the evidence in the refused token's own record
+(docs/design.md, "Refusals", has the table):
 
-- a token the API accepted before and now refuses was **revoked**: renewed at once
-  (forced, compare-and-swap), within the fleet's forced-renewal budget;
-- a token refused before it was ever used, whose predecessor was accepted, was probably
-  **revoked before use** (between the exchange and the first call): renewed once more;
-- otherwise it was **never accepted** (a wrong key, the other environment, access revoked,
-  or revocations in a row): the account is renewed again only after a fleet-wide
-  back-off (``REFUSED_BACKOFF`` doubling to ``REFUSED_BACKOFF_MAX``), so a wrong key costs
-  a handful of exchanges a day, and a token revoked twice before use heals in a minute.
+- the first 401 on a token marks its record refused (the store's 401 script, same write):
+  from then on no process of the fleet sends it (``known_refused``, before every send);
+- a token the API had **accepted** was revoked, and one refused on its **first use** with
+  no such refusal just before it was revoked before use (or replaced by beat before
+  anyone called with it): either is replaced at once;
+- a token refused on its first use right after another was (no acceptance between: a
+  wrong key, the other environment, access revoked) is replaced only after a fleet-wide
+  back-off (``REFUSED_BACKOFF`` doubling to ``REFUSED_BACKOFF_MAX``); any acceptance ends
+  the run, as each token's record counts the refusals in a row before it;
+- forced renewals are spaced, one per ``FORCED_RENEWAL_SPACING`` per account fleet-wide;
+  callers wait for the next replacement instead of failing.
 
-While a stored token is known to be refused (its back-off, or the ``revoked`` breaker once
-the budget is spent), calls fail fast with ``TokenRejected`` instead of sending it again:
-``known_refused`` is checked before every send, at the cost of a dictionary look-up.
-Inside a process one thread asks the store; its siblings wait for its token.
+While a replacement is held back (a back-off, a pause over the credentials), calls fail
+fast with its error instead of sending the refused token. Inside a process one thread asks
+the store; its siblings wait for its token.
 
 ``Breaker`` pauses token exchanges fleet-wide, with check, trip and reset. Kinds and pauses
 are in docs/design.md, "Guards on exchanges". The record lives in Redis
@@ -32,6 +35,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable
+from copy import copy as shallow_copy
 from dataclasses import dataclass
 
 from merchant_tasks import telemetry
@@ -59,9 +63,10 @@ RETRY_AFTER_MARGIN = 0.5  # Retry-After is in whole seconds and each host estima
 # clock to within milliseconds: without a margin, one may knock a moment too early
 UNAVAILABLE_BACKOFF = 2.0  # first pause after the endpoint failed; doubles per failure
 UNAVAILABLE_BACKOFF_MAX = 60.0  # ... up to a minute, so recovery is noticed within one
-OPERATOR_ENDS = (BreakerKind.REVOKED, BreakerKind.REFUSED)  # pauses over refused tokens: an
-# operator's forced renewal says the cause is fixed (access restored, the other exchanger
-# stopped); pauses over the endpoint's answers (rejected, rate limited, unavailable) hold
+OPERATOR_ENDS = (BreakerKind.REVOKED, BreakerKind.REFUSED, BreakerKind.REJECTED)  # pauses over
+# credentials and refused tokens: an operator's forced renewal says the cause is fixed
+# (access restored, the key re-enabled); pauses over the endpoint's health (rate limited,
+# unavailable) hold
 PROBE_INTERVAL = 2.0  # half-open: with no valid token, one caller per interval fleet-wide
 # makes one exchange attempt during an `unavailable` pause, so recovery after an outage is
 # not held back by the rest of a pause of up to a minute (the first back-off's length)
@@ -73,7 +78,9 @@ class Breaker:
 
     store: TokenStore
     clock: Callable[[], float]
-    secret_fingerprint: Callable[[], str]  # of the secret in use: a replaced one may try again
+    # of the credentials in use (API key, secret, token endpoint): a pause opened against
+    # other ones ends at once, in every process whose configuration no longer matches it
+    secret_fingerprint: Callable[[], str]
     rng: random.Random
 
     def check(self, fallback: Token | None, *, operator: bool = False) -> Token | None:
@@ -97,8 +104,8 @@ class Breaker:
         raise self._error(record, max(0.0, record.until - now))
 
     def secret_replaced(self, refused_with: str) -> bool:
-        """Whether a pause opened against the secret of fingerprint ``refused_with`` ('':
-        none recorded) may end because another secret is in place now."""
+        """Whether a pause opened against the credentials of fingerprint ``refused_with``
+        ('': none recorded) may end because others are in place now."""
         return bool(refused_with) and refused_with != self.secret_fingerprint()
 
     def take_probe(self) -> bool:
@@ -133,14 +140,9 @@ class Breaker:
             self.store.records.take_probe(PROBE_INTERVAL)  # the first probe comes an interval later
         self._open(record, now)
 
-    def trip_revoked(self, pause: float, detail: str) -> None:
-        """Open the breaker because tokens keep being revoked (the forced budget is spent)."""
-        now = self.clock()
-        self._open(BreakerRecord(BreakerKind.REVOKED, now + pause, 1, "", detail), now)
-
     def trip_refused(self, generation: int, failures: int, pause: float, detail: str) -> None:
-        """Pause renewals because token ``generation`` was refused before first use, the
-        ``failures``-th time in a row (``Refusals`` decides the pause)."""
+        """Pause renewals because token ``generation`` was refused on its first use, the
+        ``failures``-th in a row (``Refusals`` decides the pause)."""
         now = self.clock()
         secret = self.secret_fingerprint()  # a new secret ends the pause (``check``)
         kind = BreakerKind.REFUSED
@@ -148,10 +150,9 @@ class Breaker:
         self._open(record, now)
 
     def reset(self) -> None:
-        """Close the breaker after a successful exchange. A ``refused`` record stays (its
-        pause is over): it counts refusals in a row until the API accepts a token."""
-        record = self.store.records.load_breaker()
-        if record is not None and record.kind != BreakerKind.REFUSED:
+        """Close the breaker after a successful exchange (refusals in a row are counted in
+        the tokens' records, not here)."""
+        if self.store.records.load_breaker() is not None:
             self.store.records.close_breaker()
 
     def _open(self, record: BreakerRecord, now: float) -> None:
@@ -177,45 +178,50 @@ class Breaker:
         return TokenEndpointUnavailable(message, retry_after=left)
 
 
-FORCED_RENEWAL_BUDGET = 4  # forced renewals per account and period, fleet-wide: revocations
-# by operators and rotations come far less often; more means a fight over the API key. Each
-# revocation meets a 401 on every request in flight (one per calling thread), so the budget
-# bounds those too: 16 threads see at most 16 x (4 + 1) = 80 401s whatever the revocations
-FORCED_RENEWAL_PERIOD = 60.0  # seconds; also the pause once the budget is spent
-REFUSED_BACKOFF = 60.0  # seconds before a token refused before first use is renewed again
+FORCED_RENEWAL_SPACING = 4.0  # seconds between two forced renewals of an account, fleet-wide:
+# a rate no token endpoint minds. Each revocation meets at most one 401 per request in flight,
+# so revocations twice a second under 16 threads cost 16 x (1 + 10 s / 4 s) <= 64 401s in 10 s
+REFUSED_BACKOFF = 60.0  # seconds before a token refused on its first use, after one before
+# it was too (no acceptance between), is replaced
 REFUSED_BACKOFF_MAX = 1800.0  # ... doubling per refusal in a row, up to 30 minutes: a key
-# that is simply wrong then costs at most 8 exchanges in 2 hours
+# that is simply wrong then costs at most 9 exchanges in 2 hours
+KNOWN_ERROR_MEMO = 1.0  # seconds a process answers a refused token's error (one without its
+# own retry_after) without asking Redis again: the pause's error, not the token, goes out
 
 
-# renews the account forced: (the refused token, when the caller began, its first look)
+# renews the account forced: (the refused token, when the caller began, its first look, the
+# spacing step run under the lock before the exchange)
 ForcedRenewal = Callable[[Token, float, Prelude | None, Callable[[], None]], Token]
 
 
 class Refusal(enum.StrEnum):
-    """What a 401 on a token means, from the evidence of what the API accepted before."""
+    """What a 401 on a token means, from the evidence in its record (docs/design.md,
+    "Refusals": the table)."""
 
-    REVOKED = "revoked"  # accepted before: renew
-    REVOKED_BEFORE_USE = "revoked_before_use"  # never accepted, but its predecessor was
-    NEVER_ACCEPTED = "never_accepted"  # renewed only after a fleet-wide back-off
+    REVOKED = "revoked"  # accepted before: replace it
+    UNUSED = "unused"  # refused on its first use, the first in a row: replace it
+    IN_A_ROW = "in_a_row"  # refused on its first use after another was: replace after a back-off
 
 
-def judge(stale: Token, accepted_generation: int) -> Refusal:
-    """What a 401 on ``stale`` means, given the highest generation the API accepted."""
-    if accepted_generation >= stale.generation:
+def judge(refused: Token) -> Refusal:
+    """What a 401 on ``refused`` (its record as the store holds it) means."""
+    if refused.accepted:
         return Refusal.REVOKED
-    if accepted_generation == stale.generation - 1 and accepted_generation > 0:
-        return Refusal.REVOKED_BEFORE_USE
-    return Refusal.NEVER_ACCEPTED
+    if refused.first_use_refusals == 0:
+        return Refusal.UNUSED
+    return Refusal.IN_A_ROW
 
 
-def refused_backoff(failures: int) -> float:
-    """The pause before renewing after the ``failures``-th refusal before first use in a row."""
-    return float(min(REFUSED_BACKOFF * 2 ** (failures - 1), REFUSED_BACKOFF_MAX))
+def refused_backoff(in_a_row: int) -> float:
+    """The pause before replacing a token refused on its first use after ``in_a_row`` tokens
+    before it were too."""
+    return float(min(REFUSED_BACKOFF * 2 ** (in_a_row - 1), REFUSED_BACKOFF_MAX))
 
 
 @dataclass(eq=False)
 class Refusals:
-    """Judges each 401 of one account and renews after it, once per process and fleet."""
+    """Judges each 401 of one account and replaces the refused token, once per process and
+    fleet; no process sends a token its record says was refused."""
 
     store: TokenStore
     copy: LocalCopy
@@ -224,6 +230,7 @@ class Refusals:
     breaker: Breaker
     signal: RenewalSignal | None
     clock: Callable[[], float]
+    sleep: Callable[[float], None]
 
     @property
     def wait_limit(self) -> float:
@@ -231,8 +238,9 @@ class Refusals:
 
     def __post_init__(self) -> None:
         self._accepted = 0  # the highest generation this process saw accepted
-        # refused generation -> (end of its back-off, fingerprint of the secret then)
-        self._known: dict[int, tuple[float, str]] = {}
+        # refused generation -> (until when its error stands, fingerprint of the
+        # credentials then, the error): calls get it without asking Redis
+        self._known: dict[int, tuple[float, str, MerchantError]] = {}
         self.remake_locks()
 
     def remake_locks(self) -> None:
@@ -241,42 +249,38 @@ class Refusals:
 
     def accepted(self, token: Token) -> None:
         """The API accepted ``token``: the evidence that a later 401 on it is a revocation,
-        recorded once per generation and process."""
+        written into its record once per generation and process."""
         if token.generation <= self._accepted:
             return
         self._accepted = token.generation
         try:
             self.store.mark_accepted(token.generation)
         except StoreUnavailable as exc:
-            # not retried with every call (each would wait for Redis): this process still
-            # knows, and the other processes using this generation record it too
+            # not retried with every call (each would wait for Redis): the other processes
+            # using this generation record it too
             log.warning("could not record that the API accepted a token: %s", exc)
 
     def known_refused(self, token: Token) -> bool:
-        """Whether ``token`` is known to be refused: a sibling thread is renewing it after a
-        401, or its back-off is over (then renew it, or wait for the sibling's token).
+        """Whether ``token`` must not be sent: its record says the API refused it, or a
+        sibling thread is replacing it (then wait for it, or replace it).
 
-        Raises TokenRejected while the back-off lasts, unless the secret was replaced since:
-        the token is not sent again."""
+        Raises the error of what holds the replacement back (a back-off, a pause), for as
+        long as it stands and the credentials are the same: the token is not sent again."""
         if self._forcing >= token.generation:
             return True
         known = self._known.get(token.generation)
-        if known is None:
-            return False
-        until, refused_with = known
-        left = until - self.clock()
-        if left > 0 and not self.breaker.secret_replaced(refused_with):
-            raise TokenRejected(
-                f"the stored token is known to be refused (HTTP 401); the account is renewed "
-                f"in {left:.0f} s. {LIKELY_CAUSES}",
-                retry_after=left,
-            )
-        return True
+        if known is not None:
+            until, credentials, error = known
+            left = until - self.clock()
+            if left > 0 and not self.breaker.secret_replaced(credentials):
+                raise _again(error, left)
+            return True
+        return token.refused
 
     def renew_after(self, stale: Token, renew: ForcedRenewal, *, new_401: bool = True) -> Token:
         """The token that replaces ``stale``, refused by the API: another's, or a forced
-        renewal if the evidence says it was revoked; else TokenRejected. ``new_401``: False
-        when no request met a 401 now (``stale`` is known refused from an earlier one)."""
+        renewal (spaced fleet-wide) unless the evidence calls for a back-off (TokenRejected).
+        ``new_401``: False when no request met a 401 now (``stale`` is known refused)."""
         token = self._renew_after(stale, renew, new_401)
         telemetry.link_renewal(token.traceparent)  # the call's span, to what replaced it
         return token
@@ -288,11 +292,11 @@ class Refusals:
             newer = self._newer_copy(stale) or self._sibling_renewal(stale)
             if newer is not None:
                 return newer  # a sibling thread got the token that replaces it
-            self.known_refused(stale)  # the sibling's renewal failed with a back-off: share it
+            self.known_refused(stale)  # the sibling's renewal failed with a pause: share it
             started = self.copy.now()
             try:
                 found, renewer, prelude = self._look(stale, new_401)
-            except TokenRejected as exc:  # judged refused, or a pause: no call sends it meanwhile
+            except _HELD_BACK as exc:  # a back-off or pause: no call sends it meanwhile
                 self._remember(stale, exc)
                 raise
             if found is not None:
@@ -301,14 +305,14 @@ class Refusals:
                 break
         else:  # a sibling still renews: renewing too would be a second forced renewal
             raise RenewalTimeout("another thread of this process still renews the refused token")
-        log.info("token %s was refused: renewing", stale.fingerprint)
+        log.info("token %s was refused: replacing it", stale.fingerprint)
         try:
-            renewed = renew(stale, started, prelude, self._spend_budget)
+            renewed = renew(stale, started, prelude, self._space_forced)
             if not renewed.replaces(stale, self.clock()):  # the endpoint handed it back
                 raise TokenRejected(_handed_back(renewed.expires_at - self.clock()))
             return self.copy.keep(renewed)
-        except TokenRejected as exc:
-            self._remember(stale, exc)  # before the siblings wake: they share its back-off
+        except _HELD_BACK as exc:
+            self._remember(stale, exc)  # before the siblings wake: they share its error
             raise
         finally:
             with self._forcing_changed:
@@ -316,17 +320,17 @@ class Refusals:
                     self._forcing = 0
                 self._forcing_changed.notify_all()
 
-    def _remember(self, stale: Token, refused: TokenRejected) -> None:
-        """A back-off (``refused.retry_after``): no call sends ``stale`` until it is over."""
-        if refused.retry_after:
-            self._known = {g: k for g, k in self._known.items() if g >= stale.generation}
-            until = self.clock() + refused.retry_after
-            self._known[stale.generation] = (until, self.breaker.secret_fingerprint())
+    def _remember(self, stale: Token, error: MerchantError) -> None:
+        """Until ``error`` stops standing, calls get it instead of sending ``stale``."""
+        self._known = {g: k for g, k in self._known.items() if g >= stale.generation}
+        until = self.clock() + (error.retry_after or KNOWN_ERROR_MEMO)
+        self._known[stale.generation] = (until, self.breaker.secret_fingerprint(), error)
 
     def _look(self, stale: Token, new_401: bool) -> tuple[Token | None, bool, Prelude | None]:
         """In this process's turn: a newer token (copy or store), or TokenRejected, or this
         thread registered as the process's renewer of ``stale``'s generation, with its
-        look at the store and the lock (one round trip) as the renewal's first attempt."""
+        look at the store and the lock (one round trip, which also records the refusal in
+        the token's record) as the renewal's first attempt."""
         self.flight.take_turn(blocking=True)
         locked = False
         try:
@@ -348,7 +352,9 @@ class Refusals:
             )
             if current is not None and current.replaces(stale, self.clock()):
                 return self.copy.keep(current), False, None  # renewed elsewhere: CAS
-            self._judge(stale)
+            if current is not None and current.generation == stale.generation:
+                self.copy.keep(current)  # its record, refusal included: siblings see it
+                self._judge(current)  # None: evicted with its evidence, simply replaced
             with self._forcing_changed:
                 self._forcing = stale.generation
             prelude = Prelude(locked, heard) if locked or outcome == -1 else None
@@ -359,42 +365,42 @@ class Refusals:
                 self.lock.release()
             self.flight.turn.release()
 
-    def _judge(self, stale: Token) -> None:
-        """Returns if ``stale`` is renewed now; raises TokenRejected if it waits."""
-        accepted = self._accepted
-        if accepted < stale.generation:
-            accepted = max(accepted, self.store.accepted_generation())
-        if judge(stale, accepted) != Refusal.NEVER_ACCEPTED:
+    def _judge(self, refused: Token) -> None:
+        """Returns if ``refused`` (its record) is replaced now; raises TokenRejected while
+        its back-off lasts."""
+        in_a_row = refused.first_use_refusals
+        if judge(refused) != Refusal.IN_A_ROW:
             return
         record = self.store.records.load_breaker()
         earlier = record if record is not None and record.kind == BreakerKind.REFUSED else None
-        now = self.clock()
-        if earlier is not None and self.breaker.secret_replaced(earlier.secret_fingerprint):
-            if earlier.generation == stale.generation:
-                return  # refused under the secret since replaced: renew with the new one
-            earlier = None  # refusals in a row are counted per secret
-        if earlier is not None and earlier.generation == stale.generation:
+        if earlier is not None and earlier.generation == refused.generation:
+            if self.breaker.secret_replaced(earlier.secret_fingerprint):
+                return  # refused under credentials since replaced: try the new ones
+            now = self.clock()
             if earlier.until <= now:
-                return  # its back-off is over: renew it
+                return  # its back-off is over: replace it
             left = earlier.until - now
-            raise TokenRejected(_never_accepted(left), retry_after=left)
-        failures = earlier.failures + 1 if earlier is not None else 1  # refusals in a row
-        pause = refused_backoff(failures)
+            raise TokenRejected(_refused_in_a_row(in_a_row + 1, left), retry_after=left)
+        pause = refused_backoff(in_a_row)
         self.store.records.count(CounterName.NEVER_ACCEPTED)
-        self.breaker.trip_refused(stale.generation, failures, pause, _never_accepted(pause))
-        raise TokenRejected(_never_accepted(pause), retry_after=pause)
+        detail = _refused_in_a_row(in_a_row + 1, pause)
+        self.breaker.trip_refused(refused.generation, in_a_row + 1, pause, detail)
+        raise TokenRejected(detail, retry_after=pause)
 
-    def _spend_budget(self) -> None:
-        """Count a forced renewal (under the lock, before its exchange); past the budget,
-        open the ``revoked`` breaker instead."""
-        now = self.clock()
-        spent = self.store.records.forced_in_period(now, FORCED_RENEWAL_PERIOD)
-        if spent >= FORCED_RENEWAL_BUDGET:
-            message = _revoked_over_and_over(spent)
-            self.breaker.trip_revoked(FORCED_RENEWAL_PERIOD, message)
-            raise TokenRejected(message, retry_after=FORCED_RENEWAL_PERIOD)
-        self.store.records.log_forced(now)
+    def _space_forced(self) -> None:
+        """Under the lock, before the exchange: wait for this forced renewal's turn, one
+        FORCED_RENEWAL_SPACING after the fleet's last (callers wait for its token)."""
+        wait = self.store.records.reserve_forced(FORCED_RENEWAL_SPACING)
         self.store.records.count(CounterName.FORCED_RENEWALS)
+        if wait > 0:
+            log.warning(
+                "tokens of %s are refused again %.1f s after the last forced renewal: the "
+                "next one waits %.1f s. Is another system exchanging with the same API key?",
+                self.store.namespace,
+                FORCED_RENEWAL_SPACING - wait,
+                wait,
+            )
+            self.sleep(wait)
 
     def _sibling_renewal(self, stale: Token) -> Token | None:
         """While another thread of this process renews (or waits for the fleet's renewal
@@ -413,20 +419,21 @@ class Refusals:
         return copy if copy is not None and copy.replaces(stale, self.clock()) else None
 
 
-def _never_accepted(pause: float) -> str:
+def _refused_in_a_row(count: int, pause: float) -> str:
     return (
-        "the API refused a token it never accepted (HTTP 401); the account is renewed "
-        f"again in {pause:.0f} s, fleet-wide, and calls fail until then. " + LIKELY_CAUSES
+        f"the API refused {count} tokens in a row on their first use (HTTP 401); the account "
+        f"is renewed again in {pause:.0f} s, fleet-wide, and calls fail until then. "
+        + LIKELY_CAUSES
     )
 
 
-def _revoked_over_and_over(spent: int) -> str:
-    return (
-        f"tokens of this account were revoked over and over: {spent} forced renewals "
-        f"in {FORCED_RENEWAL_PERIOD:.0f} s. Is another system exchanging with the same "
-        "API key (each of its exchanges may revoke ours)? Or was API access revoked "
-        "for this merchant?"
-    )
+def _again(error: MerchantError, left: float) -> MerchantError:
+    """A copy of ``error`` to raise again (threads may raise it at once), ``left`` seconds
+    before it stops standing."""
+    again = shallow_copy(error)
+    if again.retry_after is not None:
+        again.retry_after = left
+    return again
 
 
 def _handed_back(left: float) -> str:
@@ -434,6 +441,9 @@ def _handed_back(left: float) -> str:
         "the token endpoint handed back the token the API refuses (HTTP 401); "
         f"it is renewed once it expires, in {left:.0f} s"
     )
+
+
+_HELD_BACK = (TokenRejected, TokenExchangeError)  # what holds a replacement back: remembered
 
 
 def _taken(looked: tuple[Token | None, int]) -> tuple[bool, tuple[Token | None, int]]:

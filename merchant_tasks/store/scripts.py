@@ -30,6 +30,22 @@ local function token_generation(raw)
   if not ok or type(doc) ~= 'table' then return nil end
   return tonumber(doc['generation'])
 end
+-- A token record with its top-level field ``name`` set to ``text`` (a JSON number or
+-- boolean), edited in place so that every other byte stays as Python wrote it (cjson
+-- would round the times to 14 digits). A string value escapes its quotes, so ',"name":'
+-- only matches a field; a record written before the field existed gets it appended.
+local function set_field(raw, name, text)
+  local field = ',"' .. name .. '":'
+  local edited, found = string.gsub(raw, field .. '[^,}]*', field .. text, 1)
+  if found == 1 then return edited end
+  return string.sub(raw, 1, -2) .. field .. text .. '}'
+end
+local function field_of(raw, name)
+  return string.match(raw, ',"' .. name .. '":([^,}]*)')
+end
+local function rewrite_token(key, raw)
+  redis.call('SET', key, raw, 'KEEPTTL')
+end
 local function fit(key, kind)
   local found = redis.call('TYPE', key)['ok']
   if found ~= 'none' and found ~= kind then redis.call('DEL', key) end
@@ -80,7 +96,9 @@ end
 SAVE_IF_GENERATION = (
     _HELPERS
     + """
-local current = read_number(KEYS[2]) or 0
+-- the token's own generation counts too: an evicted generation key must not let a write
+-- reuse the stored token's generation (no process would see it replace the stored one)
+local current = math.max(read_number(KEYS[2]) or 0, token_generation(read_string(KEYS[1])) or 0)
 local expected = tonumber(ARGV[1])
 if current ~= expected and not (current < expected and expected <= tonumber(ARGV[4])) then
   return {0, current}
@@ -124,13 +142,23 @@ return 1
 """
 )
 
-# KEYS: accepted. ARGV: generation. Raises the key to ARGV[1]: one write per generation.
+# KEYS: accepted, token. ARGV: generation. Marks the token record accepted when it is of
+# that generation (the evidence lives with the token), and raises the ``accepted`` key
+# (read by releases before this one): at most one write of each per generation.
 RAISE_ACCEPTED = (
     _HELPERS
     + """
-if tonumber(ARGV[1]) <= (read_number(KEYS[1]) or 0) then return 0 end
-redis.call('SET', KEYS[1], ARGV[1])
-return 1
+local raw = read_string(KEYS[2])
+local wrote = 0
+if raw and token_generation(raw) == tonumber(ARGV[1]) and field_of(raw, 'accepted') ~= 'true' then
+  rewrite_token(KEYS[2], set_field(raw, 'accepted', 'true'))
+  wrote = 1
+end
+if tonumber(ARGV[1]) > (read_number(KEYS[1]) or 0) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  wrote = 1
+end
+return wrote
 """
 )
 
@@ -138,8 +166,9 @@ return 1
 # with ('' : do not take it, a thread of this process holds it), the process's owner
 # prefix, lease (ms), the 401 counter ('' : no new 401, do not count), the lock-wait
 # counter, the wait's limit (ms). Counts the 401 and reads the token; when the stored token
-# is the refused one (or none is stored), tries the renewal lock, and notes the wait if
-# another holds it.
+# is the refused one, a new 401 marks its record refused (Redis time, the first refusal
+# kept): from then on no process sends it. When it is the refused one (or none is
+# stored), tries the renewal lock, and notes the wait if another holds it.
 # Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (noted)}.
 LOOK_AFTER_401 = (
     _HELPERS
@@ -148,6 +177,11 @@ if ARGV[5] ~= '' then incr(KEYS[3], ARGV[5], 1) end
 local raw = read_string(KEYS[1])
 local generation = token_generation(raw)
 if generation and generation ~= tonumber(ARGV[1]) then return {raw or false, 0} end
+if generation and ARGV[5] ~= '' and (tonumber(field_of(raw, 'refused_at')) or 0) == 0 then
+  local now = redis.call('TIME')
+  raw = set_field(raw, 'refused_at', now[1] .. '.' .. string.format('%06d', tonumber(now[2])))
+  rewrite_token(KEYS[1], raw)
+end
 if take_lock(KEYS[2], ARGV[2], ARGV[3], ARGV[4]) then return {raw or false, 1} end
 note_wait(KEYS[3], ARGV[6], KEYS[4], ARGV[7])
 return {raw or false, -1}
@@ -213,6 +247,38 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])
 local count = redis.call('ZCARD', KEYS[1])
 if ARGV[2] ~= '' then redis.call('ZADD', KEYS[1], ARGV[2], ARGV[2]) end
 return count
+"""
+)
+
+# KEYS: the forced renewals' times (a sorted set, seconds). ARGV: the spacing (ms), how
+# long times are kept (ms). Reserves the next forced renewal's time, one spacing after the
+# last reserved (or now), and returns how long (ms) its renewer waits for it. The last
+# time is found by bisection with ZCOUNT: the README's least-privilege ACL user has
+# ZCOUNT, not ZRANGE or ZSCORE.
+SPACE_FORCED = (
+    _HELPERS
+    + """
+fit(KEYS[1], 'zset')
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local spacing = tonumber(ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ((now_ms - tonumber(ARGV[2])) / 1000))
+local function later_than(ms)
+  return redis.call('ZCOUNT', KEYS[1], '(' .. (ms / 1000), '+inf') > 0
+end
+local at = now_ms
+if later_than(now_ms - spacing) then
+  local low, high = now_ms - spacing, now_ms + spacing
+  while later_than(high) do low, high = high, high + (high - low) * 2 end
+  while high - low > 1 do  -- the last time reserved is in (low, high]
+    local middle = math.floor((low + high) / 2)
+    if later_than(middle) then low = middle else high = middle end
+  end
+  at = math.max(now_ms, high + spacing)
+end
+local seconds = string.format('%.3f', at / 1000)
+redis.call('ZADD', KEYS[1], seconds, seconds)
+return at - now_ms
 """
 )
 

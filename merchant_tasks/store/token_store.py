@@ -201,6 +201,12 @@ class AccountRecords:
         horizon = repr(now - EXCHANGE_LOG_SPAN)
         self.commands.run(scripts.COUNT_RECENT, [self.keys.forced], [horizon, f"{now:.6f}"])
 
+    def reserve_forced(self, spacing: float) -> float:
+        """Reserve the next forced renewal's time, ``spacing`` seconds after the last one
+        fleet-wide (or now): the seconds its renewer waits for it."""
+        args = [milliseconds(spacing), milliseconds(EXCHANGE_LOG_SPAN)]
+        return int(self.commands.run(scripts.SPACE_FORCED, [self.keys.forced], args)) / 1000
+
     def take_probe(self, interval: float) -> bool:
         """The half-open probe slot, at most once per ``interval`` seconds fleet-wide."""
         args = [milliseconds(interval)]
@@ -449,7 +455,8 @@ class TokenStore:
 
     def generation(self) -> int:
         """The generation of the last token written (0 if none ever was), or the highest
-        this process has seen stored if Redis has lost writes since."""
+        this process has seen stored if Redis has lost writes since (or evicted the
+        counter: the stored token's generation counts, as in the save script)."""
         key = self.keys.generation
         return max(self.commands.get(key, int, 0), self._seen_generation)
 
@@ -507,8 +514,10 @@ class TokenStore:
         return bool(noted)
 
     def mark_accepted(self, generation: int) -> None:
-        """Record that the API accepted a token of ``generation`` (no write if already known)."""
-        self.commands.run(scripts.RAISE_ACCEPTED, keys=[self.keys.accepted], args=[generation])
+        """Record that the API accepted a token of ``generation``, in its own record (and in
+        the ``accepted`` key older releases read); no write if already known."""
+        keys = [self.keys.accepted, self.keys.token]
+        self.commands.run(scripts.RAISE_ACCEPTED, keys=keys, args=[generation])
 
     def accepted_generation(self) -> int:
         """The highest generation the API is known to have accepted (0: none ever)."""

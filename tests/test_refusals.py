@@ -1,0 +1,174 @@
+"""What a 401 means (renewal/refusals.py, docs/design.md "Refusals"): issue 27's scenarios
+against the emulator and real Redis. Counts, not durations; durations only as deadlines."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from merchant_tasks.accounts import FleetClient, client_for
+from merchant_tasks.exceptions import MerchantError
+from merchant_tasks.ops.cli import main
+from merchant_tasks.sandbox.processes import wait_until
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.settings import Settings
+
+PING = "/open-api/v1/ping"
+
+
+class Calling:
+    """Threads calling PING in a loop, counting each outcome."""
+
+    def __init__(self, client: FleetClient, threads: int) -> None:
+        self.client = client
+        self.outcomes: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop) for _ in range(threads)]
+
+    def __enter__(self) -> Calling:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60.0)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.client.request("GET", PING)
+                outcome = "ok"
+            except MerchantError as exc:
+                outcome = type(exc).__name__
+            with self._lock:
+                self.outcomes[outcome] += 1
+            time.sleep(0.01)
+
+
+def test_revoke_all_every_6_s_under_16_threads_fails_no_call(
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
+) -> None:
+    """Issue 27: a budget turned the fifth revocation into a minute of failures. Each
+    revocation now costs one exchange and no failed call."""
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    revocations = 3
+    with Calling(merchant_client, threads=16) as calling:
+        for _ in range(revocations):
+            time.sleep(6.0)
+            merchant_sandbox.app.revoke_all()
+        time.sleep(2.0)
+    exchanges = merchant_sandbox.exchanges()["ok"]
+    print(f"\nrevoke-all every 6 s: {dict(calling.outcomes)}, {exchanges} exchanges")
+    assert set(calling.outcomes) == {"ok"}, calling.outcomes
+    assert exchanges <= 1 + revocations + 1
+
+
+def test_a_secret_reset_in_a_storm_sends_the_revoked_token_a_bounded_number_of_times(
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
+) -> None:
+    """The dashboard resets the secret (every token revoked) under 16 threads; the new secret
+    reaches the file later. The refused token is marked in its record and not sent again;
+    one refused exchange opens the pause; the new secret ends it at once."""
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    secret_file = merchant_sandbox.secret_file
+    with Calling(merchant_client, threads=16) as calling:
+        time.sleep(0.5)
+        new_secret = merchant_sandbox.app.reset_secret("reset-in-the-dashboard-7a8b9c")
+        time.sleep(5.0)
+        refused = merchant_sandbox.calls().get("unauthorized", 0)
+        rejected = merchant_sandbox.exchanges().get("rejected", 0)
+        failed_before = sum(n for outcome, n in calling.outcomes.items() if outcome != "ok")
+        secret_file.write_text(new_secret, encoding="utf-8")
+        ok_before = calling.outcomes["ok"]
+        wait_until(lambda: calling.outcomes["ok"] > ok_before + 50, "calls that succeed", 10.0)
+    print(
+        f"\nsecret reset: {refused} requests with the revoked token, {rejected} refused "
+        f"exchanges, outcomes {dict(calling.outcomes)}"
+    )
+    assert refused <= 80
+    assert 1 <= rejected <= 2
+    assert failed_before > 0  # calls did fail meanwhile, with the pause's error
+
+
+def test_two_unused_renewals_then_a_revoke_all_cost_one_exchange_and_no_failure(
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
+) -> None:
+    """One call, then two renewals nobody called with (beat's diligence), then a revoke-all:
+    the third token was refused on its first use, the first in a row: replaced at once."""
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    merchant_client.manager.renew(force=True)
+    merchant_client.manager.renew(force=True)
+    merchant_sandbox.app.revoke_all()
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    assert merchant_sandbox.exchanges()["ok"] == 4
+
+
+def test_evidence_evicted_but_the_token_kept_then_a_revoke_all_fails_no_call(
+    merchant_client: FleetClient,
+    merchant_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    redis_client: redis.Redis,
+) -> None:
+    """What allkeys-lru did: the ``accepted`` and ``generation`` keys gone, the token kept.
+    The evidence is in the token's record now, and the generation is read from it too."""
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    keys = merchant_client.manager.store.keys
+    redis_client.delete(keys.accepted, keys.generation)
+    merchant_sandbox.app.revoke_all()
+    other = client_for(merchant_settings)  # as another process: nothing cached
+    assert other.request("GET", PING) == {"ok": True}
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    assert merchant_sandbox.exchanges()["ok"] == 2
+
+
+@pytest.mark.parametrize("name", ["Authorization ", "authorization\t"])
+def test_a_callers_credential_header_is_refused_unsent_and_other_calls_go_on(
+    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox, name: str
+) -> None:
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    with pytest.raises(ValueError, match="Authorization"):
+        merchant_client.request("GET", PING, headers={name: "Bearer not-the-fleets"})
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    assert merchant_sandbox.calls().get("unauthorized", 0) == 0
+    assert merchant_sandbox.exchanges()["ok"] == 1
+
+
+def test_a_ten_year_lifetime_is_capped_not_refused(
+    merchant_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    merchant_sandbox.app.configure({"lifetime": 10 * 365 * 86400.0})
+    results: Counter[str] = Counter()
+    for _ in range(30):
+        try:
+            merchant_client.request("GET", PING)
+            results["ok"] += 1
+        except MerchantError as exc:
+            results[type(exc).__name__] += 1
+    assert results["ok"] >= 27, results
+    assert merchant_sandbox.exchanges()["ok"] <= 2
+    assert "beyond" in caplog.text
+
+
+def test_renew_force_with_the_generation_evicted_exchanges_and_says_so(
+    merchant_env: dict[str, str],
+    merchant_client: FleetClient,
+    merchant_sandbox: MerchantSandbox,
+    redis_client: redis.Redis,
+) -> None:
+    assert merchant_client.request("GET", PING) == {"ok": True}
+    redis_client.delete(merchant_client.manager.store.keys.generation)
+    result = CliRunner().invoke(main, ["renew", "--force"], env=merchant_env)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("exchanged: generation 2, fingerprint ")
+    assert merchant_sandbox.exchanges()["ok"] == 2
+    assert merchant_client.request("GET", PING) == {"ok": True}

@@ -209,7 +209,7 @@ def test_a_base_url_with_the_apis_path_works_and_any_other_path_exits_2_naming_i
     printed = {**merchant_env, "MERCHANT_BASE_URL": merchant_sandbox.url + "/open-api/v1"}
     code, out, err = _run(printed, "renew", "--force")
     assert (code, err) == (0, "")
-    assert out.startswith("generation 1, ")
+    assert out.startswith("exchanged: generation 1, ")  # renew --force says it exchanged
     code, out, err = _run(
         {**merchant_env, "MERCHANT_BASE_URL": merchant_sandbox.url + "/v2"}, "renew"
     )
@@ -231,7 +231,7 @@ def test_a_wrong_base_url_is_named_as_such_and_the_renew_after_the_fix_succeeds_
     assert "OPEN" not in _run(merchant_env, "status")[1]  # no pause to wait out
     code, out, err = _run(merchant_env, "renew", "--force")  # the URL fixed
     assert (code, err) == (0, "")
-    assert out.startswith("generation 1, ")
+    assert out.startswith("exchanged: generation 1, ")  # renew --force says it exchanged
     assert merchant_sandbox.exchanges()["ok"] == 1
 
 

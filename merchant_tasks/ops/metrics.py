@@ -40,7 +40,7 @@ _SIMPLE_COUNTERS: dict[CounterName, str] = {
     CounterName.UNAUTHORIZED: "Calls answered 401 that asked the store for a newer token.",
     CounterName.FORCED_RENEWALS: "Forced renewals after a 401 that went on to an exchange.",
     CounterName.LOCK_WAITS: "Renewals that waited for another process holding the lock.",
-    CounterName.NEVER_ACCEPTED: "401s on a token the API never accepted (no renewal made).",
+    CounterName.NEVER_ACCEPTED: "Back-offs opened over tokens refused on their first use in a row.",
     CounterName.REDELIVERED: "Redelivered calls that had already succeeded: answered "
     "from their completion record, the API not called again.",
 }

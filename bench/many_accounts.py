@@ -51,6 +51,7 @@ from merchant_tasks.renewal.due import due_accounts, namespace_of
 from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.store.keys import AccountKeys
 from merchant_tasks.token import Token
+from merchant_tasks.worker.app import package_defaults
 
 if TYPE_CHECKING:
     from run import Bench
@@ -551,10 +552,9 @@ class TenThousandAccounts(AccountsScenario):
                 env=env,
                 cwd=workdir,
             )
-            producer = Celery(
-                "bench-10k", broker=bench.redis_url, backend=bench.redis_url, set_as_current=False
-            )
-            producer.conf.update(task_serializer="json", result_serializer="json")
+            # configured as the fleet's workers are: their Celery keys are under its prefix
+            producer = Celery("bench-10k", set_as_current=False)
+            producer.conf.update({**package_defaults(env), "imports": ()})
             t0 = time.perf_counter()
             answer = producer.send_task(
                 "merchant_tasks.call_api", args=["GET", PING], kwargs={"account": called}

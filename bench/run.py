@@ -84,6 +84,7 @@ from merchant_tasks.settings import (
     Settings,
     child_env,
 )
+from merchant_tasks.worker.app import package_defaults
 
 API_KEY = "bench-app-id"
 PING = "/open-api/v1/ping"
@@ -898,25 +899,18 @@ class Tasks(Scenario):
         celery_dir.mkdir()
         (celery_dir / "celeryconfig.py").write_text(CELERYCONFIG)
         pythonpath = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
+        worker_env = bench.env(
+            bench.settings(prefix), PYTHONPATH=pythonpath, BENCH_STATIC_TOKEN_KEY=STATIC_TOKEN_KEY
+        )
         worker = bench.spawn(
             "celery-worker",
             worker_argv(self.concurrency, "-n", f"bench-{uuid.uuid4().hex[:6]}@%h"),
-            env=bench.env(
-                bench.settings(prefix),
-                PYTHONPATH=pythonpath,
-                BENCH_STATIC_TOKEN_KEY=STATIC_TOKEN_KEY,
-            ),
+            env=worker_env,
             cwd=celery_dir,
         )
-        producer = Celery(
-            "bench-producer", broker=bench.redis_url, backend=bench.redis_url, set_as_current=False
-        )
-        producer.conf.update(
-            task_serializer="json",
-            result_serializer="json",
-            accept_content=["json"],
-            broker_connection_retry_on_startup=True,
-        )
+        # configured as the fleet's workers are: their Celery keys are under the fleet's prefix
+        producer = Celery("bench-producer", set_as_current=False)
+        producer.conf.update({**package_defaults(worker_env), "imports": ()})
         names = {"ours": "merchant_tasks.call_api", "bare": "bench.bare_call"}
 
         def batch(which: str, n: int, timeout: float) -> tuple[float, int]:

@@ -55,8 +55,7 @@ def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
 ) -> None:
     demo_tmp = tmp_path / "tmp"  # where the demo makes its work directory
     demo_tmp.mkdir()
-    with RedisServer(tmp_path / "redis") as server:
-        shared = redis.Redis.from_url(server.url)
+    with RedisServer(tmp_path / "redis") as server, redis.Redis.from_url(server.url) as shared:
         # another fleet on the same Redis: a queued call and its queue binding
         shared.lpush("celery", FOREIGN_MESSAGE)
         shared.sadd("_kombu.binding.celery", "celery\x06\x16\x06\x16celery")
@@ -106,8 +105,7 @@ def test_the_demo_succeeds_beside_another_fleet_and_leaves_nothing_behind(
 def test_a_demo_stopped_with_ctrl_c_removes_its_processes_and_keys(tmp_path: Path) -> None:
     demo_tmp = tmp_path / "tmp"
     demo_tmp.mkdir()
-    with RedisServer(tmp_path / "redis") as server:
-        shared = redis.Redis.from_url(server.url)
+    with RedisServer(tmp_path / "redis") as server, redis.Redis.from_url(server.url) as shared:
         shared.set("another-fleet:token", "kept")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}
         env |= {"TMPDIR": str(demo_tmp), "MERCHANT_REDIS_URL": server.url}

@@ -218,6 +218,56 @@ def report_outcomes(report: Mapping[str, Any], phase: str) -> list[str]:
     return [outcome for outcome, n in report["phases"].get(phase, []) for _ in range(n)]
 
 
+class Calling:
+    """Threads calling PING in a loop, every outcome kept with its (monotonic) time; a thread
+    pauses ``pause`` after each call, or ``pause_after_error`` after a failed one."""
+
+    def __init__(
+        self,
+        client: FleetClient,
+        threads: int,
+        *,
+        pause: float = 0.0,
+        pause_after_error: float = 0.05,
+    ) -> None:
+        self.client = client
+        self.outcomes: list[tuple[float, str]] = []
+        self.pause, self.pause_after_error = pause, pause_after_error
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop) for _ in range(threads)]
+
+    def __enter__(self) -> Calling:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60.0)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.client.request("GET", PING)
+                outcome = "ok"
+            except MerchantError as exc:
+                outcome = type(exc).__name__
+            with self._lock:
+                self.outcomes.append((time.monotonic(), outcome))
+            time.sleep(self.pause if outcome == "ok" else max(self.pause, self.pause_after_error))
+
+    def counts(self) -> Counter[str]:
+        """How many calls ended each way so far."""
+        with self._lock:
+            return Counter(outcome for _, outcome in self.outcomes)
+
+    def first_success_after(self, moment: float) -> float | None:
+        with self._lock:
+            return min((t for t, o in self.outcomes if o == "ok" and t > moment), default=None)
+
+
 class CallLoop:
     """Threads calling PING through one client until stopped; every outcome kept with its
     phase, thread and start time. Thread ``n`` sends ``X-Caller: thread-n``, so that an

@@ -3,7 +3,6 @@ against the emulator and real Redis. Counts, not durations; durations only as de
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 
@@ -11,6 +10,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from fault_harness import Calling
 from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.ops.cli import main
@@ -21,38 +21,6 @@ from merchant_tasks.settings import Settings
 PING = "/open-api/v1/ping"
 
 
-class Calling:
-    """Threads calling PING in a loop, counting each outcome."""
-
-    def __init__(self, client: FleetClient, threads: int) -> None:
-        self.client = client
-        self.outcomes: Counter[str] = Counter()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop) for _ in range(threads)]
-
-    def __enter__(self) -> Calling:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(60.0)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.client.request("GET", PING)
-                outcome = "ok"
-            except MerchantError as exc:
-                outcome = type(exc).__name__
-            with self._lock:
-                self.outcomes[outcome] += 1
-            time.sleep(0.01)
-
-
 def test_revoke_all_every_6_s_under_16_threads_fails_no_call(
     merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
 ) -> None:
@@ -60,14 +28,14 @@ def test_revoke_all_every_6_s_under_16_threads_fails_no_call(
     revocation now costs one exchange and no failed call."""
     assert merchant_client.request("GET", PING) == {"ok": True}
     revocations = 3
-    with Calling(merchant_client, threads=16) as calling:
+    with Calling(merchant_client, threads=16, pause=0.01, pause_after_error=0.01) as calling:
         for _ in range(revocations):
             time.sleep(6.0)
             merchant_sandbox.app.revoke_all()
         time.sleep(2.0)
     exchanges = merchant_sandbox.exchanges()["ok"]
-    print(f"\nrevoke-all every 6 s: {dict(calling.outcomes)}, {exchanges} exchanges")
-    assert set(calling.outcomes) == {"ok"}, calling.outcomes
+    print(f"\nrevoke-all every 6 s: {dict(calling.counts())}, {exchanges} exchanges")
+    assert set(calling.counts()) == {"ok"}, calling.counts()
     assert exchanges <= 1 + revocations + 1
 
 
@@ -79,19 +47,19 @@ def test_a_secret_reset_in_a_storm_sends_the_revoked_token_a_bounded_number_of_t
     one refused exchange opens the pause; the new secret ends it at once."""
     assert merchant_client.request("GET", PING) == {"ok": True}
     secret_file = merchant_sandbox.secret_file
-    with Calling(merchant_client, threads=16) as calling:
+    with Calling(merchant_client, threads=16, pause=0.01, pause_after_error=0.01) as calling:
         time.sleep(0.5)
         new_secret = merchant_sandbox.app.reset_secret("reset-in-the-dashboard-7a8b9c")
         time.sleep(5.0)
         refused = merchant_sandbox.calls().get("unauthorized", 0)
         rejected = merchant_sandbox.exchanges().get("rejected", 0)
-        failed_before = sum(n for outcome, n in calling.outcomes.items() if outcome != "ok")
+        failed_before = sum(n for outcome, n in calling.counts().items() if outcome != "ok")
         secret_file.write_text(new_secret, encoding="utf-8")
-        ok_before = calling.outcomes["ok"]
-        wait_until(lambda: calling.outcomes["ok"] > ok_before + 50, "calls that succeed", 10.0)
+        ok_before = calling.counts()["ok"]
+        wait_until(lambda: calling.counts()["ok"] > ok_before + 50, "calls that succeed", 10.0)
     print(
         f"\nsecret reset: {refused} requests with the revoked token, {rejected} refused "
-        f"exchanges, outcomes {dict(calling.outcomes)}"
+        f"exchanges, outcomes {dict(calling.counts())}"
     )
     assert refused <= 80
     assert 1 <= rejected <= 2

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from celery.result import AsyncResult
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
+from fault_harness import Calling
 from merchant_tasks.accounts import AccountClients, FleetClient, client_for
 from merchant_tasks.exceptions import MerchantError, StoreUnavailable
 from merchant_tasks.ops.cli import main
@@ -69,43 +69,6 @@ def fast_client(fast_settings: Settings) -> Iterator[FleetClient]:
 def _pid(server: RedisServer) -> int:
     assert server.child is not None
     return server.child.process.pid
-
-
-class Calling:
-    """Threads calling PING in a loop, every outcome kept with its (monotonic) time."""
-
-    def __init__(self, client: FleetClient, threads: int) -> None:
-        self.client = client
-        self.outcomes: list[tuple[float, str]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop) for _ in range(threads)]
-
-    def __enter__(self) -> Calling:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(60.0)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.client.request("GET", PING)
-                outcome = "ok"
-            except MerchantError as exc:
-                outcome = type(exc).__name__
-            with self._lock:
-                self.outcomes.append((time.monotonic(), outcome))
-            if outcome != "ok":
-                time.sleep(0.05)
-
-    def first_success_after(self, moment: float) -> float | None:
-        with self._lock:
-            return min((t for t, o in self.outcomes if o == "ok" and t > moment), default=None)
 
 
 # -- the lock ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import logging
 import threading
 from typing import Any
 
+from merchant_tasks.accounts import load_accounts
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.settings import PREFIX, Settings, environment, read_variable
 
@@ -48,7 +49,6 @@ def _configured_accounts() -> dict[str, Settings] | None:
     """This process's accounts (secrets unread), loaded again when MERCHANT_* changes; None
     when it has none (a web process that only enqueues)."""
     global _accounts
-    from merchant_tasks.accounts import load_accounts  # the accounts layer is above
 
     snapshot = tuple(sorted((k, v) for k, v in environment().items() if k.startswith(PREFIX)))
     with _accounts_lock:

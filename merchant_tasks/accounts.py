@@ -353,6 +353,25 @@ class AccountClients:
             rate = self._rates[shared] = exchange_rate_for(settings, self._store(name))
         return rate
 
+    def close(self) -> None:
+        """Close the HTTP sessions and Redis connections made so far (a command, a test,
+        a process that stops using its clients); a client asked for afterwards opens new
+        ones."""
+        with self._lock:
+            clients, redis_clients = list(self._clients.values()), list(self._redis_by_url.values())
+            for made in (self._clients, self._stores, self._rates, self._redis_by_url):
+                made.clear()
+        for client in clients:
+            client.session.close()
+        for redis_client in redis_clients:
+            redis_client.close()
+
+    def __enter__(self) -> AccountClients:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def redis_for(self, url: str) -> StoreClient:
         """This process's Redis client (one pool) for ``url``, shared by its accounts."""
         with self._lock:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import redis
 from click.testing import CliRunner
+from requests.adapters import HTTPAdapter
 
 from conftest import TEST_API_KEY, TEST_SECRET
 from merchant_tasks.accounts import (
@@ -26,8 +27,9 @@ from merchant_tasks.accounts import (
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.ops.cli import EXIT_CONFIGURATION, main
 from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxServer
+from merchant_tasks.sandbox.processes import wait_until
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
-from merchant_tasks.settings import ACCOUNT_KEYS
+from merchant_tasks.settings import ACCOUNT_KEYS, Settings
 
 PRODUCTION_KEY = "prod-app-id"
 PRODUCTION_SECRET = "prod-secret-5b9e0c"
@@ -534,3 +536,29 @@ def test_loading_a_thousand_accounts_builds_no_client(
     assert len(fleet.accounts) == 1000
     assert fleet._clients == {}
     assert fleet._redis_by_url == {}
+
+
+def test_closing_the_clients_closes_their_redis_connections_and_http_pools(
+    merchant_settings: Settings, merchant_sandbox: MerchantSandbox, redis_client: redis.Redis
+) -> None:
+    """What the command line does when a command ends, and a test or an application may do:
+    nothing is left open for the garbage collector to find (a ResourceWarning then)."""
+    with AccountClients({"default": merchant_settings}) as fleet:
+        first = fleet.get()
+        assert first.request("GET", "/open-api/v1/ping") == {"ok": True}
+        connection = first.manager.store.redis.client_id()
+        adapter = first.session.get_adapter(merchant_sandbox.url)
+        assert isinstance(adapter, HTTPAdapter)
+        http_pools = adapter.poolmanager.pools
+        assert len(http_pools) == 1
+        assert len(redis_client.client_list(client_id=[connection])) == 1
+    assert len(http_pools) == 0
+    wait_until(
+        lambda: redis_client.client_list(client_id=[connection]) == [],
+        "the store's Redis connection closed",
+        10.0,
+    )
+    again = fleet.get()  # after close(), a client asked for opens new connections
+    assert again is not first
+    assert again.request("GET", "/open-api/v1/ping") == {"ok": True}
+    fleet.close()

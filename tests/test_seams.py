@@ -304,17 +304,17 @@ def test_a_corrupt_value_in_any_key_reads_as_absent_and_the_next_write_replaces_
     assert account["state"] == "fresh", account
     renew = CliRunner().invoke(main, ["renew", "--force"], env=env)
     assert renew.exit_code == 0, renew.stdout + renew.stderr
-    clients = AccountClients.from_env({k: v for k, v in env.items() if v is not None})
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(
-        FleetCollector(
-            lambda: {
-                n: account_status(n, s, clients.get(n).manager.store)
-                for n, s in clients.accounts.items()
-            }
+    with AccountClients.from_env({k: v for k, v in env.items() if v is not None}) as clients:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(
+            FleetCollector(
+                lambda: {
+                    n: account_status(n, s, clients.get(n).manager.store)
+                    for n, s in clients.accounts.items()
+                }
+            )
         )
-    )
-    assert b"merchant_tasks_up 1.0" in generate_latest(registry)
+        assert b"merchant_tasks_up 1.0" in generate_latest(registry)
     assert redis_client.type(key) in (b"none", _written_type(name))
     stored = redis_client.get(merchant_client.manager.store.keys.token)
     assert stored is not None

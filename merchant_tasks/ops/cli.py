@@ -160,8 +160,8 @@ def status(as_json: bool) -> None:
 
     Exits 0 when every account has a usable token and no breaker is open, 1 otherwise.
     """
-    with _exit_codes(as_json=as_json):
-        statuses = account_statuses(AccountClients.from_env(read_secrets=False))  # Redis only
+    with _exit_codes(as_json=as_json), AccountClients.from_env(read_secrets=False) as fleet:
+        statuses = account_statuses(fleet)  # Redis only: needs no secret mounted
     if as_json:
         document = {"accounts": [s.as_dict() for s in statuses.values()]}
         click.echo(json.dumps(document, indent=2, sort_keys=True))
@@ -191,6 +191,8 @@ def metrics(host: str, port: int) -> None:
         thread.join()
     except KeyboardInterrupt:
         server.shutdown()
+    finally:
+        fleet.close()
 
 
 @main.command()
@@ -198,8 +200,8 @@ def metrics(host: str, port: int) -> None:
 @ACCOUNT_OPTION
 def renew(force: bool, account: str | None) -> None:
     """Renew the token if due (or now with --force) and show the stored one."""
-    with _exit_codes():
-        manager = _clients().get(account).manager
+    with _exit_codes(), AccountClients.from_env() as fleet:
+        manager = fleet.get(account).manager
         manager.store.load()  # the stored token's generation counts if the counter was evicted
         before = manager.store.generation()
         token = manager.renew(force=force)
@@ -223,8 +225,8 @@ def call(method: str, path: str, body: str | None, account: str | None) -> None:
         payload: Any = json.loads(body) if body is not None else None
     except ValueError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--json") from None
-    with _exit_codes():
-        client = _clients().get(account)
+    with _exit_codes(), AccountClients.from_env() as fleet:
+        client = fleet.get(account)
         try:
             result = client.request(method, path, json=payload)
         except ValueError as exc:

@@ -383,6 +383,8 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
         answers.update({n: r.get() for n, r in maybe_lost if r.ready()})
     finally:
         fleet.close()  # before the checks: its logs complete
+        client.session.close()  # closed here, not by the garbage collector in a later test
+        client.manager.store.redis.close()
     executed = sum(_echo_calls(merchant_sandbox))
     print(
         f"failover took {promoted - killed:.1f} s; in-process calls: "

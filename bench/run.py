@@ -1112,6 +1112,9 @@ def run(plan: Plan, profile_path: Path | None, only: str | None = None) -> Findi
                 findings.errors += result.errors
             progress(f"{scenario.name} done in {time.monotonic() - started:.1f} s")
     findings.leftovers = [child.name for child in bench.children if child.group_alive()]
+    for child in bench.children:  # reported above, and not left running on the machine
+        if child.group_alive():
+            child.stop()
     return findings
 
 

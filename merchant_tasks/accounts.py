@@ -273,6 +273,13 @@ def redis_for(fleet: FleetSettings) -> StoreClient:
     )
 
 
+def close_client(client: FleetClient) -> None:
+    """Close ``client``'s HTTP session and its store's Redis connections: a client made by
+    ``client_for`` owns both (``AccountClients.close()`` closes those it made)."""
+    client.session.close()
+    client.manager.store.redis.close()
+
+
 def client_from_env(environ: Mapping[str, str] | None = None) -> FleetClient:
     """The client of the only (or ``default``) account the MERCHANT_* variables and
     MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see docs/configuration.md)."""

@@ -276,6 +276,15 @@ def test_an_authorization_header_from_the_caller_is_a_value_error(
     assert len(exchange.calls) == 0
 
 
+@pytest.mark.parametrize("name", [b"X-Order", "X Order", "X-Order\n"])
+def test_a_header_name_that_is_not_one_is_a_value_error_before_sending(
+    client: FleetClient, transport: FakeTransport, name: object
+) -> None:
+    with pytest.raises(ValueError, match="not a header name"):
+        client.request("GET", ORDERS, headers={name: "1"})  # type: ignore[dict-item]
+    assert transport.sent == []
+
+
 def test_no_request_is_sent_when_no_token_can_be_had(
     client: FleetClient, transport: FakeTransport, exchange: FakeExchange
 ) -> None:

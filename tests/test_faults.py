@@ -48,7 +48,7 @@ from werkzeug.wrappers import Request, Response
 
 from conftest import TEST_API_KEY, TEST_SECRET, make_manager, redis_value
 from fault_harness import Callers, CallLoop, Evidence, LogLines, report_outcomes
-from merchant_tasks.accounts import FleetClient, client_for
+from merchant_tasks.accounts import FleetClient, client_for, close_client
 from merchant_tasks.api.client import MerchantClient, new_session
 from merchant_tasks.api.exchange import TokenExchange
 from merchant_tasks.exceptions import (
@@ -224,8 +224,7 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
             wait_until(lambda: loop.each_thread_ok_in("after"), "every thread recovered", 30)
             time.sleep(0.5)
     finally:
-        client.session.close()
-        client.manager.store.redis.close()
+        close_client(client)
         server.stop()
 
     for phase in ("0", "down", "down, token revoked", "after"):
@@ -1545,8 +1544,7 @@ def test_security_rediss_token_store_over_tls_with_an_acl_user(
         assert password not in "".join(traceback.format_exception(refused.value))
     finally:
         for client in clients:
-            client.session.close()
-            client.manager.store.redis.close()
+            close_client(client)
         admin.close()
         server.stop()
 

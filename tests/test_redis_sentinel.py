@@ -28,7 +28,7 @@ from celery_fleet import (
     Fleet,
 )
 from fault_harness import CallLoop, Evidence
-from merchant_tasks.accounts import client_for
+from merchant_tasks.accounts import client_for, close_client
 from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxApp, SandboxConfig
 from merchant_tasks.sandbox.processes import RedisServer, redis_answers, wait_until
@@ -383,8 +383,7 @@ def test_a_sentinel_failover_under_load_loses_no_call_and_no_token_generation_go
         answers.update({n: r.get() for n, r in maybe_lost if r.ready()})
     finally:
         fleet.close()  # before the checks: its logs complete
-        client.session.close()  # closed here, not by the garbage collector in a later test
-        client.manager.store.redis.close()
+        close_client(client)  # here, not by the garbage collector during a later test
     executed = sum(_echo_calls(merchant_sandbox))
     print(
         f"failover took {promoted - killed:.1f} s; in-process calls: "

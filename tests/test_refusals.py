@@ -11,7 +11,7 @@ import redis
 from click.testing import CliRunner
 
 from fault_harness import Calling
-from merchant_tasks.accounts import FleetClient, client_for
+from merchant_tasks.accounts import FleetClient, client_for, close_client
 from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.ops.cli import main
 from merchant_tasks.sandbox.processes import wait_until
@@ -95,8 +95,7 @@ def test_evidence_evicted_but_the_token_kept_then_a_revoke_all_fails_no_call(
     try:
         assert other.request("GET", PING) == {"ok": True}
     finally:  # its sockets closed here, not by the garbage collector during a later test
-        other.session.close()
-        other.manager.store.redis.close()
+        close_client(other)
     assert merchant_client.request("GET", PING) == {"ok": True}
     assert merchant_sandbox.exchanges()["ok"] == 2
 

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fault_harness import Calling
-from merchant_tasks.accounts import AccountClients, FleetClient, client_for
+from merchant_tasks.accounts import AccountClients, FleetClient, client_for, close_client
 from merchant_tasks.exceptions import MerchantError, StoreUnavailable
 from merchant_tasks.ops.cli import main
 from merchant_tasks.ops.metrics import FleetCollector
@@ -105,8 +105,7 @@ def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
         )
         recovered = calling.first_success_after(resumed)
         time.sleep(1.0)
-    client.session.close()
-    client.manager.store.redis.close()
+    close_client(client)
     assert recovered is not None
     errors = Counter(outcome for _, outcome in calling.outcomes if outcome != "ok")
     print(

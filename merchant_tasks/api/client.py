@@ -334,12 +334,14 @@ def _check_headers(headers: Mapping[str, str] | None) -> None:
     included: ``"Authorization "``) and any that would carry credentials, compared after
     stripping and case-folding."""
     for name in headers or {}:
+        if not isinstance(name, str):
+            raise ValueError(f"not a header name: a {type(name).__name__}")
         if name.strip().casefold() in CREDENTIAL_HEADERS:
             raise ValueError(
                 f"header {name.strip()!r}: credentials (Authorization, Proxy-Authorization, "
                 "Cookie) are set by the client from the account's shared token"
             )
-        if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+        if not _HEADER_NAME.fullmatch(name):
             raise ValueError(f"not a header name: {name[:40]!r}")
 
 

@@ -197,12 +197,11 @@ def merchant_env(merchant_settings: Settings, monkeypatch: pytest.MonkeyPatch) -
 @pytest.fixture
 def merchant_client(merchant_settings: Settings) -> Iterator[FleetClient]:
     """A client of the test's account."""
-    from merchant_tasks.accounts import client_for
+    from merchant_tasks.accounts import client_for, close_client
 
     client = client_for(merchant_settings)
     yield client
-    client.session.close()
-    client.manager.store.redis.close()
+    close_client(client)
 
 
 @pytest.fixture

@@ -15,8 +15,10 @@ from typing import Any
 
 from tenacity import Retrying, retry_if_exception_type, stop_never, wait_fixed
 
+from merchant_tasks.accounts import AccountClients
 from merchant_tasks.exceptions import MerchantError, StoreUnavailable
 from merchant_tasks.store.health import check_store
+from merchant_tasks.store.token_store import TokenStore
 
 log = logging.getLogger(__name__)
 
@@ -44,27 +46,31 @@ RECHECK_UNTIL_USABLE = Retrying(
 
 def check_stores(recheck: Retrying = RECHECK_UNTIL_USABLE) -> None:
     """Check every account's token store (one per Redis) until each answers."""
-    from merchant_tasks.accounts import AccountClients  # the accounts layer wires the stores
-
     try:
-        stores, _ = AccountClients.from_env(read_secrets=False).stores_and_rates()
+        fleet = AccountClients.from_env(read_secrets=False)
     except MerchantError as exc:  # the accounts' own check stops the process and says why
         log.debug("no token store to check: %s", exc)
         return
-    for name, store in stores.items():
-        warned = False
+    with fleet:  # its connections closed once checked, not kept for the worker's life
+        for name, store in fleet.stores_and_rates()[0].items():
+            _check_until_usable(name, store, recheck)
 
-        def attempt(store: Any = store) -> None:
-            nonlocal warned
-            try:
-                check_store(store)
-            except StoreUnavailable:
-                warned = True
-                raise
 
-        recheck(attempt)
-        if warned:
-            log.warning("merchant-tasks: the token store of account %s answers again", name)
+def _check_until_usable(name: str, store: TokenStore, recheck: Retrying) -> None:
+    """``store`` checked under ``recheck``; once it answers after a warning, say so."""
+    warned = False
+
+    def attempt() -> None:
+        nonlocal warned
+        try:
+            check_store(store)
+        except StoreUnavailable:
+            warned = True
+            raise
+
+    recheck(attempt)
+    if warned:
+        log.warning("merchant-tasks: the token store of account %s answers again", name)
 
 
 def start_store_check(**_: Any) -> threading.Thread:

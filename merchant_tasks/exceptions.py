@@ -9,6 +9,7 @@ MerchantError                      base; ``retryable`` says whether trying later
 │   │                              HTML, a redirect): never blamed on the credentials
 │   └── MissingExtra               an optional part is not installed (names the extra)
 ├── StoreUnavailable               Redis cannot be reached                        retryable
+│   └── StoreRefusingWrites        it answers but refuses writes (out of memory, read-only)
 ├── TokenExchangeError             the token endpoint did not give us a token
 │   ├── CredentialsRejected        the API key or secret was refused (4xx)
 │   ├── ExchangeRateLimited        429 from the token endpoint (``retry_after``)  retryable
@@ -109,6 +110,13 @@ class StoreUnavailable(MerchantError):
     """The Redis token store cannot be reached; calls resume when it is back."""
 
     retryable = True
+
+
+class StoreRefusingWrites(StoreUnavailable):
+    """The token store answers but refuses writes: out of memory (``maxmemory`` with
+    ``noeviction``) or a read-only replica (a failover under way). Reads still work, and
+    writes usually come back within seconds, so a call that passed the API waits for its
+    completion record to be written (``worker.completions``)."""
 
 
 class TokenExchangeError(MerchantError):

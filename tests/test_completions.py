@@ -4,13 +4,16 @@ timeout, and never in the way of a call when Redis is unreachable."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
+import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import dead_redis
 from merchant_tasks.ops.metrics import FleetCollector
 from merchant_tasks.ops.status import AccountState, AccountStatus, format_status
+from merchant_tasks.sandbox.processes import RedisServer, free_port
 from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.token import CounterName
 from merchant_tasks.worker.completions import CompletionRecords
@@ -67,7 +70,7 @@ def test_with_redis_unreachable_the_call_goes_ahead_and_the_lost_record_is_logge
     records = CompletionRecords(TokenStore(dead, "mt-test:sandbox:k"), TTL)
     with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.completions"):
         assert records.earlier_run("task-1") is None
-        records.record("task-1", {"ok": True})
+        records.record("task-1", {"ok": True}, patience=30.0)  # unreachable: not waited for
     assert "no completion record of call task-1 could be read" in caplog.text
     assert "a redelivery would call the API again" in caplog.text
     dead.close()
@@ -90,3 +93,36 @@ def test_status_and_metrics_show_the_redelivered_calls_answered_from_their_recor
         'merchant_tasks_redelivered_completed_calls_total{account="default",'
         'environment="sandbox"} 3.0'
     ) in text
+
+
+def test_a_record_refused_for_lack_of_memory_is_written_once_redis_takes_writes_again(
+    private_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The call waits (its message still unacknowledged) rather than return without its
+    record: the result and the acknowledgement, on the same Redis, would be refused too."""
+    admin = redis.Redis(port=private_redis.port)
+    records = CompletionRecords(TokenStore(admin, "mt-test:sandbox:app-id"), TTL)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", "1")
+    threading.Timer(1.2, lambda: admin.config_set("maxmemory", "0")).start()
+    records.record("task-1", {"ok": True}, patience=30.0)
+    assert records.earlier_run("task-1") is not None
+    assert "not written yet" in caplog.text
+    assert "written after" in caplog.text
+    admin.close()
+
+
+def test_a_record_refused_past_the_calls_patience_is_given_up_with_a_warning(
+    private_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = redis.Redis(port=private_redis.port)
+    records = CompletionRecords(TokenStore(admin, "mt-test:sandbox:app-id"), TTL)
+    admin.replicaof("127.0.0.1", str(free_port()))  # read-only
+    try:
+        records.record("task-1", {"ok": True}, patience=1.0)
+    finally:
+        admin.replicaof("NO", "ONE")
+    assert "not written (" in caplog.text
+    assert "read-only replica" in caplog.text
+    assert records.earlier_run("task-1") is None
+    admin.close()

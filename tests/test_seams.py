@@ -7,6 +7,7 @@ each row to its test. Assertions are on outcomes and counts; the one duration co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,7 +34,7 @@ from merchant_tasks.ops.metrics import FleetCollector
 from merchant_tasks.ops.status import account_status
 from merchant_tasks.renewal import refusals
 from merchant_tasks.renewal.lock import RenewalLock
-from merchant_tasks.sandbox.processes import RedisServer, free_port, spawn, wait_until
+from merchant_tasks.sandbox.processes import Child, RedisServer, free_port, spawn, wait_until
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.store.token_store import TokenStore
@@ -178,6 +179,30 @@ def test_a_redis_refusing_writes_is_a_typed_store_error_and_calls_recover_after(
     assert merchant_sandbox.exchanges()["ok"] == 2
 
 
+@contextlib.contextmanager
+def _worker(
+    settings: Settings, broker_redis_url: str, prefix: str, tmp_path: Path, pool: str = "threads"
+) -> Iterator[tuple[Child, Celery]]:
+    """A real worker (4 slots) of ``settings``' account, its broker and results on
+    ``broker_redis_url`` under ``prefix``, and an app that sends to it; both stopped after."""
+    workdir = tmp_path / "worker"
+    workdir.mkdir()
+    config = isolated_config(broker_redis_url, prefix)
+    write_config_module(workdir / "celeryconfig.py", config)
+    argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", "worker"]
+    argv += ["-n", f"{prefix}@%h", f"--pool={pool}", "--concurrency=4"]
+    argv += ["--without-gossip", "--without-mingle", "--loglevel=INFO"]
+    worker = spawn("worker", argv, tmp_path / "worker.log", env=child_env(settings), cwd=workdir)
+    app = Celery("seams-test-client", set_as_current=False)
+    app.conf.update({**load_config(settings.to_env()), **config, "imports": ()})
+    try:
+        worker.wait_ready(lambda: bool(app.control.ping(timeout=0.5)), timeout=WORKER_START)
+        yield worker, app
+    finally:
+        worker.stop()
+        app.close()
+
+
 @pytest.mark.long
 def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     fast_settings: Settings,
@@ -188,25 +213,13 @@ def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     tmp_path: Path,
 ) -> None:
     """The token store's URL reaches a read-only replica (a failover) while calls are
-    queued. Five pass the API in the window, four of them in flight when it opens: their
-    completion records cannot be written. Ten sent after a revoke-all need a new token,
-    which cannot be stored: each is refused and retried, then the window ends. Every call
-    completes once, none twice (a completion record that cannot be written does not make
-    a call run again)."""
-    workdir = tmp_path / "worker"
-    workdir.mkdir()
-    config = isolated_config(
-        merchant_redis_url, merchant_key_prefix
-    )  # the broker stays on the shared Redis
-    write_config_module(workdir / "celeryconfig.py", config)
-    argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", "worker"]
-    argv += ["-n", f"{merchant_key_prefix}@%h", "--pool=threads", "--concurrency=4"]
-    argv += ["--without-gossip", "--without-mingle", "--loglevel=INFO"]
-    worker = spawn(
-        "worker", argv, tmp_path / "worker.log", env=child_env(fast_settings), cwd=workdir
-    )
-    app = Celery("seams-test-client", set_as_current=False)
-    app.conf.update({**load_config(fast_settings.to_env()), **config, "imports": ()})
+    queued; the broker and results stay on another Redis. Two calls in flight when it
+    opens pass the API and wait in their slots until their completion records can be
+    written. Ten sent after a revoke-all need a new token, which cannot be stored: each
+    is refused and retried (the broker takes the retry) in the two free slots, then the
+    window ends. Every call completes once, none twice."""
+    # the broker stays on the shared Redis
+    worker_and_app = _worker(fast_settings, merchant_redis_url, merchant_key_prefix, tmp_path)
     admin = redis.Redis(port=private_redis.port)
     emulator = merchant_sandbox.app
     # seconds the emulator holds the first calls (within the 2 s read timeout): the window
@@ -219,36 +232,32 @@ def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     def retried(result: AsyncResult) -> bool:
         return f"call_api[{result.id}] retry:" in worker.log_text()
 
-    try:
-        worker.wait_ready(lambda: bool(app.control.ping(timeout=0.5)), timeout=WORKER_START)
+    with worker_and_app as (worker, app):
         warm_up = call(-1).get(timeout=60)  # the worker's token, stored before the window
         emulator.configure({"api_latency": held})
-        first = [call(i) for i in range(5)]
-        # the pool's four threads: the fifth call waits for one
-        wait_until(lambda: emulator.arrived(PAYMENTS) >= 1 + 4, "calls at the API", 60.0)
+        first = [call(i) for i in range(2)]
+        wait_until(lambda: emulator.arrived(PAYMENTS) >= 1 + 2, "calls at the API", 60.0)
         arrived_at = time.monotonic()
         undo = _refuse_writes(admin, "read_only")
         try:
             # else the held calls were answered, and recorded, before the window
             assert time.monotonic() - arrived_at < held, "the window opened too late"
             emulator.configure({"api_latency": 0.0})
-            wait_until(lambda: len(emulator.payments()) >= 1 + 5, "calls past the API", 60.0)
+            wait_until(lambda: len(emulator.payments()) >= 1 + 2, "calls past the API", 60.0)
             emulator.revoke_all()  # the next calls need a new token, and so a write
             more = [call(100 + i) for i in range(10)]
             wait_until(lambda: all(map(retried, more)), "each call refused, retried", 60.0)
         finally:
             undo()
         results = [warm_up, *(result.get(timeout=180) for result in [*first, *more])]
-    finally:
-        worker.stop()
-        app.close()
     amounts = sorted(payment["amount"] for payment in emulator.payments())
     assert sorted(result["amount"] for result in results) == amounts
-    assert amounts == [-1, *range(5), *range(100, 110)]  # each once: none lost, none twice
+    assert amounts == [-1, 0, 1, *range(100, 110)]  # each once: none lost, none twice
     log = worker.log_text()
-    assert "StoreUnavailable" in log  # the window was met, and retried
-    for result in first:  # past the API in the window: not run again without a record
-        assert f"completion record of call {result.id} not written" in log, result.id
+    assert "StoreRefusingWrites" in log  # the window was met, and retried
+    for result in first:  # past the API in the window: waited for their records
+        assert f"completion record of call {result.id} written after" in log, result.id
+    assert " not written (" not in log
 
 
 # -- corrupt values --------------------------------------------------------------------------
@@ -443,3 +452,80 @@ def test_two_revocations_before_first_use_heal_after_one_backoff(
     assert (
         merchant_sandbox.exchanges()["ok"] == 4
     )  # the first token, two revoked on issue, the healer
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_one_redis_for_everything_out_of_memory_for_8_s_loses_no_call(
+    pool: str,
+    fast_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    private_redis: RedisServer,
+    merchant_key_prefix: str,
+    tmp_path: Path,
+) -> None:
+    """Issue 28: broker, results and tokens on one Redis (the documented default), with
+    ``noeviction``. 40 calls queued, a revoke-all, then the Redis refuses writes for 8 s.
+    The calls in flight have passed the API: each waits in its slot until its completion
+    record is written (the result and the acknowledgement can then be written too); a call
+    whose retry cannot be published waits in its slot too. Before, the four in flight were
+    lost (results and acknowledgements refused, Celery's retry a ``Reject(requeue=False)``)
+    and the worker, its prefetch slots never released, fetched nothing more: 0 of 40."""
+    emulator = merchant_sandbox.app
+    admin = redis.Redis(port=private_redis.port)
+    fleet = _worker(fast_settings, private_redis.url, merchant_key_prefix, tmp_path, pool)
+    with fleet as (worker, app):
+        assert app.send_task("merchant_tasks.call_api", ("GET", PING)).get(timeout=60)
+        emulator.configure({"api_latency": 0.2})
+        results = [
+            app.send_task("merchant_tasks.call_api", ("POST", PAYMENTS, {"amount": i}))
+            for i in range(40)
+        ]
+        wait_until(lambda: emulator.arrived(PAYMENTS) >= 4, "calls at the API", 60.0)
+        emulator.revoke_all()
+        undo = _refuse_writes(admin, "out_of_memory")
+        try:
+            time.sleep(8.0)
+        finally:
+            undo()
+        returned = [result.get(timeout=120) for result in results]
+        log = worker.log_text()
+    assert sorted(r["amount"] for r in returned) == list(range(40))
+    assert sorted(payment["amount"] for payment in emulator.payments()) == list(range(40))
+    assert "not written yet" in log  # the window was met
+    assert "written after" in log
+    assert " not written (" not in log  # no record given up on
+
+
+@pytest.mark.long
+def test_a_retry_the_broker_refuses_waits_in_its_slot_and_is_not_dropped(
+    fast_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    private_redis: RedisServer,
+    merchant_key_prefix: str,
+    tmp_path: Path,
+) -> None:
+    """The API answers 503 while the broker's Redis is out of memory: ``Task.retry``
+    cannot publish the retry, and Celery would drop the call (``Reject(requeue=False)``).
+    Each waits the countdown its retry would have had, in its slot, and runs again; once
+    the broker takes writes its retry is published, and every call returns."""
+    emulator = merchant_sandbox.app
+    admin = redis.Redis(port=private_redis.port)
+    fleet = _worker(fast_settings, private_redis.url, merchant_key_prefix, tmp_path)
+    with fleet as (worker, app):
+        assert app.send_task("merchant_tasks.call_api", ("GET", PING)).get(timeout=60)
+        emulator.configure({"api_error_rate": 1.0, "api_latency": 1.0})
+        results = [app.send_task("merchant_tasks.call_api", ("GET", PING)) for _ in range(4)]
+        wait_until(lambda: emulator.arrived(PING) >= 1 + 4, "calls at the API", 60.0)
+        undo = _refuse_writes(admin, "out_of_memory")  # within the 1 s they are held
+        try:
+
+            def waiting(result: AsyncResult) -> bool:
+                return f"call {result.id}: its retry could not be published" in worker.log_text()
+
+            wait_until(lambda: all(map(waiting, results)), "each retry refused", 60.0)
+            emulator.configure({"api_error_rate": 0.0, "api_latency": 0.0})
+        finally:
+            undo()
+        assert [result.get(timeout=60) for result in results] == [{"ok": True}] * 4
+        assert "dropped" not in worker.log_text()

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import redis
 from redis.exceptions import RedisClusterException
 
-from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.exceptions import StoreRefusingWrites, StoreUnavailable
 from merchant_tasks.store.topology import StoreClient
 
 log = logging.getLogger(__name__)
@@ -194,4 +194,6 @@ def unavailable_as_error(address: str | None = None) -> Iterator[None]:
 def store_error(exc: Exception, address: str | None = None) -> StoreUnavailable:
     """The StoreUnavailable a Redis error ``exc`` becomes (chain it with ``from``)."""
     where = f"Redis at {address}" if address else "Redis"
-    return StoreUnavailable(f"token store ({where}) {cause(exc)}; check MERCHANT_REDIS_URL")
+    refusing = isinstance(exc, redis.exceptions.ReadOnlyError | redis.exceptions.OutOfMemoryError)
+    error = StoreRefusingWrites if refusing else StoreUnavailable
+    return error(f"token store ({where}) {cause(exc)}; check MERCHANT_REDIS_URL")

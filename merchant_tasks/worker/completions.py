@@ -10,6 +10,12 @@ The record outlives the visibility timeout: a message whose acknowledgement was 
 back within that timeout (plus the restore sweep), or at once when its worker stops. It
 holds the API's answer only, never a token or the secret.
 
+While the store answers but refuses writes (out of memory, a read-only replica), a call
+that passed the API waits for its record to be written, for at most the time ``call_api``
+gives it: with one Redis for broker, results and tokens, the result and the acknowledgement
+would be refused too, and a worker whose acknowledgements failed stops fetching
+(docs/reliability.md, row 43).
+
 What is left: the API answered but the worker died before the record was written; and two
 deliveries running at once (a task outlasting the visibility timeout). Only an idempotency
 key that the API understands closes those: ``call_api(..., idempotency_key=...)``.
@@ -18,10 +24,11 @@ key that the API understands closes those: ``call_api(..., idempotency_key=...)`
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.exceptions import StoreRefusingWrites, StoreUnavailable
 from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.token import CounterName
 
@@ -29,6 +36,8 @@ log = logging.getLogger(__name__)
 
 RECORD_TTL_FACTOR = 2  # records live twice the visibility timeout: a lost ack's redelivery
 # comes within one timeout plus kombu's restore sweep (seconds to a few minutes)
+RECORD_RETRY_PACE = 0.5  # seconds between writes of a record the store refused: calls go
+# on within half a second of the store taking writes again
 
 
 @dataclass(frozen=True)
@@ -67,14 +76,50 @@ class CompletionRecords:
         )
         return Completed(record["result"])
 
-    def record(self, task_id: str, result: Any) -> None:
-        """Remember that ``task_id`` succeeded with ``result`` (the API's decoded JSON)."""
-        try:
-            self.store.records.save_completion(task_id, result, self.ttl)
-        except StoreUnavailable as exc:
-            log.warning(
-                "completion record of call %s not written (%s): a redelivery would call the "
-                "API again",
-                task_id,
-                exc,
-            )
+    def record(self, task_id: str, result: Any, patience: float = 0.0) -> None:
+        """Remember that ``task_id`` succeeded with ``result`` (the API's decoded JSON).
+
+        While the store answers but refuses writes (``StoreRefusingWrites``: out of memory,
+        a read-only replica), try again every ``RECORD_RETRY_PACE`` seconds for up to
+        ``patience`` seconds: the task has not returned, so its message is still
+        unacknowledged, and when the record is written the result and the acknowledgement,
+        usually on the same Redis, can be written too (docs/reliability.md, row 43). An
+        unreachable store is not waited for: the call returns at once.
+        """
+        started = time.monotonic()
+        refused = False
+        while True:
+            try:
+                self.store.records.save_completion(task_id, result, self.ttl)
+            except StoreRefusingWrites as exc:
+                if time.monotonic() + RECORD_RETRY_PACE > started + patience:
+                    self._not_written(task_id, exc)
+                    return
+                if not refused:
+                    log.warning(
+                        "completion record of call %s not written yet (%s): the call waits, "
+                        "trying again every %.1f s",
+                        task_id,
+                        exc,
+                        RECORD_RETRY_PACE,
+                    )
+                refused = True
+                time.sleep(RECORD_RETRY_PACE)
+            except StoreUnavailable as exc:
+                self._not_written(task_id, exc)
+                return
+            else:
+                if refused:
+                    waited = time.monotonic() - started
+                    log.warning(
+                        "completion record of call %s written after %.1f s", task_id, waited
+                    )
+                return
+
+    @staticmethod
+    def _not_written(task_id: str, exc: StoreUnavailable) -> None:
+        log.warning(
+            "completion record of call %s not written (%s): a redelivery would call the API again",
+            task_id,
+            exc,
+        )

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
+from celery.exceptions import Reject
 from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 
@@ -39,6 +41,9 @@ TRANSIENT_MAX_RETRIES = 8  # with the back-off below: about 10 minutes of an una
 TRANSIENT_BACKOFF_FACTOR = 2  # seconds; doubles per retry, full jitter
 COUNTDOWN_MAX = 300  # far below the broker's visibility timeout (3600 s), so no redelivery
 REJECTED_RETRY_PACE = 60  # seconds between retries while the credentials are refused
+WAIT_IN_PLACE = 120.0  # seconds a call waits in its worker slot, message unacknowledged,
+# while Redis refuses writes: its retry cannot be published, or its completion record not
+# written (docs/reliability.md, row 43); far below the visibility timeout
 
 # every task of merchant-tasks by name: its function and Celery options, for install()
 TASKS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
@@ -101,6 +106,28 @@ def completion_records(api: FleetClient, conf: Any) -> CompletionRecords:
     return CompletionRecords(api.manager.store, RECORD_TTL_FACTOR * visibility_timeout)
 
 
+class _RetryNotPublished(Exception):
+    """``Task.retry`` could not publish the retry: the call waits ``countdown`` in place."""
+
+    def __init__(self, countdown: float, reason: BaseException) -> None:
+        super().__init__(countdown, reason)
+        self.countdown, self.reason = countdown, reason
+
+
+def _retry(task: Any, exc: MerchantError, countdown: float, max_retries: int) -> NoReturn:
+    """Celery's retry of ``task``, or _RetryNotPublished when the broker refused it.
+
+    ``Task.retry`` publishes a copy of the message and raises ``Reject(requeue=False)``
+    when that publish fails: the worker then drops the call. That happens whenever the
+    broker refuses writes (a Redis out of memory or read-only, unreachable), which is when
+    calls meet errors worth retrying most (docs/reliability.md, row 43).
+    """
+    try:
+        raise task.retry(exc=exc, countdown=countdown, max_retries=max_retries)
+    except Reject as rejected:
+        raise _RetryNotPublished(countdown, rejected.reason) from exc
+
+
 @task(CALL_API, bind=True)
 def call_api(
     self: Any,
@@ -119,8 +146,60 @@ def call_api(
     ``idempotency_key`` is sent as the ``Idempotency-Key`` header (give the
     same key to every attempt of one operation, e.g. the order id); ``headers`` are more
     request headers (never credentials: they show in Flower like every argument).
+
+    A retry the broker refuses to take is not dropped: the call waits here, its message
+    unacknowledged, for the countdown its retry would have had, and runs again, for up to
+    ``WAIT_IN_PLACE`` seconds; then Celery's own outcome (the call dropped, logged).
     """
     task_id: str | None = self.request.id
+    deadline = time.monotonic() + WAIT_IN_PLACE
+    while True:
+        try:
+            return _call_once(
+                self,
+                task_id,
+                deadline,
+                method,
+                path,
+                json,
+                params,
+                account,
+                idempotency_key,
+                headers,
+            )
+        except _RetryNotPublished as unpublished:
+            cause = type(unpublished.reason).__name__
+            if time.monotonic() + unpublished.countdown > deadline:
+                log.error(
+                    "call %s dropped: its retry could not be published for %.0f s (%s); "
+                    "check the broker (broker_url, MERCHANT_REDIS_URL by default)",
+                    task_id,
+                    WAIT_IN_PLACE,
+                    cause,
+                )
+                raise Reject(unpublished.reason, requeue=False) from None
+            log.warning(
+                "call %s: its retry could not be published (%s): runs again here in %.1f s",
+                task_id,
+                cause,
+                unpublished.countdown,
+            )
+            time.sleep(unpublished.countdown)
+
+
+def _call_once(
+    self: Any,
+    task_id: str | None,
+    deadline: float,
+    method: str,
+    path: str,
+    json: Any,
+    params: dict[str, Any] | None,
+    account: str | None,
+    idempotency_key: str | None,
+    headers: dict[str, str] | None,
+) -> Any:
+    """One run of call_api's body; raises what ``Task.retry`` raises, or _RetryNotPublished."""
     try:
         api = client(account)
         fleet = clients()
@@ -135,11 +214,7 @@ def call_api(
     except (CredentialsRejected, TokenRejected) as exc:
         # the secret may be rotated meanwhile: retry slowly for a while, then fail clearly
         window = FleetSettings.from_env().rejected_retry_window
-        raise self.retry(
-            exc=exc,
-            countdown=REJECTED_RETRY_PACE,
-            max_retries=int(window // REJECTED_RETRY_PACE),
-        ) from None
+        _retry(self, exc, REJECTED_RETRY_PACE, int(window // REJECTED_RETRY_PACE))
     except MerchantError as exc:
         if not exc.retryable:
             raise
@@ -147,13 +222,10 @@ def call_api(
             TRANSIENT_BACKOFF_FACTOR, self.request.retries, COUNTDOWN_MAX, full_jitter=True
         )
         retry_after = getattr(exc, "retry_after", None) or 0
-        raise self.retry(
-            exc=exc,
-            countdown=min(COUNTDOWN_MAX, max(1, countdown, retry_after)),
-            max_retries=TRANSIENT_MAX_RETRIES,
-        ) from None
-    if task_id:
-        records.record(task_id, result)  # before the task returns, so before the ack
+        countdown = min(COUNTDOWN_MAX, max(1, countdown, retry_after))
+        _retry(self, exc, countdown, TRANSIENT_MAX_RETRIES)
+    if task_id:  # before the task returns, so before its result is stored and acknowledged
+        records.record(task_id, result, patience=max(0.0, deadline - time.monotonic()))
     return result
 
 

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import redis
 from click.testing import CliRunner
 
-from fault_harness import Calling
+from fault_harness import Callers, Calling, Evidence, report_outcomes
 from merchant_tasks.accounts import FleetClient, client_for, close_client
 from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.ops.cli import main
 from merchant_tasks.sandbox.processes import wait_until
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
-from merchant_tasks.settings import Settings
+from merchant_tasks.settings import Settings, child_env
 
 PING = "/open-api/v1/ping"
 
@@ -37,6 +38,52 @@ def test_revoke_all_every_6_s_under_16_threads_fails_no_call(
     print(f"\nrevoke-all every 6 s: {dict(calling.counts())}, {exchanges} exchanges")
     assert set(calling.counts()) == {"ok"}, calling.counts()
     assert exchanges <= 1 + revocations + 1
+
+
+def test_revoke_all_every_6_s_for_40_s_under_4_processes_of_4_threads_fails_no_call(
+    merchant_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+) -> None:
+    """Issue 27's scenario as a fleet meets it: 4 worker processes, each with 4 threads
+    calling through its own client built from the MERCHANT_* environment, every token
+    revoked every 6 s for 40 s. No call fails, and each revocation costs one exchange."""
+    evidence = Evidence()
+    callers = Callers(
+        redis_client,
+        merchant_redis_url,
+        f"{merchant_key_prefix}:callers",
+        tmp_path,
+        evidence,
+        "revoke-all every 6 s",
+    )
+    try:
+        callers.start(child_env(merchant_settings), [{"FAULT_THREADS": "4"}] * 4)
+        callers.go()
+        began = time.monotonic()
+        revocations = [6.0 * n for n in range(1, 7)]  # every 6 s for 40 s
+        for at in revocations:
+            time.sleep(max(0.0, began + at - time.monotonic()))
+            merchant_sandbox.app.revoke_all()
+        time.sleep(max(0.0, began + 40.0 - time.monotonic()))
+        reports = callers.stop()
+    finally:
+        callers.kill()
+    outcomes = {report["pid"]: Counter(report_outcomes(report, "0")) for report in reports}
+    exchanges, calls = merchant_sandbox.exchanges(), merchant_sandbox.calls()
+    print(
+        f"\nrevoke-all every 6 s for 40 s, 4 processes x 4 threads: {len(revocations)} revocations, "
+        f"outcomes by process {[dict(c) for c in outcomes.values()]}, exchanges {exchanges}, "
+        f"requests by answer {calls}"
+    )
+    evidence.emulator("the emulator", merchant_sandbox.app)
+    evidence.assert_no_leak()
+    assert all(set(counts) == {"ok"} for counts in outcomes.values()), outcomes
+    assert len(outcomes) == 4
+    assert exchanges["ok"] <= len(revocations) + 4
 
 
 def test_a_secret_reset_in_a_storm_sends_the_revoked_token_a_bounded_number_of_times(

@@ -23,24 +23,7 @@ from merchant_tasks.settings import Settings, child_env
 PING = "/open-api/v1/ping"
 
 
-def test_revoke_all_every_6_s_under_16_threads_fails_no_call(
-    merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
-) -> None:
-    """Issue 27: a budget turned the fifth revocation into a minute of failures. Each
-    revocation now costs one exchange and no failed call."""
-    assert merchant_client.request("GET", PING) == {"ok": True}
-    revocations = 3
-    with Calling(merchant_client, threads=16, pause=0.01, pause_after_error=0.01) as calling:
-        for _ in range(revocations):
-            time.sleep(6.0)
-            merchant_sandbox.app.revoke_all()
-        time.sleep(2.0)
-    exchanges = merchant_sandbox.exchanges()["ok"]
-    print(f"\nrevoke-all every 6 s: {dict(calling.counts())}, {exchanges} exchanges")
-    assert set(calling.counts()) == {"ok"}, calling.counts()
-    assert exchanges <= 1 + revocations + 1
-
-
+@pytest.mark.long
 def test_revoke_all_every_6_s_for_40_s_under_4_processes_of_4_threads_fails_no_call(
     merchant_settings: Settings,
     merchant_sandbox: MerchantSandbox,
@@ -51,7 +34,8 @@ def test_revoke_all_every_6_s_for_40_s_under_4_processes_of_4_threads_fails_no_c
 ) -> None:
     """Issue 27's scenario as a fleet meets it: 4 worker processes, each with 4 threads
     calling through its own client built from the MERCHANT_* environment, every token
-    revoked every 6 s for 40 s. No call fails, and each revocation costs one exchange."""
+    revoked every 6 s for 40 s. No call fails, and each revocation costs one exchange.
+    (Before issue 27: a budget turned the fifth revocation into a minute of failures.)"""
     evidence = Evidence()
     callers = Callers(
         redis_client,
@@ -87,6 +71,7 @@ def test_revoke_all_every_6_s_for_40_s_under_4_processes_of_4_threads_fails_no_c
     assert exchanges["ok"] <= len(revocations) + 4
 
 
+@pytest.mark.long
 def test_a_secret_reset_in_a_storm_sends_the_revoked_token_a_bounded_number_of_times(
     merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
 ) -> None:
@@ -188,6 +173,7 @@ def test_a_real_allkeys_lru_eviction_of_all_but_the_token_then_a_revoke_all_fail
             close_client(other)
 
 
+@pytest.mark.parametrize("name", ["Authorization ", "authorization\t"])
 def test_a_callers_credential_header_is_refused_unsent_and_other_calls_go_on(
     merchant_client: FleetClient, merchant_sandbox: MerchantSandbox, name: str
 ) -> None:

@@ -345,6 +345,7 @@ def test_status_json_is_an_error_document_when_redis_cannot_be_read(
 # -- refusals ------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_times(
     merchant_client: FleetClient, merchant_sandbox: MerchantSandbox
 ) -> None:

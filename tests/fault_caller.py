@@ -5,9 +5,11 @@ a Redis key prefix on FAULT_CONTROL_URL for the start line and the phases:
 ``<key>:ready`` (incremented once started), ``<key>:go`` (set by the test to start),
 ``<key>:stop`` (set to stop), ``<key>:phase`` (a label the test changes as it injects faults).
 Every call's outcome is counted in the hash ``<key>:progress`` as ``<pid>:<phase>:<outcome>``,
-so the test can watch the fleet live. Optional: FAULT_PAUSE (seconds between calls),
-FAULT_MAX_CALLS, FAULT_CLOCK_OFFSET (seconds added to this process's wall and monotonic
-clocks, as on a host whose clock is off). Logs go to stderr at DEBUG, for the leak search.
+so the test can watch the fleet live. Optional: FAULT_THREADS (threads calling through the
+process's one client, as a threaded worker's; 1), FAULT_PAUSE (seconds between a thread's
+calls), FAULT_MAX_CALLS (of the process), FAULT_CLOCK_OFFSET (seconds added to this process's
+wall and monotonic clocks, as on a host whose clock is off). Logs go to stderr at DEBUG, for
+the leak search.
 
 Prints one JSON line: {"pid": ..., "phases": {phase: [[outcome, run length], ...]},
 "samples": {error type: message}}. Any exception that is not a MerchantError ends the
@@ -19,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import threading
 import time
 from typing import cast
 
@@ -49,6 +53,7 @@ def main() -> None:
     key = os.environ["FAULT_KEY"]
     pause = float(os.environ.get("FAULT_PAUSE") or DEFAULT_PAUSE)
     max_calls = int(os.environ.get("FAULT_MAX_CALLS") or 1_000_000)
+    threads = int(os.environ.get("FAULT_THREADS") or 1)
     client = client_from_env()
     control = redis.Redis.from_url(os.environ["FAULT_CONTROL_URL"])
     control.incr(f"{key}:ready")
@@ -63,24 +68,44 @@ def main() -> None:
     samples: dict[str, str] = {}
     deadline = time.monotonic() + MAX_SECONDS
     calls = 0
-    while calls < max_calls and time.monotonic() < deadline:
-        if control.exists(f"{key}:stop"):
-            break
-        phase = cast(bytes, control.get(f"{key}:phase") or b"0").decode()
-        try:
-            client.request("GET", "/open-api/v1/ping")
-            outcome = "ok"
-        except MerchantError as exc:
-            outcome = type(exc).__name__
-            samples.setdefault(outcome, str(exc))
-        calls += 1
-        runs = phases.setdefault(phase, [])
-        if runs and runs[-1][0] == outcome:
-            runs[-1] = (outcome, runs[-1][1] + 1)
-        else:
-            runs.append((outcome, 1))
-        control.hincrby(f"{key}:progress", f"{pid}:{phase}:{outcome}", 1)
-        time.sleep(pause)
+    counting = threading.Lock()
+
+    def call_in_a_loop() -> None:
+        nonlocal calls
+        while time.monotonic() < deadline and not control.exists(f"{key}:stop"):
+            with counting:
+                if calls >= max_calls:
+                    return
+                calls += 1
+            phase = cast(bytes, control.get(f"{key}:phase") or b"0").decode()
+            try:
+                client.request("GET", "/open-api/v1/ping")
+                outcome = "ok"
+            except MerchantError as exc:
+                outcome = type(exc).__name__
+                samples.setdefault(outcome, str(exc))
+            with counting:
+                runs = phases.setdefault(phase, [])
+                if runs and runs[-1][0] == outcome:
+                    runs[-1] = (outcome, runs[-1][1] + 1)
+                else:
+                    runs.append((outcome, 1))
+            control.hincrby(f"{key}:progress", f"{pid}:{phase}:{outcome}", 1)
+            time.sleep(pause)
+
+    def crash(args: threading.ExceptHookArgs) -> None:
+        """A crash (an exception that is not a MerchantError) in any thread ends the process."""
+        threading.__excepthook__(args)
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.excepthook = crash
+    others = [threading.Thread(target=call_in_a_loop, daemon=True) for _ in range(threads - 1)]
+    for thread in others:
+        thread.start()
+    call_in_a_loop()
+    for thread in others:
+        thread.join()
     print(json.dumps({"pid": pid, "phases": phases, "samples": samples}))
 
 

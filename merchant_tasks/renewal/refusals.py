@@ -179,8 +179,9 @@ class Breaker:
 
 
 FORCED_RENEWAL_SPACING = 4.0  # seconds between two forced renewals of an account, fleet-wide:
-# a rate no token endpoint minds. Each revocation meets at most one 401 per request in flight,
-# so revocations twice a second under 16 threads cost 16 x (1 + 10 s / 4 s) <= 64 401s in 10 s
+# a rate no token endpoint minds. A refused token meets at most one 401 per request in flight,
+# and revocations twice a second for 10 s refuse the first token and one replacement per 4 s:
+# under 16 threads, 16 x (1 + ceil(10 s / 4 s)) = 64 401s
 REFUSED_BACKOFF = 60.0  # seconds before a token refused on its first use, after one before
 # it was too (no acceptance between), is replaced
 REFUSED_BACKOFF_MAX = 1800.0  # ... doubling per refusal in a row, up to 30 minutes: a key

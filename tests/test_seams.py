@@ -34,12 +34,15 @@ from merchant_tasks.ops.metrics import FleetCollector
 from merchant_tasks.ops.status import account_status
 from merchant_tasks.renewal import refusals
 from merchant_tasks.renewal.lock import RenewalLock
+from merchant_tasks.sandbox.emulator import TOKEN_PATH
 from merchant_tasks.sandbox.processes import Child, RedisServer, free_port, spawn, wait_until
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.token import IssuedToken, Token
 from merchant_tasks.worker.app import isolated_config, load_config, write_config_module
+from merchant_tasks.worker.routing import RENEWAL_QUEUE
+from merchant_tasks.worker.tasks import CALL_API, RENEW_ACCOUNT
 
 pytestmark = pytest.mark.integration
 
@@ -531,3 +534,42 @@ def test_a_retry_the_broker_refuses_waits_in_its_slot_and_is_not_dropped(
             undo()
         assert [result.get(timeout=60) for result in results] == [{"ok": True}] * 4
         assert "dropped" not in worker.log_text()
+
+
+@pytest.mark.long
+def test_renewals_ending_while_redis_refuses_writes_do_not_stop_the_worker(
+    fast_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    private_redis: RedisServer,
+    merchant_key_prefix: str,
+    tmp_path: Path,
+) -> None:
+    """Four scheduled renewals exchange (held 1 s by the emulator) while the one Redis runs
+    out of memory: none can store its token. Each waits until Redis takes writes again
+    before it ends. Before, their acknowledgements were refused and kombu raised that in
+    the worker's event loop: "Unrecoverable error", the worker gone, its messages left
+    unacknowledged for the visibility timeout, and the calls sent after never ran."""
+    emulator = merchant_sandbox.app
+    admin = redis.Redis(port=private_redis.port)
+    fleet = _worker(fast_settings, private_redis.url, merchant_key_prefix, tmp_path)
+    with fleet as (worker, app):
+        emulator.configure({"token_latency": 1.0})
+        for _ in range(4):
+            app.send_task(RENEW_ACCOUNT, ("default",), queue=RENEWAL_QUEUE)
+        wait_until(lambda: emulator.arrived(TOKEN_PATH) >= 1, "an exchange under way", 60.0)
+        undo = _refuse_writes(admin, "out_of_memory")  # within the 1 s it is held
+        try:
+            wait_until(
+                lambda: "renewal of account default failed" in worker.log_text(),
+                "a failed renewal",
+                60.0,
+            )
+            time.sleep(2.0)
+        finally:
+            undo()
+        emulator.configure({"token_latency": 0.0})
+        calls = [app.send_task(CALL_API, ("GET", PING)) for _ in range(8)]
+        assert [call.get(timeout=60) for call in calls] == [{"ok": True}] * 8
+        log = worker.log_text()
+    assert "Unrecoverable error" not in log
+    assert "out of memory" in log

@@ -25,13 +25,26 @@ from typing import Any, NoReturn
 from celery.exceptions import Reject
 from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
+from kombu.exceptions import OperationalError
 
 from merchant_tasks.accounts import AccountClients, FleetClient
 from merchant_tasks.api.client import IDEMPOTENCY_HEADER
-from merchant_tasks.exceptions import CredentialsRejected, MerchantError, TokenRejected
+from merchant_tasks.exceptions import (
+    CredentialsRejected,
+    MerchantError,
+    StoreRefusingWrites,
+    StoreUnavailable,
+    TokenRejected,
+)
 from merchant_tasks.renewal.due import claim_ttl
 from merchant_tasks.settings import FleetSettings
-from merchant_tasks.worker.completions import RECORD_TTL_FACTOR, CompletionRecords
+from merchant_tasks.store.health import check_store
+from merchant_tasks.store.token_store import TokenStore
+from merchant_tasks.worker.completions import (
+    RECORD_RETRY_PACE,
+    RECORD_TTL_FACTOR,
+    CompletionRecords,
+)
 from merchant_tasks.worker.fleet import refuse_foreign_call
 from merchant_tasks.worker.routing import RENEWAL_QUEUE, VISIBILITY_TIMEOUT
 
@@ -229,6 +242,27 @@ def _call_once(
     return result
 
 
+def hold_while_refusing_writes(store: TokenStore) -> None:
+    """Return once ``store`` takes writes again, or after ``WAIT_IN_PLACE`` seconds.
+
+    A task that ends while its Redis refuses writes (out of memory, read-only) has its
+    acknowledgement refused too, and kombu raises that in the worker's event loop: the
+    worker stops ("Unrecoverable error"), its messages left unacknowledged for the
+    visibility timeout (docs/reliability.md, row 43). With the broker on the token store's
+    Redis (the default), holding the task until the store takes writes lets the
+    acknowledgement through.
+    """
+    started = time.monotonic()
+    while time.monotonic() - started < WAIT_IN_PLACE:
+        try:
+            check_store(store)
+            return
+        except StoreRefusingWrites:
+            time.sleep(RECORD_RETRY_PACE)
+        except StoreUnavailable:
+            return  # unreachable: the acknowledgement's fate is the broker's, not ours
+
+
 @task(RENEW_TOKEN, bind=True, ignore_result=True)
 def renew_token(self: Any) -> None:
     """Beat's check of every account: one renewal task per account that is due.
@@ -247,9 +281,16 @@ def renew_token(self: Any) -> None:
         settings = fleet.accounts[name]
         # sent once while pending (see renewal.due); after the advisory window a renewal
         # nobody ran is dropped and beat sends another
-        self.app.tasks[RENEW_ACCOUNT].apply_async(
-            (name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings)
-        )
+        try:
+            self.app.tasks[RENEW_ACCOUNT].apply_async(
+                (name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings)
+            )
+        except OperationalError as exc:  # the broker refuses it: beat ticks again soon
+            log.warning(
+                "renewal of account %s not sent (%s); beat checks again", name, type(exc).__name__
+            )
+            hold_while_refusing_writes(fleet.get(name).manager.store)
+            return
 
 
 @task(RENEW_ACCOUNT, ignore_result=True)
@@ -261,6 +302,8 @@ def renew_account(account: str) -> None:
     except MerchantError as exc:
         # beat checks again soon, and callers renew in the mandatory window; say why here
         log.warning("scheduled token renewal of account %s failed: %s", account, exc)
+        if isinstance(exc, StoreRefusingWrites):
+            hold_while_refusing_writes(fleet.get(account).manager.store)
     finally:
         with contextlib.suppress(MerchantError):  # the claim expires by itself
             fleet.renewal_done(account)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis
+from kombu.exceptions import OperationalError
 
 from conftest import TEST_API_KEY, CountingConnection
 from merchant_tasks import tasks
@@ -323,3 +324,27 @@ def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
     assert redis_client.exists(AccountKeys.of(namespace_of(good)).token)
     assert not redis_client.exists(claim_key(bad), claim_key(good))  # beat may send again
     assert merchant_sandbox.exchanges()["ok"] == 1
+
+
+def test_a_renewal_the_broker_refuses_is_released_and_sent_at_the_next_tick(
+    serve: Callable[[dict[str, Settings]], AccountClients],
+    monkeypatch: pytest.MonkeyPatch,
+    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    merchant_key_prefix: str,
+    merchant_redis_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The broker refuses the first renewal beat sends (out of memory): the task ends
+    without an error, and neither that account's claim nor the unsent ones' stay behind."""
+    serve(_fleet(merchant_key_prefix, merchant_redis_url, 3))
+
+    def refuse(args: tuple[Any, ...], **options: Any) -> None:
+        raise OperationalError("OOM command not allowed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(tasks.renew_account, "apply_async", refuse)
+        with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.tasks"):
+            tasks.renew_token()
+    assert "renewal of account shop-0 not sent (OperationalError)" in caplog.text
+    tasks.renew_token()
+    assert sorted(args for args, _ in sent) == [("shop-0",), ("shop-1",), ("shop-2",)]

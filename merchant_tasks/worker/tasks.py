@@ -277,7 +277,7 @@ def renew_token(self: Any) -> None:
     except MerchantError as exc:
         log.warning("scheduled token check failed: %s", exc)  # beat ticks again soon
         return
-    for name in due:
+    for sent, name in enumerate(due):
         settings = fleet.accounts[name]
         # sent once while pending (see renewal.due); after the advisory window a renewal
         # nobody ran is dropped and beat sends another
@@ -285,10 +285,15 @@ def renew_token(self: Any) -> None:
             self.app.tasks[RENEW_ACCOUNT].apply_async(
                 (name,), queue=RENEWAL_QUEUE, expires=claim_ttl(settings)
             )
-        except OperationalError as exc:  # the broker refuses it: beat ticks again soon
+        except OperationalError as exc:
+            # the broker refuses it: the claims of what was not sent are released, so that
+            # beat's next tick sends them
             log.warning(
-                "renewal of account %s not sent (%s); beat checks again", name, type(exc).__name__
+                "renewal of account %s not sent (%s): beat sends it again", name, type(exc).__name__
             )
+            for unsent in due[sent:]:
+                with contextlib.suppress(MerchantError):
+                    fleet.renewal_done(unsent)
             hold_while_refusing_writes(fleet.get(name).manager.store)
             return
 

@@ -206,6 +206,41 @@ def _worker(
         app.close()
 
 
+@dataclasses.dataclass
+class OneRedis:
+    """A real worker whose broker, results and token store are one private Redis, the app
+    that sends to it, and an admin client of that Redis (to make it refuse writes)."""
+
+    worker: Child
+    app: Celery
+    admin: redis.Redis
+
+    def refusing_writes(self) -> Callable[[], object]:
+        return _refuse_writes(self.admin, "out_of_memory")
+
+
+@pytest.fixture
+def one_redis(
+    request: pytest.FixtureRequest,
+    fast_settings: Settings,
+    private_redis: RedisServer,
+    merchant_key_prefix: str,
+    tmp_path: Path,
+) -> Iterator[OneRedis]:
+    """The default topology on a private Redis; the worker's pool is the test's indirect
+    parameter (threads when none)."""
+    pool = getattr(request, "param", "threads")
+    admin = redis.Redis(port=private_redis.port)
+    try:
+        with _worker(fast_settings, private_redis.url, merchant_key_prefix, tmp_path, pool) as (
+            worker,
+            app,
+        ):
+            yield OneRedis(worker, app, admin)
+    finally:
+        admin.close()
+
+
 @pytest.mark.long
 def test_celery_loses_no_call_and_runs_none_twice_across_a_read_only_window(
     fast_settings: Settings,
@@ -460,14 +495,9 @@ def test_two_revocations_before_first_use_heal_after_one_backoff(
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("pool", ["threads", "prefork"])
+@pytest.mark.parametrize("one_redis", ["threads", "prefork"], indirect=True)
 def test_one_redis_for_everything_out_of_memory_for_8_s_loses_no_call(
-    pool: str,
-    fast_settings: Settings,
-    merchant_sandbox: MerchantSandbox,
-    private_redis: RedisServer,
-    merchant_key_prefix: str,
-    tmp_path: Path,
+    one_redis: OneRedis, merchant_sandbox: MerchantSandbox
 ) -> None:
     """Issue 28: broker, results and tokens on one Redis (the documented default), with
     ``noeviction``. 40 calls queued, a revoke-all, then the Redis refuses writes for 8 s.
@@ -476,27 +506,21 @@ def test_one_redis_for_everything_out_of_memory_for_8_s_loses_no_call(
     whose retry cannot be published waits in its slot too. Before, the four in flight were
     lost (results and acknowledgements refused, Celery's retry a ``Reject(requeue=False)``)
     and the worker, its prefetch slots never released, fetched nothing more: 0 of 40."""
-    emulator = merchant_sandbox.app
-    admin = redis.Redis(port=private_redis.port)
-    fleet = _worker(fast_settings, private_redis.url, merchant_key_prefix, tmp_path, pool)
-    with fleet as (worker, app):
-        assert app.send_task("merchant_tasks.call_api", ("GET", PING)).get(timeout=60)
-        emulator.configure({"api_latency": 0.2})
-        results = [
-            app.send_task("merchant_tasks.call_api", ("POST", PAYMENTS, {"amount": i}))
-            for i in range(40)
-        ]
-        wait_until(lambda: emulator.arrived(PAYMENTS) >= 4, "calls at the API", 60.0)
-        emulator.revoke_all()
-        undo = _refuse_writes(admin, "out_of_memory")
-        try:
-            time.sleep(8.0)
-        finally:
-            undo()
-        returned = [result.get(timeout=120) for result in results]
-        log = worker.log_text()
+    emulator, app = merchant_sandbox.app, one_redis.app
+    assert app.send_task(CALL_API, ("GET", PING)).get(timeout=60)
+    emulator.configure({"api_latency": 0.2})
+    results = [app.send_task(CALL_API, ("POST", PAYMENTS, {"amount": i})) for i in range(40)]
+    wait_until(lambda: emulator.arrived(PAYMENTS) >= 4, "calls at the API", 60.0)
+    emulator.revoke_all()
+    undo = one_redis.refusing_writes()
+    try:
+        time.sleep(8.0)
+    finally:
+        undo()
+    returned = [result.get(timeout=120) for result in results]
     assert sorted(r["amount"] for r in returned) == list(range(40))
     assert sorted(payment["amount"] for payment in emulator.payments()) == list(range(40))
+    log = one_redis.worker.log_text()
     assert "not written yet" in log  # the window was met
     assert "written after" in log
     assert " not written (" not in log  # no record given up on
@@ -504,72 +528,55 @@ def test_one_redis_for_everything_out_of_memory_for_8_s_loses_no_call(
 
 @pytest.mark.long
 def test_a_retry_the_broker_refuses_waits_in_its_slot_and_is_not_dropped(
-    fast_settings: Settings,
-    merchant_sandbox: MerchantSandbox,
-    private_redis: RedisServer,
-    merchant_key_prefix: str,
-    tmp_path: Path,
+    one_redis: OneRedis, merchant_sandbox: MerchantSandbox
 ) -> None:
     """The API answers 503 while the broker's Redis is out of memory: ``Task.retry``
     cannot publish the retry, and Celery would drop the call (``Reject(requeue=False)``).
     Each waits the countdown its retry would have had, in its slot, and runs again; once
     the broker takes writes its retry is published, and every call returns."""
-    emulator = merchant_sandbox.app
-    admin = redis.Redis(port=private_redis.port)
-    fleet = _worker(fast_settings, private_redis.url, merchant_key_prefix, tmp_path)
-    with fleet as (worker, app):
-        assert app.send_task("merchant_tasks.call_api", ("GET", PING)).get(timeout=60)
-        emulator.configure({"api_error_rate": 1.0, "api_latency": 1.0})
-        results = [app.send_task("merchant_tasks.call_api", ("GET", PING)) for _ in range(4)]
-        wait_until(lambda: emulator.arrived(PING) >= 1 + 4, "calls at the API", 60.0)
-        undo = _refuse_writes(admin, "out_of_memory")  # within the 1 s they are held
-        try:
+    emulator, app, worker = merchant_sandbox.app, one_redis.app, one_redis.worker
+    assert app.send_task(CALL_API, ("GET", PING)).get(timeout=60)
+    emulator.configure({"api_error_rate": 1.0, "api_latency": 1.0})
+    results = [app.send_task(CALL_API, ("GET", PING)) for _ in range(4)]
+    wait_until(lambda: emulator.arrived(PING) >= 1 + 4, "calls at the API", 60.0)
+    undo = one_redis.refusing_writes()  # within the 1 s they are held
+    try:
 
-            def waiting(result: AsyncResult) -> bool:
-                return f"call {result.id}: its retry could not be published" in worker.log_text()
+        def waiting(result: AsyncResult) -> bool:
+            return f"call {result.id}: its retry could not be published" in worker.log_text()
 
-            wait_until(lambda: all(map(waiting, results)), "each retry refused", 60.0)
-            emulator.configure({"api_error_rate": 0.0, "api_latency": 0.0})
-        finally:
-            undo()
-        assert [result.get(timeout=60) for result in results] == [{"ok": True}] * 4
-        assert "dropped" not in worker.log_text()
+        wait_until(lambda: all(map(waiting, results)), "each retry refused", 60.0)
+        emulator.configure({"api_error_rate": 0.0, "api_latency": 0.0})
+    finally:
+        undo()
+    assert [result.get(timeout=60) for result in results] == [{"ok": True}] * 4
+    assert "dropped" not in worker.log_text()
 
 
 @pytest.mark.long
 def test_renewals_ending_while_redis_refuses_writes_do_not_stop_the_worker(
-    fast_settings: Settings,
-    merchant_sandbox: MerchantSandbox,
-    private_redis: RedisServer,
-    merchant_key_prefix: str,
-    tmp_path: Path,
+    one_redis: OneRedis, merchant_sandbox: MerchantSandbox
 ) -> None:
     """Four scheduled renewals exchange (held 1 s by the emulator) while the one Redis runs
     out of memory: none can store its token. Each waits until Redis takes writes again
     before it ends. Before, their acknowledgements were refused and kombu raised that in
     the worker's event loop: "Unrecoverable error", the worker gone, its messages left
     unacknowledged for the visibility timeout, and the calls sent after never ran."""
-    emulator = merchant_sandbox.app
-    admin = redis.Redis(port=private_redis.port)
-    fleet = _worker(fast_settings, private_redis.url, merchant_key_prefix, tmp_path)
-    with fleet as (worker, app):
-        emulator.configure({"token_latency": 1.0})
-        for _ in range(4):
-            app.send_task(RENEW_ACCOUNT, ("default",), queue=RENEWAL_QUEUE)
-        wait_until(lambda: emulator.arrived(TOKEN_PATH) >= 1, "an exchange under way", 60.0)
-        undo = _refuse_writes(admin, "out_of_memory")  # within the 1 s it is held
-        try:
-            wait_until(
-                lambda: "renewal of account default failed" in worker.log_text(),
-                "a failed renewal",
-                60.0,
-            )
-            time.sleep(2.0)
-        finally:
-            undo()
-        emulator.configure({"token_latency": 0.0})
-        calls = [app.send_task(CALL_API, ("GET", PING)) for _ in range(8)]
-        assert [call.get(timeout=60) for call in calls] == [{"ok": True}] * 8
-        log = worker.log_text()
+    emulator, app, worker = merchant_sandbox.app, one_redis.app, one_redis.worker
+    emulator.configure({"token_latency": 1.0})
+    for _ in range(4):
+        app.send_task(RENEW_ACCOUNT, ("default",), queue=RENEWAL_QUEUE)
+    wait_until(lambda: emulator.arrived(TOKEN_PATH) >= 1, "an exchange under way", 60.0)
+    undo = one_redis.refusing_writes()  # within the 1 s it is held
+    try:
+        failed = "renewal of account default failed"
+        wait_until(lambda: failed in worker.log_text(), "a failed renewal", 60.0)
+        time.sleep(2.0)
+    finally:
+        undo()
+    emulator.configure({"token_latency": 0.0})
+    calls = [app.send_task(CALL_API, ("GET", PING)) for _ in range(8)]
+    assert [call.get(timeout=60) for call in calls] == [{"ok": True}] * 8
+    log = worker.log_text()
     assert "Unrecoverable error" not in log
     assert "out of memory" in log

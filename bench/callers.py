@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import time
@@ -20,7 +21,14 @@ def concurrent_calls(
     clients: Sequence[FleetClient], callers: int
 ) -> tuple[list[float], Counter[str]]:
     """``callers`` threads call GET PING at once, spread over ``clients``; the latency of
-    each from the common start, in seconds, and the errors by type name."""
+    each from the common start, in seconds, and the errors by type name.
+
+    A full garbage collection comes first, untimed: one owed to what ran before (the
+    imports, the set-up, the last batch) would otherwise stop every caller of whichever
+    batch it fell in, for 37-77 ms here, and where it falls moves with any change in
+    allocations (it moved from a calm batch to a stormy one between two commits whose
+    storm paths do the same work)."""
+    gc.collect()
     started: list[float] = []
     barrier = threading.Barrier(callers, action=lambda: started.append(time.perf_counter()))
     latencies = [math.nan] * callers

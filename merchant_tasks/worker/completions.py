@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from merchant_tasks.exceptions import StoreRefusingWrites, StoreUnavailable
 from merchant_tasks.store.token_store import TokenStore
@@ -38,6 +41,27 @@ RECORD_TTL_FACTOR = 2  # records live twice the visibility timeout: a lost ack's
 # comes within one timeout plus kombu's restore sweep (seconds to a few minutes)
 RECORD_RETRY_PACE = 0.5  # seconds between writes of a record the store refused: calls go
 # on within half a second of the store taking writes again
+
+
+def once_writes_are_taken(
+    write: Callable[[], None],
+    patience: float,
+    before_sleep: Callable[[RetryCallState], None] | None = None,
+) -> float:
+    """Run ``write``, again every ``RECORD_RETRY_PACE`` seconds while the store refuses
+    writes (``StoreRefusingWrites``), for up to ``patience`` seconds; the seconds waited (0
+    when the first write was taken). Raises the last refusal past the patience, and any
+    other StoreUnavailable (an unreachable store) at once."""
+    started = time.monotonic()
+    retrying = Retrying(
+        retry=retry_if_exception_type(StoreRefusingWrites),
+        wait=wait_fixed(RECORD_RETRY_PACE),
+        stop=stop_after_delay(patience),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    retrying(write)
+    return time.monotonic() - started if retrying.statistics["attempt_number"] > 1 else 0.0
 
 
 @dataclass(frozen=True)
@@ -86,40 +110,29 @@ class CompletionRecords:
         usually on the same Redis, can be written too (docs/reliability.md, row 43). An
         unreachable store is not waited for: the call returns at once.
         """
-        started = time.monotonic()
-        refused = False
-        while True:
-            try:
-                self.store.records.save_completion(task_id, result, self.ttl)
-            except StoreRefusingWrites as exc:
-                if time.monotonic() + RECORD_RETRY_PACE > started + patience:
-                    self._not_written(task_id, exc)
-                    return
-                if not refused:
-                    log.warning(
-                        "completion record of call %s not written yet (%s): the call waits, "
-                        "trying again every %.1f s",
-                        task_id,
-                        exc,
-                        RECORD_RETRY_PACE,
-                    )
-                refused = True
-                time.sleep(RECORD_RETRY_PACE)
-            except StoreUnavailable as exc:
-                self._not_written(task_id, exc)
-                return
-            else:
-                if refused:
-                    waited = time.monotonic() - started
-                    log.warning(
-                        "completion record of call %s written after %.1f s", task_id, waited
-                    )
-                return
 
-    @staticmethod
-    def _not_written(task_id: str, exc: StoreUnavailable) -> None:
-        log.warning(
-            "completion record of call %s not written (%s): a redelivery would call the API again",
-            task_id,
-            exc,
-        )
+        def warn_once(state: RetryCallState) -> None:
+            if state.attempt_number == 1 and state.outcome is not None:
+                log.warning(
+                    "completion record of call %s not written yet (%s): the call waits, "
+                    "trying again every %.1f s",
+                    task_id,
+                    state.outcome.exception(),
+                    RECORD_RETRY_PACE,
+                )
+
+        def save() -> None:
+            self.store.records.save_completion(task_id, result, self.ttl)
+
+        try:
+            waited = once_writes_are_taken(save, patience, before_sleep=warn_once)
+        except StoreUnavailable as exc:  # unreachable, or refusing writes past the patience
+            log.warning(
+                "completion record of call %s not written (%s): a redelivery would call the "
+                "API again",
+                task_id,
+                exc,
+            )
+            return
+        if waited:
+            log.warning("completion record of call %s written after %.1f s", task_id, waited)

@@ -41,9 +41,9 @@ from merchant_tasks.settings import FleetSettings
 from merchant_tasks.store.health import check_store
 from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.worker.completions import (
-    RECORD_RETRY_PACE,
     RECORD_TTL_FACTOR,
     CompletionRecords,
+    once_writes_are_taken,
 )
 from merchant_tasks.worker.fleet import refuse_foreign_call
 from merchant_tasks.worker.routing import RENEWAL_QUEUE, VISIBILITY_TIMEOUT
@@ -252,15 +252,8 @@ def hold_while_refusing_writes(store: TokenStore) -> None:
     Redis (the default), holding the task until the store takes writes lets the
     acknowledgement through.
     """
-    started = time.monotonic()
-    while time.monotonic() - started < WAIT_IN_PLACE:
-        try:
-            check_store(store)
-            return
-        except StoreRefusingWrites:
-            time.sleep(RECORD_RETRY_PACE)
-        except StoreUnavailable:
-            return  # unreachable: the acknowledgement's fate is the broker's, not ours
+    with contextlib.suppress(StoreUnavailable):  # unreachable, or refusing past the wait
+        once_writes_are_taken(lambda: check_store(store), WAIT_IN_PLACE)
 
 
 @task(RENEW_TOKEN, bind=True, ignore_result=True)

@@ -216,3 +216,66 @@ def test_renew_force_with_the_generation_evicted_exchanges_and_says_so(
     assert result.output.startswith("exchanged: generation 2, fingerprint ")
     assert merchant_sandbox.exchanges()["ok"] == 2
     assert merchant_client.request("GET", PING) == {"ok": True}
+
+
+def _client_on(server: RedisServer, settings: Settings) -> FleetClient:
+    return client_for(replace(settings, fleet=replace(settings.fleet, redis_url=server.url)))
+
+
+def test_a_401_the_store_refuses_to_record_is_held_by_the_process_and_never_resent(
+    merchant_settings: Settings, merchant_sandbox: MerchantSandbox, tmp_path: Path
+) -> None:
+    """Redis out of memory (``noeviction``) refuses the write that records a refusal: the
+    process that met the 401 holds it, sends the token no more while Redis refuses, and
+    records and counts it with the replacement once Redis takes writes again."""
+    with RedisServer(tmp_path / "redis") as server, redis.Redis(port=server.port) as admin:
+        client = _client_on(server, merchant_settings)
+        try:
+            assert client.request("GET", PING) == {"ok": True}
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", "1")
+            merchant_sandbox.app.revoke_all()
+            outcomes = Counter[str]()
+            for _ in range(6):
+                try:
+                    client.request("GET", PING)
+                    outcomes["ok"] += 1
+                except MerchantError as exc:
+                    outcomes[type(exc).__name__] += 1
+                time.sleep(0.3)  # past the 1 s the process trusts its copy, and beyond
+            assert outcomes == {"StoreRefusingWrites": 6}, outcomes
+            assert merchant_sandbox.calls()["unauthorized"] == 1  # the first call's only
+            admin.config_set("maxmemory", "0")
+            assert client.request("GET", PING) == {"ok": True}
+            assert merchant_sandbox.calls()["unauthorized"] == 1
+            assert merchant_sandbox.exchanges()["ok"] == 2
+            counters = client.manager.store.records.counters()
+            assert counters["unauthorized"] == 1  # counted once, when it could be
+            assert counters["renewals:forced:ok"] == 1
+        finally:
+            close_client(client)
+
+
+def test_a_refused_copy_is_not_sent_while_the_store_cannot_be_reached(
+    merchant_settings: Settings, merchant_sandbox: MerchantSandbox, tmp_path: Path
+) -> None:
+    """With Redis gone, a process falls back on its own copy of a still-valid token, but
+    not on one the API refused: that call fails with the store's error, unsent."""
+    with RedisServer(tmp_path / "redis") as server:
+        client = _client_on(server, merchant_settings)
+        try:
+            assert client.request("GET", PING) == {"ok": True}
+            server.kill()
+            assert client.request("GET", PING) == {"ok": True}  # the copy: still accepted
+            merchant_sandbox.app.revoke_all()
+            for _ in range(4):
+                with pytest.raises(MerchantError) as caught:
+                    client.request("GET", PING)
+                assert type(caught.value).__name__ == "StoreUnavailable", caught.value
+                time.sleep(0.4)
+            assert merchant_sandbox.calls()["unauthorized"] == 1
+            server.start()  # empty: no persistence, the fleet exchanges a new token
+            assert client.request("GET", PING) == {"ok": True}
+            assert merchant_sandbox.calls()["unauthorized"] == 1
+        finally:
+            close_client(client)

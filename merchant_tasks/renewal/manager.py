@@ -368,7 +368,11 @@ class TokenManager:
             current = self.store.load()
         except StoreUnavailable:
             last = self.copy.last()
-            if last is not None and last.valid_at(self.clock()):
+            if (
+                last is not None
+                and last.valid_at(self.clock())
+                and not self.refusals.known_refused(last)  # a refused copy is never sent
+            ):
                 log.warning("token store unavailable; using this process's copy of the token")
                 return last
             raise

@@ -8,6 +8,8 @@ one place that judges a refusal, from the evidence in the refused token's own re
 
 - the first 401 on a token marks its record refused (the store's 401 script, same write):
   from then on no process of the fleet sends it (``known_refused``, before every send);
+  a 401 the store cannot record (it refuses writes, or is unreachable) is held by the
+  process that met it, which does not send the token again and records it once it can;
 - a token the API had **accepted** was revoked, and one refused on its **first use** with
   no such refusal just before it was revoked before use (or replaced by beat before
   anyone called with it): either is replaced at once;
@@ -242,6 +244,10 @@ class Refusals:
         # refused generation -> (until when its error stands, fingerprint of the
         # credentials then, the error): calls get it without asking Redis
         self._known: dict[int, tuple[float, str, MerchantError]] = {}
+        # generations this process met a 401 on that the store could not record (it refused
+        # writes or could not be reached): not sent again by this process meanwhile, and
+        # recorded (the 401 counted) by the next look that reaches the store
+        self._unrecorded: set[int] = set()
         self.remake_locks()
 
     def remake_locks(self) -> None:
@@ -276,7 +282,7 @@ class Refusals:
             if left > 0 and not self.breaker.secret_replaced(credentials):
                 raise _again(error, left)
             return True
-        return token.refused
+        return token.refused or token.generation in self._unrecorded
 
     def renew_after(self, stale: Token, renew: ForcedRenewal, *, new_401: bool = True) -> Token:
         """The token that replaces ``stale``, refused by the API: another's, or a forced
@@ -288,6 +294,7 @@ class Refusals:
 
     def _renew_after(self, stale: Token, renew: ForcedRenewal, new_401: bool) -> Token:
         self.known_refused(stale)
+        new_401 = new_401 or stale.generation in self._unrecorded  # a 401 not recorded yet
         prelude: Prelude | None = None
         for _ in range(2):  # a second round if a sibling's renewal failed
             newer = self._newer_copy(stale) or self._sibling_renewal(stale)
@@ -299,6 +306,11 @@ class Refusals:
                 found, renewer, prelude = self._look(stale, new_401)
             except _HELD_BACK as exc:  # a back-off or pause: no call sends it meanwhile
                 self._remember(stale, exc)
+                raise
+            except StoreUnavailable:  # the refusal is not recorded: this process holds it
+                if new_401:
+                    later = {g for g in self._unrecorded if g > stale.generation}
+                    self._unrecorded = later | {stale.generation}
                 raise
             if found is not None:
                 return found
@@ -351,6 +363,7 @@ class Refusals:
                     )
                 )
             )
+            self._unrecorded.discard(stale.generation)  # recorded (and counted) in that look
             if current is not None and current.replaces(stale, self.clock()):
                 return self.copy.keep(current), False, None  # renewed elsewhere: CAS
             if current is not None and current.generation == stale.generation:

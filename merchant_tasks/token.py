@@ -109,9 +109,13 @@ class Token:
 
     def replaces(self, stale: Token, now: float) -> bool:
         """Whether this token stands in for ``stale``, which the API refused: a later
-        generation, another value, and still valid at ``now``."""
+        generation, another value, still valid at ``now`` and not refused itself (its
+        record says so: then it is replaced in turn, never sent)."""
         return (
-            self.generation > stale.generation and self.value != stale.value and self.valid_at(now)
+            self.generation > stale.generation
+            and self.value != stale.value
+            and self.valid_at(now)
+            and not self.refused
         )
 
     def state(self, now: float, renew_before: float, renew_mandatory: float) -> TokenState:

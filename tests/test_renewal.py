@@ -593,6 +593,10 @@ def test_a_forced_renewal_handed_back_the_refused_token_is_token_rejected(
     exchange.outcomes.append(IssuedToken(refused.value, expires_in=3000.0))
     with pytest.raises(TokenRejected, match="handed back the token the API refuses"):
         manager.renew(stale_token=refused)
+    clock.now += 5.0  # past the 1 s an error without retry_after is remembered
+    with pytest.raises(TokenRejected, match="handed back"):  # as it said: not asked again
+        manager.token()
+    assert len(exchange.calls) == 1
 
 
 # -- breaker half-open ---------------------------------------------------------------------
@@ -1367,3 +1371,110 @@ def test_a_forked_child_renews_although_a_parent_thread_held_the_locks_at_the_fo
         os.waitpid(pid, 0)
         pytest.fail("the child hung on a lock held by a parent's thread at the fork")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+# -- a refused token is never handed out, whatever its window (review of issue 27) --------
+
+
+def _refused_elsewhere(store: TokenStore, token: Token) -> None:
+    """Another process met a 401 on ``token``: its record says refused, and that process
+    holds the renewal lock for the replacement."""
+    holder = f"{OTHER_HOLDER}:1"
+    _, outcome = store.look_after_401(token.generation, holder, f"{OTHER_HOLDER}:", 60.0, 30.0)
+    assert outcome == 1
+    looked = store.load()
+    assert looked is not None
+    assert looked.refused
+
+
+def test_a_refused_token_in_the_mandatory_window_is_not_handed_out_while_another_replaces_it(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, sleep: Sleeper
+) -> None:
+    """Under 120 s left, the token was the mandatory renewal's fallback, handed out while
+    another process held the lock: a refused one must wait for its replacement instead."""
+    refused = stored(store, clock, left=100.0)
+    manager.accepted(refused)
+    _refused_elsewhere(store, refused)
+    written: list[Token] = []
+
+    def holder_finishes(polls: int) -> None:
+        if polls == 3:
+            written.append(stored(store, clock, left=LIFETIME))
+
+    sleep.on_sleep = holder_finishes
+    got = manager.token()
+    assert got == written[0]
+    assert not got.refused
+
+
+def test_a_refused_token_in_the_mandatory_window_is_not_the_fallback_of_a_pause(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """Its replacement's exchange was refused (a secret reset): calls get the pause's error,
+    past the 1 s a process remembers it, not the refused token (which is still valid)."""
+    refused = stored(store, clock, left=100.0)
+    manager.accepted(refused)
+    exchange.outcomes = [CredentialsRejected("the secret was reset")]
+    with pytest.raises(CredentialsRejected):
+        manager.renew(stale_token=refused)
+    for _ in range(3):
+        clock.now += 1.5
+        with pytest.raises(CredentialsRejected, match="paused"):
+            manager.token()
+    assert len(exchange.calls) == 1
+
+
+def test_a_newer_token_refused_elsewhere_does_not_replace_the_one_a_call_was_refused_with(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, sleep: Sleeper
+) -> None:
+    """Two revocations close together: this process met a 401 on its copy of generation 1
+    while generation 2, stored since, was refused by another process, which replaces it.
+    The call waits for generation 3 instead of meeting a second 401 with generation 2."""
+    first = stored(store, clock, left=3600.0)
+    manager.accepted(first)
+    second = stored(store, clock, left=3600.0)
+    _refused_elsewhere(store, second)
+    written: list[Token] = []
+
+    def holder_finishes(polls: int) -> None:
+        if polls == 3:
+            written.append(stored(store, clock, left=LIFETIME))
+
+    sleep.on_sleep = holder_finishes
+    got = manager.renew(stale_token=first)
+    assert got == written[0]
+    assert got.generation == 3
+
+
+def test_a_lock_taken_after_a_401_is_released_when_the_renewal_fails_before_using_it(
+    store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """The 401's look takes the fleet's lock for the forced renewal; if that renewal ends
+    before reaching it (here another thread of the process keeps the turn past the renewal
+    limit), the holding is released, not left to its watchdog."""
+    manager = make_manager(store, exchange, clock=clock, exchange_timeout=0.1)
+    manager.flight.renewal_limit = 0.3
+    refused = stored(store, clock, left=3600.0)
+    manager.accepted(refused)
+    look = manager.refusals._look
+    sibling_has_the_turn = threading.Event()
+    let_go = threading.Event()
+
+    def sibling_keeps_the_turn() -> None:
+        with manager.flight.turn:
+            sibling_has_the_turn.set()
+            let_go.wait(10.0)
+
+    def look_then_lose_the_turn(stale: Token, new_401: bool) -> Any:
+        found = look(stale, new_401)
+        threading.Thread(target=sibling_keeps_the_turn, daemon=True).start()
+        sibling_has_the_turn.wait(10.0)
+        return found
+
+    manager.refusals._look = look_then_lose_the_turn  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RenewalTimeout):
+            manager.renew(stale_token=refused)
+        assert store.lock_holder() is None
+    finally:
+        let_go.set()

@@ -127,7 +127,7 @@ def test_a_holder_keeps_its_lease_alive_and_a_dead_holders_lease_runs_out(
     redis_store: TokenStore,
 ) -> None:
     lease = 0.6
-    holder, other = RenewalLock(redis_store, lease), RenewalLock(redis_store, lease)
+    holder, other = RenewalLock(redis_store, lease, 60.0), RenewalLock(redis_store, lease, 60.0)
     assert holder.acquire()
     time.sleep(4 * lease)  # the watchdog extends it meanwhile
     assert not other.acquire()
@@ -140,6 +140,26 @@ def test_a_holder_keeps_its_lease_alive_and_a_dead_holders_lease_runs_out(
     wait_until(holder.acquire, "the dead holder's lease ran out", timeout=10 * lease)
     holder.release()
     assert redis_store.lock_holder() is None
+
+
+def test_a_holding_nothing_releases_is_extended_only_as_long_as_the_longest_renewal(
+    redis_store: TokenStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holding its holder never releases (lost to an error between taking and using it)
+    must not hold the account's lock for as long as the process lives: the watchdog stops
+    at the longest renewal, and the lease then runs out."""
+    lease, longest = 0.6, 1.5
+    holder, other = RenewalLock(redis_store, lease, longest), RenewalLock(redis_store, lease, 60.0)
+    assert holder.acquire()
+    began = time.monotonic()
+    time.sleep(longest * 0.8)
+    assert not other.acquire()  # extended meanwhile: more than a lease has passed
+    wait_until(other.acquire, "the lease, no longer extended, ran out", timeout=10 * longest)
+    freed = time.monotonic() - began
+    print(f"\nan unreleased holding freed the lock after {freed:.2f} s (longest {longest} s)")
+    assert freed >= longest - lease
+    assert "held past the longest renewal" in caplog.text
+    other.release()
 
 
 # -- Redis refusing writes -----------------------------------------------------------------

@@ -60,8 +60,8 @@ SAFE_TO_RESEND_STATUSES = frozenset({429, 503})  # the server refused before pro
 TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 CALL_ATTEMPTS = 4  # one call plus three retries, then the caller (or Celery) decides
 UNAUTHORIZED_RENEWALS = 2  # renewals after a 401 within one call: the first may give a token
-# another process renewed just before a revocation; fleet-wide, the token source's budget
-# bounds forced renewals
+# another process renewed just before a revocation; fleet-wide, the token source spaces
+# forced renewals
 CALL_RETRY_BUDGET = 20.0  # seconds of back-off at most inside one call
 CALL_WAIT_INITIAL = 0.25  # first back-off; doubles per attempt, with jitter
 CALL_WAIT_MAX = 5.0

@@ -79,9 +79,13 @@ def process_owner() -> str:
 class RenewalLock:
     """One account's renewal lock as seen from this process."""
 
-    def __init__(self, store: TokenStore, lease: float) -> None:
+    def __init__(self, store: TokenStore, lease: float, longest: float) -> None:
         self.store = store
         self.lease = lease
+        # the longest renewal (``manager.limits``): a holding is extended no longer, so one
+        # that nothing will release (its holder died in a thread, or lost it to an error
+        # raised between taking and using it) frees the account within a lease after that
+        self.longest = longest
         self._holdings = itertools.count(1)
         self.reset()
 
@@ -156,8 +160,18 @@ class RenewalLock:
         ).start()
 
     def _keep_alive(self, value: str, stop: threading.Event) -> None:
-        """Extend the lease while the holding lasts; stop if the lock was lost."""
+        """Extend the lease while the holding lasts, up to the longest renewal; stop if the
+        lock was lost."""
+        ends = time.monotonic() + self.longest
         while not stop.wait(self.lease / EXTENSIONS_PER_LEASE):
+            if time.monotonic() > ends:
+                log.warning(
+                    "the renewal lock of %s was held past the longest renewal (%.0f s): its "
+                    "lease is no longer extended",
+                    self.store.namespace,
+                    self.longest,
+                )
+                return
             try:
                 if not self.store.extend_lock(value, self.lease):
                     log.warning("the renewal lock was lost during a renewal: its lease ran out")
@@ -269,7 +283,11 @@ class SingleFlight:
                 wait_noted.append(True)
             return None
 
-        token = self._waiting(heard)(attempt)
+        try:
+            token = self._waiting(heard)(attempt)
+        finally:
+            if pending and pending[0].locked:  # the caller's holding, never reached: released
+                self.lock.release()
         assert token is not None  # the retry only ends on a token or an error
         return token
 

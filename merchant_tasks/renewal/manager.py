@@ -19,8 +19,8 @@ without an exchange. The exchange is a callable passed in: nothing here speaks H
 ``Renewer`` is the exchange-and-save step of a renewal, run by the holder of the fleet's
 lock: exchange, retrying a failing endpoint a few times; judge the answer against the
 stored token (docs/design.md, "An answer no better than the stored token"); store it, or
-mark the stored token final; wake the fleet's waiters. Forced renewals spend their budget
-first (``refusals.Refusals``).
+mark the stored token final; wake the fleet's waiters. A forced renewal first waits for
+its turn, spaced fleet-wide (``refusals.Refusals``).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Renewer:
         """Exchange (retrying a failing endpoint a few times, once for a half-open probe)
         and store the answer if it is better than the stored token; else mark the stored
         one final. ``first`` runs once the first permit is granted, before the exchange
-        (the forced-renewal budget: a renewal refused a permit spends none of it)."""
+        (a forced renewal's turn, spaced fleet-wide: one refused a permit takes none)."""
         current = self.store.load()
         expected = self.store.generation()  # after the load: the stored token's counts
         # refusals on first use in a row, carried in each record: any acceptance ends them
@@ -316,7 +316,7 @@ class TokenManager:
         self.signal = RenewalSignal(store) if wake_ups else None
         self.rate = rate  # the token endpoint host's fleet-wide permits (store.exchange_rate)
         self.renewal_limit, self.wait_limit, lease = limits(exchange_timeout)
-        self.lock = RenewalLock(store, lease)
+        self.lock = RenewalLock(store, lease, self.renewal_limit)
         # the parts get the callables themselves, not closures over this manager: no
         # reference cycle, so a manager is freed as soon as it is dropped
         clock = self.clock
@@ -378,16 +378,17 @@ class TokenManager:
             raise
         if self.signal is not None:
             self.signal.start()  # from now on, this process hears of renewals elsewhere
+        if current is not None and current.valid_at(now) and self.refusals.known_refused(current):
+            # whatever its window: replaced, never sent, nor kept as a fallback
+            return self.refusals.renew_after(current, self._renew_forced, new_401=False)
         if self.policy.usable(current, now):
             assert current is not None
-            if self.refusals.known_refused(current):
-                return self.refusals.renew_after(current, self._renew_forced, new_401=False)
             return self.copy.keep(current)
         usable = current if current is not None and current.valid_at(now) else None
         try:
             token = self._renew(
                 RenewalReason.MANDATORY,
-                lambda t: self.policy.usable(t, self.clock()),
+                lambda t: self.policy.usable(t, self.clock()) and t is not None and not t.refused,
                 fallback=usable,
                 probe=True,
             )
@@ -455,8 +456,8 @@ class TokenManager:
         """A token ``acceptable`` to the caller, exchanging at most once fleet-wide.
 
         ``prelude``: the caller's own look at the store and the lock, as the first attempt;
-        ``first``: run under the lock once the exchange has its permit (the forced-renewal
-        budget).
+        ``first``: run under the lock once the exchange has its permit (a forced renewal's
+        turn).
         """
         since = self.copy.now() if started is None else started
         probing: list[bool] = []

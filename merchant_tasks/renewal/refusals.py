@@ -322,7 +322,8 @@ class Refusals:
         try:
             renewed = renew(stale, started, prelude, self._space_forced)
             if not renewed.replaces(stale, self.clock()):  # the endpoint handed it back
-                raise TokenRejected(_handed_back(renewed.expires_at - self.clock()))
+                left = renewed.expires_at - self.clock()  # no better answer before then
+                raise TokenRejected(_handed_back(left), retry_after=left)
             return self.copy.keep(renewed)
         except _HELD_BACK as exc:
             self._remember(stale, exc)  # before the siblings wake: they share its error

@@ -2,7 +2,7 @@
 
 ``TokenStore`` holds the token, its generation, its acceptance and the renewal lock;
 ``AccountRecords``, reached as ``TokenStore.records``, the breaker (``BreakerRecord``,
-read by ``open_breaker`` and ``paused``), the forced-renewal budget, the half-open probe,
+read by ``open_breaker`` and ``paused``), the forced renewals' spacing, the half-open probe,
 the fleet-wide counters and histograms, and the completion records. Both go through one
 ``store.keys.AccountRedis``, which types every error and reads every corrupt value as
 absent. With ``store.keys`` and ``store.reading`` (many accounts' status at once) this is
@@ -27,7 +27,7 @@ need), all named by ``store.keys.AccountKeys``:
 - ``exchanges``  the last day's exchange attempts (a sorted set by time), for rates
 - ``accepted``   the highest generation the API accepted (evidence that a later 401 is a
                  revocation, docs/design.md "Refusals")
-- ``forced``     forced renewals of the last period (a sorted set by time), the budget
+- ``forced``     the times reserved for forced renewals (a sorted set), spaced fleet-wide
 - ``probe``      the half-open breaker's probe slot
 - ``waits``      when each caller waiting for another's renewal began (and its limit); the
                  next write turns them into the lock-wait histogram (and its meter's)

@@ -23,6 +23,7 @@ from merchant_tasks.worker.app import (
     VISIBILITY_TIMEOUT,
     load_config,
     package_defaults,
+    write_config_module,
 )
 
 AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -356,3 +357,19 @@ def test_a_broker_of_the_users_choosing_gets_no_key_prefix_and_celeryconfig_wins
     write_celeryconfig(tmp_path, "broker_transport_options = {'global_keyprefix': 'mine:'}\n")
     env.pop("CELERY_BROKER_URL")
     assert load_config(env)["broker_transport_options"]["global_keyprefix"] == "mine:"
+
+
+def test_a_written_config_module_is_never_readable_by_others(tmp_path: Path) -> None:
+    """It may hold a Redis password: created with its owner-only mode whatever the umask,
+    also over an older file others could read."""
+    path = tmp_path / "celeryconfig.py"
+    path.write_text("old = 1\n")
+    path.chmod(0o644)
+    old_umask = os.umask(0)
+    try:
+        write_config_module(path, {"broker_url": "redis://:pw@127.0.0.1:6379/0"})
+    finally:
+        os.umask(old_umask)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert "broker_url = 'redis://:pw@127.0.0.1:6379/0'" in path.read_text()
+    assert "old" not in path.read_text()

@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from urllib.parse import quote
 
 import pytest
 import requests
@@ -589,6 +590,34 @@ def test_an_error_body_echoing_the_api_secret_never_shows_it(
     for text in (str(error), repr(error), error.excerpt, str(error.code)):
         assert SECRET not in text
     assert "<secret>" in error.excerpt
+
+
+@pytest.mark.parametrize(
+    "echo",
+    [
+        lambda value: json.dumps({"got": value}).replace("/", "\\/"),  # PHP's json_encode
+        lambda value: "token=" + quote(value, safe=""),
+    ],
+    ids=["json-escaped", "percent-encoded"],
+)
+def test_a_token_echoed_escaped_or_percent_encoded_never_shows_in_an_excerpt(
+    client: FleetClient,
+    transport: FakeTransport,
+    exchange: FakeExchange,
+    echo: Callable[[str], str],
+) -> None:
+    exchange.padding = "/a+b=c/d"  # a b64token may hold '/', '+' and '='
+
+    def echoed(request: requests.PreparedRequest) -> requests.Response:
+        return response(400, echo(request.headers["Authorization"].removeprefix("Bearer ")))
+
+    transport.reply(echoed)
+    with pytest.raises(ApiError) as caught:
+        client.request("GET", ORDERS)
+    [token] = token_values(exchange)
+    assert "<token>" in caught.value.excerpt
+    assert echo(token) not in caught.value.excerpt
+    assert "tok-issued" not in caught.value.excerpt
 
 
 def test_no_part_of_the_token_survives_in_an_excerpt_cut_mid_token(

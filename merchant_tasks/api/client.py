@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -388,10 +388,12 @@ def _decode(response: requests.Response, method: str, path: str) -> Any:
 
 def _excerpt(response: requests.Response, hidden: Mapping[str, str]) -> str:
     """The start of an error body, each ``hidden`` value (the token, the secret) replaced by
-    its placeholder before anything is cut."""
+    its placeholder before anything is cut: as sent, and as a server may echo it, escaped
+    for JSON (``\\/``) or percent-encoded."""
     text = response.text[:EXCERPT_SCAN]
     for value, placeholder in hidden.items():
-        text = text.replace(value, placeholder)
+        for form in {value, value.replace("/", "\\/"), quote(value, safe="")}:
+            text = text.replace(form, placeholder)
     return " ".join(text.split())[:EXCERPT_LENGTH]
 
 

@@ -24,6 +24,7 @@ account configured stops at start rather than failing every task.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -169,8 +170,9 @@ def write_config_module(path: Path, config: Mapping[str, Any]) -> None:
     its owner may read it (the URLs may hold a password)."""
     lines = ['"""Written by merchant-tasks for one run; deleted with it."""']
     lines += [f"{name} = {value!r}" for name, value in config.items()]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    path.chmod(0o600)
+    path.unlink(missing_ok=True)  # created anew with its mode: never readable by others
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write("\n".join(lines) + "\n")
 
 
 app = Celery("merchant_tasks")

@@ -1,8 +1,9 @@
 """The Celery tasks, where callers find them: ``from merchant_tasks.tasks import call_api``.
 
-Each name stands for the task of the current Celery app if ``install(app)`` ran on it, else
-of the package's own app (``celery -A merchant_tasks``, built only when a caller first needs
-it), so ``call_api.delay(...)`` sends through whichever app serves the caller. The task
+Each name stands for the task of the shop's app that ``install(app)`` ran on, in whichever
+thread the caller runs (``worker.install.sending_app``), else of the package's own app
+(``celery -A merchant_tasks``, built only when a caller first needs it), so
+``call_api.delay(...)`` sends through whichever app serves the caller. The task
 functions live in ``merchant_tasks.worker.tasks``.
 """
 
@@ -13,15 +14,16 @@ from typing import Any
 from celery import current_app
 from celery.local import Proxy
 
+from merchant_tasks.worker.install import sending_app
 from merchant_tasks.worker.tasks import CALL_API, RENEW_ACCOUNT, RENEW_TOKEN, TASKS
 
 
 def installed_task(name: str) -> Any:
-    """The task ``name`` of the current Celery app if install() ran on it, else of the
-    package's own app."""
-    tasks = current_app.tasks
-    if name in tasks:
-        return tasks[name]
+    """The task ``name`` of the app calls are sent through (``worker.install.sending_app``:
+    the shop's app install() ran on, from any thread), else of the package's own app."""
+    shop_app = sending_app(current_app._get_current_object())
+    if shop_app is not None:
+        return shop_app.tasks[name]
     from merchant_tasks.worker.app import app  # built only when a caller needs it
 
     return app.tasks[name]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -14,6 +15,7 @@ from kombu import Exchange, Queue
 
 import merchant_tasks
 from merchant_tasks import ConfigurationError, tasks
+from merchant_tasks.worker import install as install_module
 from merchant_tasks.worker.app import app as package_app
 from merchant_tasks.worker.install import (
     BEAT_ENTRY,
@@ -41,8 +43,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def own_app() -> Iterator[Celery]:
-    """A shop's app, not made current: other tests' call_api keeps resolving as before."""
+def own_app(monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
+    """A shop's app, not made current; once the test ends, other tests' call_api resolves
+    as before (install() remembers the last shop app it ran on: forgotten after the test)."""
+    monkeypatch.setattr(install_module, "_shop_app", None)
     app = Celery("proj", set_as_current=False)
     yield app
     app.close()
@@ -222,6 +226,28 @@ def test_call_api_falls_back_to_the_package_app_under_an_app_without_install(
     own_app.set_current()
     try:
         assert tasks.call_api.app is package_app
+    finally:
+        previous.set_current()
+
+
+def test_call_api_sent_from_another_thread_goes_through_the_shops_app(own_app: Celery) -> None:
+    """Celery's current app is per thread: a web server's request thread (Django's
+    runserver, gunicorn's threads) sees Celery's default app, not the shop's. It sent
+    through the package's app, whose broker the shop's workers never read."""
+    merchant_tasks.install(own_app)
+    previous = get_current_app()
+    own_app.set_current()  # in this thread only, as Celery("proj") does where it is made
+    try:
+        seen: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: seen.append((get_current_app(), tasks.call_api.app))
+        )
+        thread.start()
+        thread.join()
+        [(current_there, sent_through)] = seen
+        assert current_there is not own_app  # the premise: another thread, another app
+        assert sent_through is own_app
+        assert tasks.call_api.app is own_app  # and here, as before
     finally:
         previous.set_current()
 

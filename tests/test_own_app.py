@@ -52,12 +52,19 @@ def add(x, y):
 '''
 
 SHOP_CODE = """
-import json, proj
+import json, threading, proj
 from merchant_tasks.tasks import call_api
 
 total = proj.add.delay(2, 3)
 payment = call_api.delay("POST", "/open-api/v1/payments", json={"amount": 700})
-print(json.dumps([total.get(timeout=60), payment.get(timeout=60)]))
+# as a web server's request thread would: Celery's current app there is not proj's
+sent = []
+request = threading.Thread(
+    target=lambda: sent.append(call_api.delay("POST", "/open-api/v1/payments", json={"amount": 701}))
+)
+request.start()
+request.join()
+print(json.dumps([total.get(timeout=60), payment.get(timeout=60), sent[0].get(timeout=60)]))
 """
 
 
@@ -131,11 +138,12 @@ def test_the_shops_worker_and_beat_serve_its_task_call_api_and_the_renewal(
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    total, payment = json.loads(done.stdout)
+    total, payment, from_a_thread = json.loads(done.stdout)
     assert total == 5
     assert (payment["amount"], payment["status"]) == (700, "created")
+    assert (from_a_thread["amount"], from_a_thread["status"]) == (701, "created")
     counters = merchant_sandbox.app.counters()
-    assert counters["endpoints"]["POST /open-api/v1/payments"]["ok"] == 1
+    assert counters["endpoints"]["POST /open-api/v1/payments"]["ok"] == 2
     assert counters["exchanges"]["ok"] == exchanges  # the call used beat's token
     # the shop's settings are its own: the one that weakens a guarantee is named at start
     assert "merchant-tasks: result_backend_always_retry is off" in proj_worker.log_text()

@@ -208,8 +208,8 @@ def merchant_client(merchant_settings: Settings) -> Iterator[FleetClient]:
 def merchant_celery_eager(
     merchant_settings: Settings, merchant_env: dict[str, str]
 ) -> Iterator[Any]:
-    """The Celery app ``call_api`` sends through (yours if install() ran on it and it is
-    current, else the package's), running tasks in the test's process at once, as the
+    """The Celery app ``call_api`` sends through (yours if install() ran on it, else the
+    package's), running tasks in the test's process at once, as the
     test's account."""
     from merchant_tasks.accounts import DEFAULT_ACCOUNT, AccountClients
     from merchant_tasks.tasks import installed_task

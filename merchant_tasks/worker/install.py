@@ -66,6 +66,7 @@ RENEWAL_TASKS = ("merchant_tasks.renew_token", "merchant_tasks.renew_account")
 BEAT_ENTRY = "renew-merchant-token"
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()  # the Celery apps install() ran on
+_shop_app: weakref.ref[Any] | None = None  # the last of them other than the package's own
 
 
 def install(app: Any) -> None:
@@ -106,7 +107,32 @@ def install(app: Any) -> None:
     app.on_after_configure.connect(add_configuration, weak=False)
     if app.configured:
         add_configuration()
+    _note_installed(app)
+
+
+def _note_installed(app: Any) -> None:
+    global _shop_app
     _installed.add(app)
+    if not _is_package_app(app):
+        _shop_app = weakref.ref(app)
+
+
+def sending_app(current: Any) -> Any | None:
+    """The app a task of ours is sent through from this thread, whose Celery current app is
+    ``current``: that app if install() ran on it; else the last app install() ran on other
+    than the package's own. Celery's current app is per thread: a thread other than the
+    one that made the shop's app (Django's runserver, gunicorn's threads, an executor) sees
+    Celery's default app, or the package's. None: the package's own app (standalone)."""
+    if current in _installed and not _is_package_app(current):
+        return current
+    return _shop_app() if _shop_app is not None else None
+
+
+def _is_package_app(app: Any) -> bool:
+    """Whether ``app`` is ``celery -A merchant_tasks``'s (``worker.app``, which may be
+    being imported: its ``app`` is set before it calls install)."""
+    module = sys.modules.get("merchant_tasks.worker.app")
+    return module is not None and getattr(module, "app", None) is app
 
 
 def beat_entry(interval: float) -> dict[str, Any]:

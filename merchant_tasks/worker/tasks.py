@@ -8,9 +8,9 @@ window has begun. None sees a token or the secret in its arguments or result: th
 stays in Redis and in the worker's memory.
 
 The tasks belong to no app here: ``install(app)`` (``worker.install``) registers them on the user's
-Celery app or on the package's own. ``call_api`` and the others below stand for the task of
-the current app when install() ran on it, else of the package's own app (``celery -A
-merchant_tasks``), so ``call_api.delay(...)`` sends through whichever app serves the caller.
+Celery app or on the package's own. ``merchant_tasks.tasks.call_api`` and the others stand
+for the task of the user's app install() ran on, from any thread (``install.sending_app``),
+else of the package's own app (``celery -A merchant_tasks``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``celery -A merchant_tasks worker|beat|flower`` started from this directory imports this
 file, and so does the container image (docker-compose.yml). Every setting here overrides
-the package default of the same name (merchant_tasks/celery_app.py: acknowledgement after
+the package default of the same name (merchant_tasks/worker/app.py: acknowledgement after
 the task ran, prefetch 1, JSON only, results for an hour and retried through a Redis
 restart, task events for Flower, the broker and result backend from MERCHANT_REDIS_URL or
 MERCHANT_REDIS_URL_FILE). CELERY_BROKER_URL and CELERY_RESULT_BACKEND in the environment

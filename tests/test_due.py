@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from merchant_tasks.renewal.due import (
     namespace_of,
     renewal_point,
 )
-from merchant_tasks.sandbox.processes import free_port
+from merchant_tasks.sandbox.processes import RedisServer, free_port
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import (
     RENEW_BEFORE,
@@ -300,6 +301,28 @@ def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
     assert "scheduled token check failed" in caplog.text
 
 
+def test_with_one_of_two_redis_servers_down_beat_still_renews_the_accounts_of_the_other(
+    serve: Callable[[dict[str, Settings]], AccountClients],
+    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    merchant_key_prefix: str,
+    merchant_redis_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Accounts spread over servers (MERCHANT_ACCOUNTS_SOURCE): a server down skips its own
+    accounts, logged naming it, not every account's renewal."""
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    accounts = {
+        **_fleet(merchant_key_prefix, merchant_redis_url, 2),
+        "elsewhere": _account(merchant_key_prefix, 100, down),
+    }
+    serve(accounts)
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.renewal.due"):
+        tasks.renew_token()
+    assert sorted(args for args, _ in sent) == [("shop-0",), ("shop-1",)]
+    assert "skipped the accounts on Redis" in caplog.text
+    assert down.split("//")[1].split("/")[0] in caplog.text  # host:port of the one down
+
+
 def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
     serve: Callable[[dict[str, Settings]], AccountClients],
     merchant_sandbox: MerchantSandbox,
@@ -348,3 +371,37 @@ def test_a_renewal_the_broker_refuses_is_released_and_sent_at_the_next_tick(
     assert "renewal of account shop-0 not sent (OperationalError)" in caplog.text
     tasks.renew_token()
     assert sorted(args for args, _ in sent) == [("shop-0",), ("shop-1",), ("shop-2",)]
+
+
+def test_beat_whose_claims_redis_refuses_for_memory_ends_only_once_it_takes_writes(
+    serve: Callable[[dict[str, Settings]], AccountClients],
+    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    merchant_key_prefix: str,
+    private_redis: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its acknowledgement, on the same Redis by default, would be refused too, which stops
+    the worker (docs/reliability.md, row 43): like a renewal, beat's check waits."""
+    serve(_fleet(merchant_key_prefix, private_redis.url, 2))
+    admin = redis.Redis(port=private_redis.port)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", "1")
+    freed = threading.Event()
+
+    def free() -> None:
+        admin.config_set("maxmemory", "0")
+        freed.set()
+
+    threading.Timer(1.0, free).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.tasks"):
+            tasks.renew_token()
+        assert freed.is_set()  # it returned only once Redis took writes again
+        assert "scheduled token check failed" in caplog.text
+        assert "out of memory" in caplog.text
+        assert sent == []
+        tasks.renew_token()  # the next tick sends them
+        assert sorted(args for args, _ in sent) == [("shop-0",), ("shop-1",)]
+    finally:
+        freed.wait(10.0)
+        admin.close()

@@ -16,19 +16,24 @@ a renewal is single-flight.
 
 Beat sends an account's renewal task only if none is pending: a claim key per account
 (``<namespace>:renewal-sent``, SET NX, one pipeline for all due accounts) lives until the
-task has run (it deletes the claim) or, for a task lost on the way, until the advisory
-window is over. So a backlog after a cold start is never flooded with the same account's
+task has run (it deletes the claim) or, for a task lost on the way, for as long as the
+advisory window lasts (``claim_ttl``, counted from the claim; callers renew in the
+mandatory window meanwhile). One Redis server that cannot be reached skips only its own
+accounts. So a backlog after a cold start is never flooded with the same account's
 tasks tick after tick, and two beats do not double the tasks.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
+from merchant_tasks.exceptions import StoreUnavailable
 from merchant_tasks.settings import Settings
-from merchant_tasks.store.keys import AccountKeys
+from merchant_tasks.store.keys import AccountKeys, redis_address
 from merchant_tasks.store.token_store import claim_slots, delete_key, read_values
 from merchant_tasks.store.topology import StoreClient
 from merchant_tasks.token import Token
@@ -37,6 +42,9 @@ SPREAD_TICKS = 2.0  # the lowest renewal point leaves two beat intervals before 
 # mandatory window: a tick may fall just before the point, and the next one then renews
 # with a whole interval to spare for the task's queueing and exchange
 _HASH_SPAN = 2**64  # the renewal point's fraction of the window: 8 bytes of SHA-256
+
+log = logging.getLogger(__name__)
+Group = TypeVar("Group")
 
 
 def namespace_of(settings: Settings) -> str:
@@ -77,17 +85,19 @@ def due_accounts(
     """Names of the accounts whose token is missing or past its renewal point.
 
     ``redis_for`` gives the Redis client of a Redis URL; accounts sharing a server share
-    one pipeline (one round trip). Raises StoreUnavailable if a server cannot be reached.
+    one pipeline (one round trip). A server that cannot be reached is logged and its
+    accounts skipped (``_per_server``); StoreUnavailable if none can be.
     """
     by_server: dict[str, list[_Entry]] = {}
     for name, settings in accounts.items():
         by_server.setdefault(settings.fleet.redis_url, []).append(
             _Entry(name, _keys(settings).token, renewal_point(settings))
         )
-    due: list[str] = []
-    for url, entries in by_server.items():
-        due += _due_on_server(redis_for(url), entries)
-    return due
+    return _per_server(
+        by_server.items(),
+        redis_for,
+        lambda url, entries: _due_on_server(redis_for(url), entries),
+    )
 
 
 def claim_renewals(
@@ -102,12 +112,41 @@ def claim_renewals(
     by_server: dict[str, list[str]] = {}
     for name in names:
         by_server.setdefault(accounts[name].fleet.redis_url, []).append(name)
-    claimed: list[str] = []
-    for url, server_names in by_server.items():
+
+    def claim(url: str, server_names: list[str]) -> list[str]:
         slots = [(claim_key(accounts[name]), claim_ttl(accounts[name])) for name in server_names]
         replies = claim_slots(redis_for(url), slots)
-        claimed += [name for name, won in zip(server_names, replies, strict=True) if won]
-    return claimed
+        return [name for name, won in zip(server_names, replies, strict=True) if won]
+
+    return _per_server(by_server.items(), redis_for, claim)
+
+
+def _per_server(
+    groups: Iterable[tuple[str, Group]],
+    redis_for: Callable[[str], StoreClient],
+    run: Callable[[str, Group], list[str]],
+) -> list[str]:
+    """``run`` on each server's group, joined. A server that fails is logged and skipped,
+    so one Redis down does not stop the renewals of the accounts on the others; if every
+    server fails, the first failure is raised (beat's tick logs it)."""
+    found: list[str] = []
+    failures: list[tuple[str, StoreUnavailable]] = []
+    served = 0
+    for url, group in groups:
+        try:
+            found += run(url, group)
+            served += 1
+        except StoreUnavailable as exc:
+            failures.append((url, exc))
+    if failures and not served:
+        raise failures[0][1]
+    for url, failure in failures:
+        log.warning(
+            "scheduled token check skipped the accounts on Redis %s: %s",
+            redis_address(redis_for(url)),
+            failure,
+        )
+    return found
 
 
 def release_renewal(settings: Settings, client: StoreClient) -> None:

@@ -158,6 +158,11 @@ def wrong_type(exc: BaseException | None) -> bool:
 def redis_address(client: object) -> str:
     """Where a client connects (host:port or socket path), never its user or password."""
     pool = getattr(client, "connection_pool", None)  # a cluster client has one per node
+    service = getattr(pool, "service_name", None)  # Sentinel: the master has no fixed address
+    if isinstance(service, str):
+        sentinels = getattr(getattr(pool, "sentinel_manager", None), "sentinels", [])
+        where = ",".join(redis_address(sentinel) for sentinel in sentinels)
+        return f"master {service} via sentinels {where}" if where else f"master {service}"
     kwargs = getattr(pool, "connection_kwargs", None)
     if not isinstance(kwargs, dict):
         return "MERCHANT_REDIS_URL"

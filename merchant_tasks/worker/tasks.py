@@ -269,6 +269,9 @@ def renew_token(self: Any) -> None:
         due = fleet.due()
     except MerchantError as exc:
         log.warning("scheduled token check failed: %s", exc)  # beat ticks again soon
+        if isinstance(exc, StoreRefusingWrites):  # every server refused its claims: with
+            # the broker on the store's Redis (the default), its acknowledgement would be too
+            hold_while_refusing_writes(fleet.get(next(iter(fleet.accounts))).manager.store)
         return
     for sent, name in enumerate(due):
         settings = fleet.accounts[name]

@@ -30,6 +30,7 @@ from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.store.sealing import codec_for
 from merchant_tasks.store.topology import (
     DEFAULT_SENTINEL_MASTER,
+    check_server_url,
     is_sentinel_url,
     parse_sentinel_url,
 )
@@ -382,8 +383,10 @@ class FleetSettings:
                 raise ConfigurationError("MERCHANT_REDIS_SENTINEL_MASTER must not be empty")
         elif self.redis_cluster:
             _check_url("MERCHANT_REDIS_URL", self.redis_url, ("redis", "rediss"))
+            check_server_url(self.redis_url, "MERCHANT_REDIS_URL")
         else:
             _check_url("MERCHANT_REDIS_URL", self.redis_url, ("redis", "rediss", "unix"))
+            check_server_url(self.redis_url, "MERCHANT_REDIS_URL")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FleetSettings:

@@ -6,15 +6,21 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from celery import Celery
 
 from merchant_tasks import accounts
+from merchant_tasks.sandbox.processes import RedisServer, spawn
+from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.worker import app as celery_app
 from merchant_tasks.worker import install as hosting
 from merchant_tasks.worker.app import (
@@ -373,3 +379,72 @@ def test_a_written_config_module_is_never_readable_by_others(tmp_path: Path) -> 
     assert path.stat().st_mode & 0o777 == 0o600
     assert "broker_url = 'redis://:pw@127.0.0.1:6379/0'" in path.read_text()
     assert "old" not in path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("redis://:RedisPw42@127.0.0.1:6379/abc", "path must be a database number"),
+        ("redis://:RedisPw42@127.0.0.1:6379/0?socket_timeout=abc", "'socket_timeout'"),
+        ("unix://:RedisPw42@/tmp/redis.sock?db=abc", "'db'"),
+    ],
+    ids=["path", "query", "unix-db"],
+)
+def test_a_redis_url_celery_or_redis_py_cannot_read_stops_the_worker_in_one_line(
+    tmp_path: Path, url: str, named: str
+) -> None:
+    """They passed the scheme and port checks; the worker then died in a traceback."""
+    env = _clean_env(MERCHANT_REDIS_URL=url, MERCHANT_API_KEY="k", MERCHANT_API_SECRET="s")
+    done = _celery(tmp_path, env, *WORKER)
+    line = _one_error_line(done)
+    assert "MERCHANT_REDIS_URL" in line
+    assert named in line
+    assert "RedisPw42" not in done.stdout + done.stderr
+
+
+def test_a_unix_socket_or_tls_redis_url_is_given_to_celery_in_the_form_it_reads() -> None:
+    """redis-py's ``unix://`` is no transport of kombu's nor a backend of Celery's, and
+    Celery's result backend refuses ``rediss://`` without ``ssl_cert_reqs``."""
+    unix = package_defaults({"MERCHANT_REDIS_URL": "unix:///run/redis.sock?db=3"})
+    assert (
+        unix["broker_url"]
+        == unix["result_backend"]
+        == "redis+socket:///run/redis.sock?virtual_host=3"
+    )
+    assert unix["broker_transport_options"]["visibility_timeout"] == VISIBILITY_TIMEOUT
+    tls = package_defaults({"MERCHANT_REDIS_URL": "rediss://cache.example.test:6380/2"})
+    assert tls["result_backend"] == "rediss://cache.example.test:6380/2?ssl_cert_reqs=required"
+    app = Celery("tls-check", broker=tls["broker_url"], backend=tls["result_backend"])
+    try:
+        assert app.backend.connparams["ssl_cert_reqs"] == ssl.CERT_REQUIRED  # accepted
+    finally:
+        app.close()
+    chosen = {"MERCHANT_REDIS_URL": "rediss://cache.example.test:6380/2?ssl_cert_reqs=optional"}
+    assert package_defaults(chosen)["broker_url"].endswith("?ssl_cert_reqs=optional")  # kept
+
+
+def test_a_worker_on_a_unix_socket_redis_serves_calls(
+    tmp_path: Path, merchant_settings: Settings, merchant_sandbox: MerchantSandbox
+) -> None:
+    """MERCHANT_REDIS_URL=unix://... for the token store, the broker and the results (it
+    died at start: "No such transport: unix")."""
+    socket_path = tmp_path / "redis.sock"
+    with RedisServer(tmp_path / "redis", "--unixsocket", str(socket_path)) as server:
+        assert server.port
+        fleet = replace(merchant_settings.fleet, redis_url=f"unix://{socket_path}?db=2")
+        settings = replace(merchant_settings, fleet=fleet)
+        env = child_env(settings)
+        workdir = tmp_path / "worker"
+        workdir.mkdir()
+        argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", *WORKER, "-c", "1"]
+        worker = spawn("worker", argv, tmp_path / "worker.log", env=env, cwd=workdir)
+        app = Celery("unix-client", set_as_current=False)
+        app.conf.update({**load_config(settings.to_env()), "imports": ()})
+        try:
+            worker.wait_ready(lambda: bool(app.control.ping(timeout=0.5)), timeout=START_TIMEOUT)
+            result = app.send_task("merchant_tasks.call_api", ("GET", "/open-api/v1/ping"))
+            assert result.get(timeout=60) == {"ok": True}
+            assert merchant_sandbox.exchanges()["ok"] == 1
+        finally:
+            worker.stop()
+            app.close()

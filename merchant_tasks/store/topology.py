@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TypeAlias
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.cluster import RedisCluster
@@ -33,7 +33,7 @@ DEFAULT_SENTINEL_MASTER = "mymaster"  # Redis's own example name, and Celery's d
 SENTINEL_PORT = 26379  # the port Redis assigns to Sentinel
 SENTINEL_SCHEME = "sentinel"
 URL_VARIABLE = "MERCHANT_REDIS_URL"
-KOMBU_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "socket", "sentinel"})
+KOMBU_REDIS_SCHEMES = frozenset({"redis", "rediss", "redis+socket", "unix", "socket", "sentinel"})
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,39 @@ def parse_sentinel_url(url: str, variable: str = URL_VARIABLE) -> SentinelUrl:
         )
     db, username, password = seen.pop()
     return SentinelUrl(tuple(sentinels), db, username, password)
+
+
+def check_server_url(url: str, variable: str = URL_VARIABLE) -> None:
+    """One server's ``redis://``, ``rediss://`` or ``unix://`` URL as redis-py and Celery
+    read it: a database number for a path, and query values redis-py can use.
+    ConfigurationError names ``variable``, never the URL."""
+    parts = urlsplit(url)
+    database = parts.path.strip("/") if parts.scheme in ("redis", "rediss") else ""
+    if database and not database.isdigit():
+        raise ConfigurationError(
+            f"{variable}'s path must be a database number (redis://host:6379/0), if any"
+        )
+    try:
+        redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as exc:  # its messages name the parameter, not the URL
+        raise ConfigurationError(f"{variable}: {exc}") from None
+
+
+def celery_url(url: str) -> str:
+    """The token store's URL as Celery's broker and result backend read the same server:
+    redis-py's ``unix:///path?db=N``, which neither kombu nor Celery knows, as
+    ``redis+socket:///path?virtual_host=N``; a ``rediss://`` URL without ``ssl_cert_reqs``
+    (which Celery's result backend refuses) with redis-py's default, ``required``."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.scheme == "unix":
+        query = [("virtual_host" if name == "db" else name, value) for name, value in query]
+        given = f"?{urlencode(query)}" if query else ""
+        return f"redis+socket://{parts.netloc}{parts.path}{given}"  # '//' even with no netloc
+    if parts.scheme == "rediss" and "ssl_cert_reqs" not in dict(query):
+        query.append(("ssl_cert_reqs", "required"))
+        return urlunsplit(parts._replace(query=urlencode(query)))
+    return url
 
 
 def redis_from_url(

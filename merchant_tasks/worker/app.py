@@ -40,7 +40,7 @@ from merchant_tasks.settings import (
     celery_url_overrides,
     environment,
 )
-from merchant_tasks.store.topology import is_kombu_redis_url, is_sentinel_url
+from merchant_tasks.store.topology import celery_url, is_kombu_redis_url, is_sentinel_url
 from merchant_tasks.worker.install import exit_with, install, started_by_celery_command
 from merchant_tasks.worker.routing import (
     CALLS_QUEUE as CALLS_QUEUE,  # re-exported: the queues' names
@@ -76,7 +76,7 @@ def celery_key_prefix(key_prefix: str) -> str:
 
 def package_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     """The settings merchant-tasks relies on; celeryconfig.py may change any of them."""
-    redis_url = FleetSettings.from_env(environ).redis_url
+    redis_url = celery_url(FleetSettings.from_env(environ).redis_url)
     return {
         "broker_url": redis_url,
         "result_backend": redis_url,
@@ -136,7 +136,7 @@ def transport_options(
         return {k: v for k, v in chosen.items() if k not in REDIS_ONLY_TRANSPORT_OPTIONS}
     defaults: dict[str, Any] = {"visibility_timeout": VISIBILITY_TIMEOUT}
     fleet = FleetSettings.from_env(environ)
-    if url == fleet.redis_url and celery_key_prefix(fleet.key_prefix):
+    if url == celery_url(fleet.redis_url) and celery_key_prefix(fleet.key_prefix):
         # Celery on the token store's Redis: its keys beside the fleet's own
         defaults["global_keyprefix"] = celery_key_prefix(fleet.key_prefix)
     if is_sentinel_url(url):
@@ -156,8 +156,8 @@ def isolated_config(redis_url: str, key_prefix: str) -> dict[str, Any]:
     defaults = package_defaults({"MERCHANT_REDIS_URL": redis_url})
     prefixed = {"global_keyprefix": f"{key_prefix}:celery:"}  # whatever the prefix
     return {
-        "broker_url": redis_url,
-        "result_backend": redis_url,
+        "broker_url": celery_url(redis_url),
+        "result_backend": celery_url(redis_url),
         **{
             name: {**defaults[name], **prefixed}
             for name in ("broker_transport_options", "result_backend_transport_options")

@@ -21,6 +21,7 @@ from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig, SandboxSe
 from merchant_tasks.sandbox.processes import RedisServer, wait_until
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.worker.routing import CALLS_QUEUE, RENEWAL_QUEUE
+from merchant_tasks.worker.tasks import RENEW_ACCOUNT
 
 pytestmark = pytest.mark.integration
 
@@ -111,6 +112,31 @@ def test_on_a_shared_broker_a_worker_refuses_another_fleets_calls(
     assert echo_calls(b.sandbox) == 0  # never with B's credentials
     assert echo_calls(a.sandbox) == succeeded
     assert refused >= 1  # B's idle worker took some of the 20 (14 in the run recorded)
+
+
+def test_on_a_shared_broker_a_worker_leaves_another_fleets_renewals_alone(
+    two_fleets: tuple[Fleet, Fleet], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One broker of the user's choosing: A's renewal task for its account "default",
+    taken by B's worker (B has a "default" too), is not run. It renewed B's account with
+    B's credentials and freed B's own claim instead."""
+    a, b = two_fleets
+    shared = a.redis_url.rsplit("/", 1)[0] + "/1"  # not the token store's: no key prefix
+    for fleet in (a, b):
+        fleet.env["CELERY_BROKER_URL"] = fleet.env["CELERY_RESULT_BACKEND"] = shared
+    worker = b.start_worker("b", concurrency=1)
+    b.wait_for_nodes(1)
+    for name, value in a.env.items():  # this process sends as fleet A's beat does
+        if name.startswith("MERCHANT_"):
+            monkeypatch.setenv(name, value)
+    a.app.send_task(RENEW_ACCOUNT, ("default",), queue=RENEWAL_QUEUE)
+    wait_until(
+        lambda: f"was sent by fleet {a.key_prefix!r}" in worker.log_text(),
+        "B's worker refusing A's renewal",
+        60.0,
+    )
+    assert b.sandbox.exchanges()["ok"] == 0  # B's credentials never served A's renewal
+    assert a.sandbox.exchanges()["ok"] == 0
 
 
 def test_the_renewal_queue_listed_by_name_runs_each_call_once(fleet: Fleet) -> None:

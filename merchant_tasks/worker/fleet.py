@@ -6,7 +6,9 @@ message carries, in its headers, the sending process's MERCHANT_KEY_PREFIX and a
 of the account it is meant for (a digest of its environment, API key and API origin; never
 the secret). A worker whose prefix or account differs refuses the call with a
 ``ConfigurationError`` naming both prefixes, instead of running it with its own credentials
-against its own API. A header the sender could not fill (no MERCHANT_KEY_PREFIX set, no
+against its own API. Beat's ``renew_account`` messages name the sending fleet too: a worker
+of another fleet refuses them (it would renew its own account of that name and free its
+own claim). A header the sender could not fill (no MERCHANT_KEY_PREFIX set, no
 account configured: a process that only enqueues) is left out, and a message without them
 (an older release) is run as before.
 """
@@ -88,6 +90,27 @@ def tag_call(body: Any, headers: dict[str, Any]) -> None:
     settings = sender_account(accounts, account)
     if settings is not None:
         headers[ACCOUNT_HEADER] = account_fingerprint(settings)
+
+
+def tag_renewal(headers: dict[str, Any]) -> None:
+    """Add the sending fleet to the headers of a ``renew_account`` message."""
+    fleet = this_fleet()
+    if fleet is not None:
+        headers.setdefault(FLEET_HEADER, fleet)
+
+
+def foreign_renewal(request: Any, settings: Settings) -> str | None:
+    """Why the ``renew_account`` in ``request`` is not this worker's to run (another fleet
+    sent it), or None."""
+    sender = getattr(request, FLEET_HEADER, None)
+    ours = settings.fleet.key_prefix
+    if sender is None or sender == ours:
+        return None
+    return (
+        f"renewal {request.id} was sent by fleet {sender!r} (MERCHANT_KEY_PREFIX), this "
+        f"worker serves {ours!r}: not run; fleets sharing a broker need their own queues or "
+        "key prefix (docs/celery-app.md)"
+    )
 
 
 def refuse_foreign_call(request: Any, settings: Settings) -> None:

@@ -44,7 +44,7 @@ from kombu import Queue
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.extras import require_worker_pool
 from merchant_tasks.settings import FleetSettings
-from merchant_tasks.worker.fleet import tag_call
+from merchant_tasks.worker.fleet import tag_call, tag_renewal
 from merchant_tasks.worker.pools import size_pools_at_worker_start
 from merchant_tasks.worker.routing import (
     RENEWAL_QUEUE,
@@ -53,7 +53,7 @@ from merchant_tasks.worker.routing import (
     remove_stale_bindings,
 )
 from merchant_tasks.worker.store_check import start_store_check
-from merchant_tasks.worker.tasks import CALL_API, COUNTDOWN_MAX, TASKS
+from merchant_tasks.worker.tasks import CALL_API, COUNTDOWN_MAX, RENEW_ACCOUNT, TASKS
 
 log = logging.getLogger(__name__)
 
@@ -364,6 +364,8 @@ def _tag_sent_call(
     """Every call_api this process sends names its fleet and account (``worker.fleet``)."""
     if sender == CALL_API and headers is not None:
         tag_call(body, headers)
+    elif sender == RENEW_ACCOUNT and headers is not None:
+        tag_renewal(headers)
 
 
 before_task_publish.connect(_tag_sent_call)

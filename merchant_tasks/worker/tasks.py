@@ -45,7 +45,7 @@ from merchant_tasks.worker.completions import (
     CompletionRecords,
     once_writes_are_taken,
 )
-from merchant_tasks.worker.fleet import refuse_foreign_call
+from merchant_tasks.worker.fleet import foreign_renewal, refuse_foreign_call
 from merchant_tasks.worker.routing import RENEWAL_QUEUE, VISIBILITY_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -294,10 +294,16 @@ def renew_token(self: Any) -> None:
             return
 
 
-@task(RENEW_ACCOUNT, ignore_result=True)
-def renew_account(account: str) -> None:
-    """Renew ``account``'s token if its advisory window has begun (sent by renew_token)."""
+@task(RENEW_ACCOUNT, bind=True, ignore_result=True)
+def renew_account(self: Any, account: str) -> None:
+    """Renew ``account``'s token if its advisory window has begun (sent by renew_token);
+    one another fleet sent is not run (``worker.fleet``)."""
     fleet = clients()
+    settings = fleet.accounts.get(account)
+    refused = foreign_renewal(self.request, settings) if settings is not None else None
+    if refused is not None:
+        log.warning("%s", refused)  # its own claim and token are not this fleet's to touch
+        return
     try:
         fleet.get(account).manager.renew()
     except MerchantError as exc:

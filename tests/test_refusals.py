@@ -173,6 +173,19 @@ def test_a_real_allkeys_lru_eviction_of_all_but_the_token_then_a_revoke_all_fail
             close_client(other)
 
 
+def _outcomes(client: FleetClient, calls: int, between: float = 0.0) -> Counter[str]:
+    """``calls`` pings, ``between`` seconds apart: how many went "ok", and of each error."""
+    outcomes: Counter[str] = Counter()
+    for _ in range(calls):
+        try:
+            client.request("GET", PING)
+            outcomes["ok"] += 1
+        except MerchantError as exc:
+            outcomes[type(exc).__name__] += 1
+        time.sleep(between)
+    return outcomes
+
+
 @pytest.mark.parametrize("name", ["Authorization ", "authorization\t"])
 def test_a_callers_credential_header_is_refused_unsent_and_other_calls_go_on(
     merchant_client: FleetClient, merchant_sandbox: MerchantSandbox, name: str
@@ -191,13 +204,7 @@ def test_a_ten_year_lifetime_is_capped_not_refused(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     merchant_sandbox.app.configure({"lifetime": 10 * 365 * 86400.0})
-    results: Counter[str] = Counter()
-    for _ in range(30):
-        try:
-            merchant_client.request("GET", PING)
-            results["ok"] += 1
-        except MerchantError as exc:
-            results[type(exc).__name__] += 1
+    results = _outcomes(merchant_client, 30)
     assert results["ok"] >= 27, results
     assert merchant_sandbox.exchanges()["ok"] <= 2
     assert "beyond" in caplog.text
@@ -235,14 +242,8 @@ def test_a_401_the_store_refuses_to_record_is_held_by_the_process_and_never_rese
             admin.config_set("maxmemory-policy", "noeviction")
             admin.config_set("maxmemory", "1")
             merchant_sandbox.app.revoke_all()
-            outcomes = Counter[str]()
-            for _ in range(6):
-                try:
-                    client.request("GET", PING)
-                    outcomes["ok"] += 1
-                except MerchantError as exc:
-                    outcomes[type(exc).__name__] += 1
-                time.sleep(0.3)  # past the 1 s the process trusts its copy, and beyond
+            # 0.3 s apart: past the 1 s the process trusts its copy, and beyond
+            outcomes = _outcomes(client, 6, between=0.3)
             assert outcomes == {"StoreRefusingWrites": 6}, outcomes
             assert merchant_sandbox.calls()["unauthorized"] == 1  # the first call's only
             admin.config_set("maxmemory", "0")

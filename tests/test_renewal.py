@@ -134,6 +134,21 @@ def stored(
     return token
 
 
+def holder_writes_at_poll(
+    poll: int, sleep: Sleeper, store: TokenStore, clock: ManualClock
+) -> list[Token]:
+    """The holder elsewhere stores a fresh token while the caller sleeps its ``poll``-th
+    wait; the list gets that token."""
+    written: list[Token] = []
+
+    def holder_finishes(polls: int) -> None:
+        if polls == poll:
+            written.append(stored(store, clock, left=LIFETIME))
+
+    sleep.on_sleep = holder_finishes
+    return written
+
+
 def hold_lock(store: TokenStore) -> None:
     """Another process takes the renewal lock (and never lets go during the test)."""
     assert store.take_lock(f"{OTHER_HOLDER}:1", f"{OTHER_HOLDER}:", 60.0)
@@ -668,13 +683,7 @@ def test_a_caller_without_a_token_waits_for_the_renewal_held_elsewhere(
     sleep: Sleeper,
 ) -> None:
     hold_lock(store)
-    written: list[Token] = []
-
-    def holder_finishes(polls: int) -> None:
-        if polls == 3:
-            written.append(stored(store, clock, left=LIFETIME))
-
-    sleep.on_sleep = holder_finishes
+    written = holder_writes_at_poll(3, sleep, store, clock)
     assert manager.token() == written[0]
     assert exchange.calls == []
     assert len(sleep.waits) == 3
@@ -1395,13 +1404,7 @@ def test_a_refused_token_in_the_mandatory_window_is_not_handed_out_while_another
     refused = stored(store, clock, left=100.0)
     manager.accepted(refused)
     _refused_elsewhere(store, refused)
-    written: list[Token] = []
-
-    def holder_finishes(polls: int) -> None:
-        if polls == 3:
-            written.append(stored(store, clock, left=LIFETIME))
-
-    sleep.on_sleep = holder_finishes
+    written = holder_writes_at_poll(3, sleep, store, clock)
     got = manager.token()
     assert got == written[0]
     assert not got.refused
@@ -1434,13 +1437,7 @@ def test_a_newer_token_refused_elsewhere_does_not_replace_the_one_a_call_was_ref
     manager.accepted(first)
     second = stored(store, clock, left=3600.0)
     _refused_elsewhere(store, second)
-    written: list[Token] = []
-
-    def holder_finishes(polls: int) -> None:
-        if polls == 3:
-            written.append(stored(store, clock, left=LIFETIME))
-
-    sleep.on_sleep = holder_finishes
+    written = holder_writes_at_poll(3, sleep, store, clock)
     got = manager.renew(stale_token=first)
     assert got == written[0]
     assert got.generation == 3

@@ -584,18 +584,31 @@ def test_a_retry_the_broker_refuses_waits_in_its_slot_and_is_not_dropped(
 def test_renewals_ending_while_redis_refuses_writes_do_not_stop_the_worker(
     one_redis: OneRedis, merchant_sandbox: MerchantSandbox
 ) -> None:
-    """Four scheduled renewals exchange (held 1 s by the emulator) while the one Redis runs
-    out of memory: none can store its token. Each waits until Redis takes writes again
-    before it ends. Before, their acknowledgements were refused and kombu raised that in
-    the worker's event loop: "Unrecoverable error", the worker gone, its messages left
-    unacknowledged for the visibility timeout, and the calls sent after never ran."""
+    """Four scheduled renewals (one exchanges, held 3 s by the emulator; the others wait
+    for it) while the one Redis runs out of memory: none can store its token. Each waits
+    until Redis takes writes again before it ends. Before, their acknowledgements were
+    refused and kombu raised that in the worker's event loop: "Unrecoverable error", the
+    worker gone, its messages left unacknowledged for the visibility timeout, and the calls
+    sent after never ran. The window opens once the worker has fetched all four: a message
+    fetched while Redis refuses writes stops the worker in kombu (row 43, "Not covered")."""
     emulator, app, worker = merchant_sandbox.app, one_redis.app, one_redis.worker
-    emulator.configure({"token_latency": 1.0})
+    held = 3.0
+    emulator.configure({"token_latency": held})
     for _ in range(4):
         app.send_task(RENEW_ACCOUNT, ("default",), queue=RENEWAL_QUEUE)
     wait_until(lambda: emulator.arrived(TOKEN_PATH) >= 1, "an exchange under way", 60.0)
-    undo = one_redis.refusing_writes()  # within the 1 s it is held
+    arrived_at = time.monotonic()
+
+    def fetched() -> int:
+        return sum(
+            "Task merchant_tasks.renew_account[" in line and line.endswith("] received")
+            for line in worker.log_text().splitlines()
+        )
+
+    wait_until(lambda: fetched() == 4, "the four renewals fetched", 60.0)
+    undo = one_redis.refusing_writes()
     try:
+        assert time.monotonic() - arrived_at < held, "the window opened after the exchange"
         failed = "renewal of account default failed"
         wait_until(lambda: failed in worker.log_text(), "a failed renewal", 60.0)
         time.sleep(2.0)

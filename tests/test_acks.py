@@ -1,0 +1,107 @@
+"""kombu's Redis acknowledgements wait out a Redis refusing writes (worker/acks.py): real
+kombu, a private redis-server made to run out of memory, no Celery worker."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import redis
+from kombu import Connection
+from kombu.transport import redis as kombu_redis
+
+from merchant_tasks.sandbox.processes import RedisServer
+from merchant_tasks.worker.acks import wait_out_refused_writes
+
+REFUSED_FOR = 1.0  # seconds Redis refuses writes in each test
+
+
+def _kombus_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kombu's own QoS methods for this test (another test's worker start, in this process,
+    may have installed the workaround), and whatever was there back after it."""
+    for name in ("append", "ack"):
+        method = getattr(kombu_redis.QoS, name)
+        monkeypatch.setattr(kombu_redis.QoS, name, getattr(method, "__wrapped__", method))
+
+
+@pytest.fixture
+def patient_qos(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workaround installed for this test only."""
+    _kombus_own(monkeypatch)
+    wait_out_refused_writes()
+
+
+def _out_of_memory_for_a_while(admin: redis.Redis) -> threading.Event:
+    """Redis refuses writes from now for ``REFUSED_FOR`` seconds; the event is set once it
+    takes them again."""
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", "1")
+    freed = threading.Event()
+
+    def free() -> None:
+        admin.config_set("maxmemory", "0")
+        freed.set()
+
+    threading.Timer(REFUSED_FOR, free).start()
+    return freed
+
+
+def test_a_message_fetched_while_redis_refuses_writes_is_recorded_and_delivered(
+    private_redis: RedisServer, patient_qos: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Popped from its queue, then recorded as unacknowledged in a MULTI Redis refuses: kombu
+    raised that (in a worker's event loop it stops the worker) and the message was lost."""
+    admin = redis.Redis(port=private_redis.port)
+    with Connection(private_redis.url) as connection:
+        queue = connection.SimpleQueue("mt-acks")
+        queue.put({"order": 1})
+        freed = _out_of_memory_for_a_while(admin)
+        with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.acks"):
+            message = queue.get(timeout=10)
+        assert freed.is_set()  # it waited for Redis to take writes
+        assert message.payload == {"order": 1}
+        assert admin.hlen("unacked") == 1  # recorded: a lost worker's message comes back
+        assert "record as unacknowledged waits" in caplog.text
+        assert "out of memory" in caplog.text
+        message.ack()
+        queue.close()
+    assert admin.hlen("unacked") == 0
+    admin.close()
+
+
+def test_an_acknowledgement_while_redis_refuses_writes_lands_once_it_takes_them(
+    private_redis: RedisServer, patient_qos: None
+) -> None:
+    """kombu raised the refused acknowledgement; a Celery worker stopped on it."""
+    admin = redis.Redis(port=private_redis.port)
+    with Connection(private_redis.url) as connection:
+        queue = connection.SimpleQueue("mt-acks")
+        queue.put({"order": 2})
+        message = queue.get(timeout=10)
+        freed = _out_of_memory_for_a_while(admin)
+        message.ack()
+        assert freed.is_set()
+        assert admin.hlen("unacked") == 0
+        queue.close()
+    admin.close()
+
+
+def test_without_the_workaround_kombu_loses_the_message_fetched_in_the_window(
+    private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upstream behaviour the workaround exists for (celery/celery#5716), as kombu 5.7
+    has it: if this starts failing, kombu has changed and the workaround may go."""
+    _kombus_own(monkeypatch)
+    admin = redis.Redis(port=private_redis.port)
+    with Connection(private_redis.url) as connection:
+        queue = connection.SimpleQueue("mt-acks")
+        queue.put({"order": 3})
+        freed = _out_of_memory_for_a_while(admin)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            queue.get(timeout=10)
+        freed.wait(10.0)
+        assert admin.llen("mt-acks") == 0  # popped: gone from the queue...
+        assert admin.hlen("unacked") == 0  # ... and never recorded
+        queue.close()
+    admin.close()

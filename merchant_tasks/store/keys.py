@@ -196,9 +196,13 @@ def unavailable_as_error(address: str | None = None) -> Iterator[None]:
         raise store_error(exc, address) from exc
 
 
+# what a Redis answering but refusing writes raises: out of memory (``maxmemory`` with
+# ``noeviction``) or a read-only replica (a failover under way)
+REFUSING_WRITES = (redis.exceptions.ReadOnlyError, redis.exceptions.OutOfMemoryError)
+
+
 def store_error(exc: Exception, address: str | None = None) -> StoreUnavailable:
     """The StoreUnavailable a Redis error ``exc`` becomes (chain it with ``from``)."""
     where = f"Redis at {address}" if address else "Redis"
-    refusing = isinstance(exc, redis.exceptions.ReadOnlyError | redis.exceptions.OutOfMemoryError)
-    error = StoreRefusingWrites if refusing else StoreUnavailable
+    error = StoreRefusingWrites if isinstance(exc, REFUSING_WRITES) else StoreUnavailable
     return error(f"token store ({where}) {cause(exc)}; check MERCHANT_REDIS_URL")

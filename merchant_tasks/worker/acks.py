@@ -22,18 +22,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from kombu.transport import redis as kombu_redis
 from tenacity import RetryCallState
 
 from merchant_tasks.exceptions import StoreRefusingWrites
-from merchant_tasks.store.keys import cause
+from merchant_tasks.store.keys import REFUSING_WRITES, cause
 from merchant_tasks.worker.completions import once_writes_are_taken
 from merchant_tasks.worker.tasks import WAIT_IN_PLACE
 
 log = logging.getLogger(__name__)
 
-REFUSED = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
 WHAT = {  # kombu's QoS methods that write in one MULTI, and what each writes
     "append": "a fetched message's record as unacknowledged",
     "ack": "a message's acknowledgement",
@@ -58,7 +56,7 @@ def _patient(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def attempt() -> None:
             try:
                 answer.append(method(self, *args, **kwargs))
-            except REFUSED as exc:
+            except REFUSING_WRITES as exc:
                 raise StoreRefusingWrites(f"the broker's Redis {cause(exc)}") from exc
 
         def waiting(state: RetryCallState) -> None:

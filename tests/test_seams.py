@@ -41,7 +41,7 @@ from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.token import IssuedToken, Token
 from merchant_tasks.worker.app import isolated_config, load_config, write_config_module
-from merchant_tasks.worker.routing import RENEWAL_QUEUE
+from merchant_tasks.worker.routing import CALLS_QUEUE, RENEWAL_QUEUE
 from merchant_tasks.worker.tasks import CALL_API, RENEW_ACCOUNT
 
 pytestmark = pytest.mark.integration
@@ -578,6 +578,36 @@ def test_a_retry_the_broker_refuses_waits_in_its_slot_and_is_not_dropped(
         undo()
     assert [result.get(timeout=60) for result in results] == [{"ok": True}] * 4
     assert "dropped" not in worker.log_text()
+
+
+@pytest.mark.parametrize("one_redis", ["threads", "prefork"], indirect=True)
+def test_a_call_fetched_as_redis_runs_out_of_memory_runs_once_it_has_memory_again(
+    one_redis: OneRedis, merchant_sandbox: MerchantSandbox
+) -> None:
+    """The worker pops a call from its queue just as Redis starts refusing writes: one
+    transaction moves the call into the queue and sets ``maxmemory``, and Redis hands the
+    call to the waiting BRPOP only after it. kombu's record of it as unacknowledged is then
+    refused: kombu stopped the worker ("Unrecoverable error") and the call was lost
+    (celery/celery#5716). Now the record waits (worker/acks.py), and the call runs."""
+    app, admin, worker = one_redis.app, one_redis.admin, one_redis.worker
+    assert app.send_task(CALL_API, ("GET", PING)).get(timeout=60) == {"ok": True}
+    parked = app.send_task(CALL_API, ("POST", PAYMENTS, {"amount": 7}), queue="mt-parked")
+    [parked_key] = [k for k in admin.scan_iter(match="*:mt-parked", count=1000)]
+    calls_key = parked_key.removesuffix(b"mt-parked") + CALLS_QUEUE.encode()
+    with admin.pipeline(transaction=True) as moving:
+        moving.lmove(parked_key, calls_key, "RIGHT", "LEFT")
+        moving.config_set("maxmemory-policy", "noeviction")
+        moving.config_set("maxmemory", "1")
+        moving.execute()
+    try:
+        waits = "record as unacknowledged waits"
+        wait_until(lambda: waits in worker.log_text(), "the fetched call's record waiting", 30.0)
+        time.sleep(1.0)
+    finally:
+        admin.config_set("maxmemory", "0")
+    assert parked.get(timeout=60)["amount"] == 7
+    assert [p["amount"] for p in merchant_sandbox.app.payments()] == [7]
+    assert "Unrecoverable error" not in worker.log_text()
 
 
 @pytest.mark.long

@@ -588,7 +588,7 @@ def test_a_call_fetched_as_redis_runs_out_of_memory_runs_once_it_has_memory_agai
     transaction moves the call into the queue and sets ``maxmemory``, and Redis hands the
     call to the waiting BRPOP only after it. kombu's record of it as unacknowledged is then
     refused: kombu stopped the worker ("Unrecoverable error") and the call was lost
-    (celery/celery#5716). Now the record waits (worker/acks.py), and the call runs."""
+    (celery/celery#5716). Now the record waits (worker/broker_writes.py), and the call runs."""
     app, admin, worker = one_redis.app, one_redis.admin, one_redis.worker
     assert app.send_task(CALL_API, ("GET", PING)).get(timeout=60) == {"ok": True}
     parked = app.send_task(CALL_API, ("POST", PAYMENTS, {"amount": 7}), queue="mt-parked")

@@ -12,7 +12,8 @@ standalone app (``celery -A merchant_tasks``) are built the same way. ``install`
 - at worker and beat start: the accounts' settings checked (a mistake stops the process
   with one line; beat does not read the secret files);
 - at worker start: the connection pools sized for the concurrency (``worker.pools``),
-  kombu's Redis acknowledgements made to wait out a Redis refusing writes (``worker.acks``),
+  acknowledgements and results on Redis made to wait out a Redis refusing writes
+  (``worker.broker_writes``),
   bindings of older releases removed, a queue shape that would run a call twice refused in
   one line, and a warning naming each setting of the app that breaks a delivery guarantee;
 - at worker and beat start: the token store checked in the background
@@ -45,7 +46,7 @@ from kombu import Queue
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.extras import require_worker_pool
 from merchant_tasks.settings import FleetSettings
-from merchant_tasks.worker.acks import wait_out_refused_writes
+from merchant_tasks.worker.broker_writes import wait_out_refused_writes
 from merchant_tasks.worker.fleet import tag_call, tag_renewal
 from merchant_tasks.worker.pools import size_pools_at_worker_start
 from merchant_tasks.worker.routing import (
@@ -346,14 +347,14 @@ def _check_store_at_start(sender: Any = None, **_: Any) -> None:
 
 
 def _prepare_worker(sender: str, instance: Any, **_: Any) -> None:
-    """Once the worker logs, before it connects: pools fit its concurrency, kombu's Redis
-    acknowledgements wait out a Redis refusing writes (``worker.acks``), the settings that
-    break a guarantee are named, and no stale binding remains."""
+    """Once the worker logs, before it connects: pools fit its concurrency, acknowledgements
+    and results on Redis wait out a Redis refusing writes (``worker.broker_writes``), the
+    settings that break a guarantee are named, and no stale binding remains."""
     app = instance.app
     if app not in _installed:
         return
     size_pools_at_worker_start(instance)
-    if _is_redis_broker(app.conf.broker_url):
+    if _is_redis_broker(app.conf.broker_url) or _is_redis_broker(app.conf.result_backend):
         wait_out_refused_writes()
     for problem in broken_guarantees(app):
         log.warning("merchant-tasks: %s", problem)

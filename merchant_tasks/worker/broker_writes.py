@@ -1,4 +1,5 @@
-"""kombu's acknowledgements on a Redis broker wait out a Redis that refuses writes.
+"""Celery's and kombu's writes to a Redis broker and result backend wait out a Redis that
+refuses writes (out of memory, read-only).
 
 kombu's Redis transport emulates acknowledgements: a fetched message is popped from its
 queue and then recorded as unacknowledged (``QoS.append``: ZADD and HSET in a MULTI), and
@@ -11,8 +12,15 @@ unacknowledged for the visibility timeout (docs/reliability.md, row 43; celery/c
 ``wait_out_refused_writes`` makes both wait instead, retrying every ``RECORD_RETRY_PACE``
 seconds while Redis refuses writes, up to ``WAIT_IN_PLACE``: the popped message is then
 recorded and delivered, and the acknowledgement lands, for the application's own tasks as
-for ours. A refused MULTI applied nothing, so running it again is safe. Installed at worker
-start for an app whose broker is Redis (``worker.install``).
+for ours. A refused MULTI applied nothing, so running it again is safe.
+
+Celery's Redis result backend retries a result write (SETEX and PUBLISH in a MULTI) only
+after a connection error, even with ``result_backend_always_retry``: a refused one was
+lost, and its caller's ``get`` timed out. ``wait_out_refused_writes`` also counts a refusal
+as safe to retry there, within the backend's own retry budget (``result_backend_max_retries``,
+about a minute with the package's settings).
+
+Installed at worker start for an app whose broker is Redis (``worker.install``).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from celery.backends.redis import RedisBackend
 from kombu.transport import redis as kombu_redis
 from tenacity import RetryCallState
 
@@ -39,13 +48,26 @@ WHAT = {  # kombu's QoS methods that write in one MULTI, and what each writes
 
 
 def wait_out_refused_writes() -> None:
-    """Make kombu's Redis ``QoS.append`` and ``QoS.ack`` wait while Redis refuses writes
-    (once per process; later calls do nothing)."""
+    """Make kombu's Redis ``QoS.append`` and ``QoS.ack`` wait while Redis refuses writes,
+    and Celery's Redis result backend retry a refused write (once per process; later calls
+    do nothing)."""
     qos = kombu_redis.QoS
     for name in WHAT:
         method = getattr(qos, name)
         if not getattr(method, "_waits_out_refused_writes", False):
             setattr(qos, name, _patient(name, method))
+    safe = RedisBackend.exception_safe_to_retry
+    if not getattr(safe, "_waits_out_refused_writes", False):
+        RedisBackend.exception_safe_to_retry = _also_refused_writes(safe)
+
+
+def _also_refused_writes(safe: Callable[[Any, Exception], bool]) -> Callable[..., bool]:
+    @functools.wraps(safe)
+    def safe_to_retry(self: Any, exc: Exception) -> bool:
+        return isinstance(exc, REFUSING_WRITES) or safe(self, exc)
+
+    safe_to_retry._waits_out_refused_writes = True  # type: ignore[attr-defined]
+    return safe_to_retry
 
 
 def _patient(name: str, method: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,5 +1,6 @@
-"""kombu's Redis acknowledgements wait out a Redis refusing writes (worker/acks.py): real
-kombu, a private redis-server made to run out of memory, no Celery worker."""
+"""Acknowledgements and results on Redis wait out a Redis refusing writes
+(worker/broker_writes.py): real kombu and Celery's result backend, a private redis-server
+made to run out of memory, no worker."""
 
 from __future__ import annotations
 
@@ -8,21 +9,29 @@ import threading
 
 import pytest
 import redis
+from celery import Celery
+from celery.backends.redis import RedisBackend
 from kombu import Connection
 from kombu.transport import redis as kombu_redis
 
 from merchant_tasks.sandbox.processes import RedisServer
-from merchant_tasks.worker.acks import wait_out_refused_writes
+from merchant_tasks.worker.broker_writes import wait_out_refused_writes
 
 REFUSED_FOR = 1.0  # seconds Redis refuses writes in each test
+# Celery 5.7's Redis result backend writes with redis-py's deprecated setex (its own doing)
+CELERY_SETEX = pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
 
 
 def _kombus_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kombu's own QoS methods for this test (another test's worker start, in this process,
-    may have installed the workaround), and whatever was there back after it."""
-    for name in ("append", "ack"):
-        method = getattr(kombu_redis.QoS, name)
-        monkeypatch.setattr(kombu_redis.QoS, name, getattr(method, "__wrapped__", method))
+    """kombu's and Celery's own methods for this test (another test's worker start, in this
+    process, may have installed the workaround), and whatever was there back after it."""
+    for owner, name in (
+        (kombu_redis.QoS, "append"),
+        (kombu_redis.QoS, "ack"),
+        (RedisBackend, "exception_safe_to_retry"),
+    ):
+        method = getattr(owner, name)
+        monkeypatch.setattr(owner, name, getattr(method, "__wrapped__", method))
 
 
 @pytest.fixture
@@ -57,7 +66,7 @@ def test_a_message_fetched_while_redis_refuses_writes_is_recorded_and_delivered(
         queue = connection.SimpleQueue("mt-acks")
         queue.put({"order": 1})
         freed = _out_of_memory_for_a_while(admin)
-        with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.acks"):
+        with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.broker_writes"):
             message = queue.get(timeout=10)
         assert freed.is_set()  # it waited for Redis to take writes
         assert message.payload == {"order": 1}
@@ -105,3 +114,45 @@ def test_without_the_workaround_kombu_loses_the_message_fetched_in_the_window(
         assert admin.hlen("unacked") == 0  # ... and never recorded
         queue.close()
     admin.close()
+
+
+def _results_app(url: str) -> Celery:
+    """Celery's Redis result backend as the package configures it (retrying)."""
+    app = Celery("results", set_as_current=False)
+    app.conf.update(result_backend=url, result_backend_always_retry=True)
+    return app
+
+
+@CELERY_SETEX
+def test_a_result_written_while_redis_refuses_writes_is_stored_once_it_takes_them(
+    private_redis: RedisServer, patient_qos: None
+) -> None:
+    """Celery retried a result write only after a connection error: a refused one was lost
+    (the call had run; its caller's get timed out)."""
+    admin = redis.Redis(port=private_redis.port)
+    app = _results_app(private_redis.url)
+    try:
+        freed = _out_of_memory_for_a_while(admin)
+        app.backend.store_result("call-1", {"ok": True}, "SUCCESS")
+        assert freed.is_set()
+        assert app.AsyncResult("call-1").get(timeout=10) == {"ok": True}
+    finally:
+        app.close()
+        admin.close()
+
+
+@CELERY_SETEX
+def test_without_the_workaround_celery_does_not_retry_a_refused_result_write(
+    private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _kombus_own(monkeypatch)
+    admin = redis.Redis(port=private_redis.port)
+    app = _results_app(private_redis.url)
+    try:
+        freed = _out_of_memory_for_a_while(admin)
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            app.backend.store_result("call-2", {"ok": True}, "SUCCESS")
+        freed.wait(10.0)
+    finally:
+        app.close()
+        admin.close()

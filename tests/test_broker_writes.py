@@ -41,19 +41,22 @@ def patient_qos(monkeypatch: pytest.MonkeyPatch) -> None:
     wait_out_refused_writes()
 
 
-def _out_of_memory_for_a_while(admin: redis.Redis) -> threading.Event:
-    """Redis refuses writes from now for ``REFUSED_FOR`` seconds; the event is set once it
-    takes them again."""
-    admin.config_set("maxmemory-policy", "noeviction")
-    admin.config_set("maxmemory", "1")
-    freed = threading.Event()
+class OutOfMemory:
+    """Redis refuses writes from its start for ``REFUSED_FOR`` seconds. ``freeing`` is set
+    just before Redis takes writes again (a write that waited finds it set), ``freed``
+    once it does."""
 
-    def free() -> None:
-        admin.config_set("maxmemory", "0")
-        freed.set()
+    def __init__(self, admin: redis.Redis) -> None:
+        self.freeing, self.freed = threading.Event(), threading.Event()
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")
 
-    threading.Timer(REFUSED_FOR, free).start()
-    return freed
+        def free() -> None:
+            self.freeing.set()
+            admin.config_set("maxmemory", "0")
+            self.freed.set()
+
+        threading.Timer(REFUSED_FOR, free).start()
 
 
 def test_a_message_fetched_while_redis_refuses_writes_is_recorded_and_delivered(
@@ -65,10 +68,11 @@ def test_a_message_fetched_while_redis_refuses_writes_is_recorded_and_delivered(
     with Connection(private_redis.url) as connection:
         queue = connection.SimpleQueue("mt-acks")
         queue.put({"order": 1})
-        freed = _out_of_memory_for_a_while(admin)
+        window = OutOfMemory(admin)
         with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.broker_writes"):
             message = queue.get(timeout=10)
-        assert freed.is_set()  # it waited for Redis to take writes
+        assert window.freeing.is_set()  # it waited for Redis to take writes
+        window.freed.wait(10.0)
         assert message.payload == {"order": 1}
         assert admin.hlen("unacked") == 1  # recorded: a lost worker's message comes back
         assert "record as unacknowledged waits" in caplog.text
@@ -88,9 +92,10 @@ def test_an_acknowledgement_while_redis_refuses_writes_lands_once_it_takes_them(
         queue = connection.SimpleQueue("mt-acks")
         queue.put({"order": 2})
         message = queue.get(timeout=10)
-        freed = _out_of_memory_for_a_while(admin)
+        window = OutOfMemory(admin)
         message.ack()
-        assert freed.is_set()
+        assert window.freeing.is_set()
+        window.freed.wait(10.0)
         assert admin.hlen("unacked") == 0
         queue.close()
     admin.close()
@@ -106,10 +111,10 @@ def test_without_the_workaround_kombu_loses_the_message_fetched_in_the_window(
     with Connection(private_redis.url) as connection:
         queue = connection.SimpleQueue("mt-acks")
         queue.put({"order": 3})
-        freed = _out_of_memory_for_a_while(admin)
+        window = OutOfMemory(admin)
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             queue.get(timeout=10)
-        freed.wait(10.0)
+        window.freed.wait(10.0)
         assert admin.llen("mt-acks") == 0  # popped: gone from the queue...
         assert admin.hlen("unacked") == 0  # ... and never recorded
         queue.close()
@@ -132,9 +137,10 @@ def test_a_result_written_while_redis_refuses_writes_is_stored_once_it_takes_the
     admin = redis.Redis(port=private_redis.port)
     app = _results_app(private_redis.url)
     try:
-        freed = _out_of_memory_for_a_while(admin)
+        window = OutOfMemory(admin)
         app.backend.store_result("call-1", {"ok": True}, "SUCCESS")
-        assert freed.is_set()
+        assert window.freeing.is_set()
+        window.freed.wait(10.0)
         assert app.AsyncResult("call-1").get(timeout=10) == {"ok": True}
     finally:
         app.close()
@@ -149,10 +155,10 @@ def test_without_the_workaround_celery_does_not_retry_a_refused_result_write(
     admin = redis.Redis(port=private_redis.port)
     app = _results_app(private_redis.url)
     try:
-        freed = _out_of_memory_for_a_while(admin)
+        window = OutOfMemory(admin)
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             app.backend.store_result("call-2", {"ok": True}, "SUCCESS")
-        freed.wait(10.0)
+        window.freed.wait(10.0)
     finally:
         app.close()
         admin.close()

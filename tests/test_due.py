@@ -386,9 +386,10 @@ def test_beat_whose_claims_redis_refuses_for_memory_ends_only_once_it_takes_writ
     admin = redis.Redis(port=private_redis.port)
     admin.config_set("maxmemory-policy", "noeviction")
     admin.config_set("maxmemory", "1")
-    freed = threading.Event()
+    freeing, freed = threading.Event(), threading.Event()
 
     def free() -> None:
+        freeing.set()  # first: a write that waited finds it set
         admin.config_set("maxmemory", "0")
         freed.set()
 
@@ -396,7 +397,7 @@ def test_beat_whose_claims_redis_refuses_for_memory_ends_only_once_it_takes_writ
     try:
         with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.tasks"):
             tasks.renew_token()
-        assert freed.is_set()  # it returned only once Redis took writes again
+        assert freeing.is_set()  # it returned only once Redis took writes again
         assert "scheduled token check failed" in caplog.text
         assert "out of memory" in caplog.text
         assert sent == []

@@ -18,7 +18,7 @@ import pytest
 from celery import Celery
 
 from merchant_tasks import accounts
-from merchant_tasks.sandbox.processes import RedisServer, spawn
+from merchant_tasks.sandbox.processes import RedisServer, redis_answers, spawn
 from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.worker import app as celery_app
@@ -349,6 +349,17 @@ def test_a_fleet_with_its_own_key_prefix_keeps_celerys_keys_under_it() -> None:
     assert "global_keyprefix" not in plain["broker_transport_options"]
 
 
+def test_the_store_url_given_again_as_celerys_gets_the_prefix_however_it_is_spelt() -> None:
+    """CELERY_BROKER_URL naming the token store's own Redis (as MERCHANT_REDIS_URL does, or
+    in the form Celery reads) is the fleet's Redis: its keys stay under the prefix."""
+    store = "rediss://:pw@cache.example.test:6380/0"
+    for given in (store, f"{store}?ssl_cert_reqs=required"):
+        env = {"MERCHANT_REDIS_URL": store, "MERCHANT_KEY_PREFIX": "shop-eu"}
+        config = load_config({**env, "CELERY_BROKER_URL": given})
+        for options in ("broker_transport_options", "result_backend_transport_options"):
+            assert config[options]["global_keyprefix"] == "shop-eu:celery:", (given, options)
+
+
 def test_a_broker_of_the_users_choosing_gets_no_key_prefix_and_celeryconfig_wins(
     tmp_path: Path,
 ) -> None:
@@ -426,25 +437,30 @@ def test_a_unix_socket_or_tls_redis_url_is_given_to_celery_in_the_form_it_reads(
 def test_a_worker_on_a_unix_socket_redis_serves_calls(
     tmp_path: Path, merchant_settings: Settings, merchant_sandbox: MerchantSandbox
 ) -> None:
-    """MERCHANT_REDIS_URL=unix://... for the token store, the broker and the results (it
-    died at start: "No such transport: unix")."""
+    """MERCHANT_REDIS_URL=unix://... for the token store, the broker and the results, with
+    a password and one of redis-py's options (it died at start: "No such transport: unix";
+    then kombu was handed the option as a string, and never the password in the query)."""
     socket_path = tmp_path / "redis.sock"
-    with RedisServer(tmp_path / "redis", "--unixsocket", str(socket_path)) as server:
-        assert server.port
-        fleet = replace(merchant_settings.fleet, redis_url=f"unix://{socket_path}?db=2")
-        settings = replace(merchant_settings, fleet=fleet)
-        env = child_env(settings)
-        workdir = tmp_path / "worker"
-        workdir.mkdir()
-        argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", *WORKER, "-c", "1"]
-        worker = spawn("worker", argv, tmp_path / "worker.log", env=env, cwd=workdir)
-        app = Celery("unix-client", set_as_current=False)
-        app.conf.update({**load_config(settings.to_env()), "imports": ()})
-        try:
-            worker.wait_ready(lambda: bool(app.control.ping(timeout=0.5)), timeout=START_TIMEOUT)
-            result = app.send_task("merchant_tasks.call_api", ("GET", "/open-api/v1/ping"))
-            assert result.get(timeout=60) == {"ok": True}
-            assert merchant_sandbox.exchanges()["ok"] == 1
-        finally:
-            worker.stop()
-            app.close()
+    password = "sock-pw-77"
+    server = RedisServer(tmp_path / "redis", "--unixsocket", str(socket_path))
+    server.argv += ["--requirepass", password]
+    server.start(ready=lambda: redis_answers(server.port, password))
+    query = f"db=2&password={password}&socket_timeout=5"
+    fleet = replace(merchant_settings.fleet, redis_url=f"unix://{socket_path}?{query}")
+    settings = replace(merchant_settings, fleet=fleet)
+    workdir = tmp_path / "worker"
+    workdir.mkdir()
+    argv = [sys.executable, "-m", "celery", "-A", "merchant_tasks", *WORKER, "-c", "1"]
+    worker = spawn("worker", argv, tmp_path / "worker.log", env=child_env(settings), cwd=workdir)
+    app = Celery("unix-client", set_as_current=False)
+    app.conf.update({**load_config(settings.to_env()), "imports": ()})
+    try:
+        worker.wait_ready(lambda: bool(app.control.ping(timeout=0.5)), timeout=START_TIMEOUT)
+        result = app.send_task("merchant_tasks.call_api", ("GET", "/open-api/v1/ping"))
+        assert result.get(timeout=60) == {"ok": True}
+        assert merchant_sandbox.exchanges()["ok"] == 1
+    finally:
+        worker.stop()
+        app.close()
+        server.stop()
+    assert password not in worker.log_text()

@@ -296,3 +296,20 @@ def test_a_fanout_or_topic_queue_on_the_calls_exchange_is_unsafe_and_own_binding
     merchant_tasks.install(safe)
     assert shared_bindings(safe) == []
     safe.close()
+
+
+def test_installing_an_app_again_makes_it_the_one_other_threads_send_through(
+    own_app: Celery,
+) -> None:
+    other = Celery("other", set_as_current=False)
+    try:
+        merchant_tasks.install(own_app)
+        merchant_tasks.install(other)
+        merchant_tasks.install(own_app)
+        seen: list[Any] = []
+        thread = threading.Thread(target=lambda: seen.append(tasks.call_api.app))
+        thread.start()
+        thread.join()
+        assert seen == [own_app]
+    finally:
+        other.close()

@@ -246,7 +246,8 @@ class Refusals:
         self._known: dict[int, tuple[float, str, MerchantError]] = {}
         # generations this process met a 401 on that the store could not record (it refused
         # writes or could not be reached): not sent again by this process meanwhile, and
-        # recorded (the 401 counted) by the next look that reaches the store
+        # recorded (the 401 counted) by the next look that reaches the store; changed only
+        # in this process's turn (``_look``)
         self._unrecorded: set[int] = set()
         self.remake_locks()
 
@@ -307,11 +308,6 @@ class Refusals:
             except _HELD_BACK as exc:  # a back-off or pause: no call sends it meanwhile
                 self._remember(stale, exc)
                 raise
-            except StoreUnavailable:  # the refusal is not recorded: this process holds it
-                if new_401:
-                    later = {g for g in self._unrecorded if g > stale.generation}
-                    self._unrecorded = later | {stale.generation}
-                raise
             if found is not None:
                 return found
             if renewer:  # this thread renews for the process
@@ -352,18 +348,25 @@ class Refusals:
             if newer is not None or self._forcing >= stale.generation:
                 return newer, False, None  # no token: a sibling renews; wait for it
             heard = self.signal.heard if self.signal is not None else 0
-            locked, (current, outcome) = self.lock.acquire_with(
-                lambda value: _taken(
-                    self.store.look_after_401(
-                        stale.generation,
-                        value,
-                        self.lock.prefix,
-                        self.lock.lease,
-                        self.wait_limit,
-                        count=new_401,
+            try:
+                locked, (current, outcome) = self.lock.acquire_with(
+                    lambda value: _taken(
+                        self.store.look_after_401(
+                            stale.generation,
+                            value,
+                            self.lock.prefix,
+                            self.lock.lease,
+                            self.wait_limit,
+                            count=new_401,
+                        )
                     )
                 )
-            )
+            except StoreUnavailable:
+                if new_401:  # the refusal is not recorded: this process holds it meanwhile
+                    for older in [g for g in self._unrecorded if g < stale.generation]:
+                        self._unrecorded.discard(older)
+                    self._unrecorded.add(stale.generation)
+                raise
             self._unrecorded.discard(stale.generation)  # recorded (and counted) in that look
             if current is not None and current.replaces(stale, self.clock()):
                 return self.copy.keep(current), False, None  # renewed elsewhere: CAS

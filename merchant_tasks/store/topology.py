@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TypeAlias
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.cluster import RedisCluster
@@ -117,14 +117,22 @@ def check_server_url(url: str, variable: str = URL_VARIABLE) -> None:
 def celery_url(url: str) -> str:
     """The token store's URL as Celery's broker and result backend read the same server:
     redis-py's ``unix:///path?db=N``, which neither kombu nor Celery knows, as
-    ``redis+socket:///path?virtual_host=N``; a ``rediss://`` URL without ``ssl_cert_reqs``
-    (which Celery's result backend refuses) with redis-py's default, ``required``."""
+    ``redis+socket:///path?virtual_host=N``, its user and password in the address (kombu
+    reads them nowhere else) and redis-py's other options left to the token store (kombu
+    would pass them on as strings); a ``rediss://`` URL without ``ssl_cert_reqs`` (which
+    Celery's result backend refuses) with redis-py's default, ``required``."""
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     if parts.scheme == "unix":
-        query = [("virtual_host" if name == "db" else name, value) for name, value in query]
-        given = f"?{urlencode(query)}" if query else ""
-        return f"redis+socket://{parts.netloc}{parts.path}{given}"  # '//' even with no netloc
+        options = dict(query)
+        user = parts.username or options.get("username") or ""
+        password = parts.password or options.get("password")
+        credentials = quote(unquote(user), safe="")
+        if password:
+            credentials += ":" + quote(unquote(password), safe="")
+        address = f"{credentials}@" if credentials else ""
+        given = f"?virtual_host={options['db']}" if options.get("db") else ""
+        return f"redis+socket://{address}{parts.path}{given}"  # '//' even with no address
     if parts.scheme == "rediss" and "ssl_cert_reqs" not in dict(query):
         query.append(("ssl_cert_reqs", "required"))
         return urlunsplit(parts._replace(query=urlencode(query)))

@@ -136,7 +136,7 @@ def transport_options(
         return {k: v for k, v in chosen.items() if k not in REDIS_ONLY_TRANSPORT_OPTIONS}
     defaults: dict[str, Any] = {"visibility_timeout": VISIBILITY_TIMEOUT}
     fleet = FleetSettings.from_env(environ)
-    if url == celery_url(fleet.redis_url) and celery_key_prefix(fleet.key_prefix):
+    if celery_url(url) == celery_url(fleet.redis_url) and celery_key_prefix(fleet.key_prefix):
         # Celery on the token store's Redis: its keys beside the fleet's own
         defaults["global_keyprefix"] = celery_key_prefix(fleet.key_prefix)
     if is_sentinel_url(url):

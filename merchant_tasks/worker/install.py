@@ -80,6 +80,7 @@ def install(app: Any) -> None:
     is a worker whose pool needs a missing extra (see ``extras``).
     """
     if app in _installed:
+        _note_installed(app)  # the last installed again: other threads send through it
         return
     try:
         interval = FleetSettings.from_env().renew_interval

@@ -142,6 +142,9 @@ class Fleet:
             f"    'visibility_timeout': {seconds},\n"
             "    'unacked_restore_interval': 1,\n"
             "    'unacked_restore_throttle': 1,\n"
+            # the sweep's mutex: a worker killed inside a sweep (every second here) holds it
+            # for this long, and no worker restores anything meanwhile (kombu: 300 s)
+            "    'unacked_mutex_expire': 10,\n"
             "}\n"
         )
         return config_dir

@@ -10,6 +10,7 @@ import base64
 import os
 import random
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -83,6 +84,24 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of this test's own, for tests that stop, fill or reconfigure it."""
     with RedisServer(tmp_path / "redis") as server:
         yield server
+
+
+class OutOfMemory:
+    """A Redis that refuses every write (``maxmemory`` 1, ``noeviction``) from now for
+    ``seconds``. ``freeing`` is set just before it takes writes again (a write that waited
+    finds it set), ``freed`` once it does."""
+
+    def __init__(self, admin: redis.Redis, seconds: float = 1.0) -> None:
+        self.freeing, self.freed = threading.Event(), threading.Event()
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")
+
+        def free() -> None:
+            self.freeing.set()
+            admin.config_set("maxmemory", "0")
+            self.freed.set()
+
+        threading.Timer(seconds, free).start()
 
 
 class CountingConnection(Connection):

@@ -5,7 +5,6 @@ made to run out of memory, no worker."""
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import redis
@@ -14,6 +13,7 @@ from celery.backends.redis import RedisBackend
 from kombu import Connection
 from kombu.transport import redis as kombu_redis
 
+from conftest import OutOfMemory
 from merchant_tasks.sandbox.processes import RedisServer
 from merchant_tasks.worker.broker_writes import wait_out_refused_writes
 
@@ -41,24 +41,6 @@ def patient_qos(monkeypatch: pytest.MonkeyPatch) -> None:
     wait_out_refused_writes()
 
 
-class OutOfMemory:
-    """Redis refuses writes from its start for ``REFUSED_FOR`` seconds. ``freeing`` is set
-    just before Redis takes writes again (a write that waited finds it set), ``freed``
-    once it does."""
-
-    def __init__(self, admin: redis.Redis) -> None:
-        self.freeing, self.freed = threading.Event(), threading.Event()
-        admin.config_set("maxmemory-policy", "noeviction")
-        admin.config_set("maxmemory", "1")
-
-        def free() -> None:
-            self.freeing.set()
-            admin.config_set("maxmemory", "0")
-            self.freed.set()
-
-        threading.Timer(REFUSED_FOR, free).start()
-
-
 def test_a_message_fetched_while_redis_refuses_writes_is_recorded_and_delivered(
     private_redis: RedisServer, patient_qos: None, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -68,7 +50,7 @@ def test_a_message_fetched_while_redis_refuses_writes_is_recorded_and_delivered(
     with Connection(private_redis.url) as connection:
         queue = connection.SimpleQueue("mt-acks")
         queue.put({"order": 1})
-        window = OutOfMemory(admin)
+        window = OutOfMemory(admin, REFUSED_FOR)
         with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.broker_writes"):
             message = queue.get(timeout=10)
         assert window.freeing.is_set()  # it waited for Redis to take writes
@@ -92,7 +74,7 @@ def test_an_acknowledgement_while_redis_refuses_writes_lands_once_it_takes_them(
         queue = connection.SimpleQueue("mt-acks")
         queue.put({"order": 2})
         message = queue.get(timeout=10)
-        window = OutOfMemory(admin)
+        window = OutOfMemory(admin, REFUSED_FOR)
         message.ack()
         assert window.freeing.is_set()
         window.freed.wait(10.0)
@@ -111,7 +93,7 @@ def test_without_the_workaround_kombu_loses_the_message_fetched_in_the_window(
     with Connection(private_redis.url) as connection:
         queue = connection.SimpleQueue("mt-acks")
         queue.put({"order": 3})
-        window = OutOfMemory(admin)
+        window = OutOfMemory(admin, REFUSED_FOR)
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             queue.get(timeout=10)
         window.freed.wait(10.0)
@@ -137,7 +119,7 @@ def test_a_result_written_while_redis_refuses_writes_is_stored_once_it_takes_the
     admin = redis.Redis(port=private_redis.port)
     app = _results_app(private_redis.url)
     try:
-        window = OutOfMemory(admin)
+        window = OutOfMemory(admin, REFUSED_FOR)
         app.backend.store_result("call-1", {"ok": True}, "SUCCESS")
         assert window.freeing.is_set()
         window.freed.wait(10.0)
@@ -155,7 +137,7 @@ def test_without_the_workaround_celery_does_not_retry_a_refused_result_write(
     admin = redis.Redis(port=private_redis.port)
     app = _results_app(private_redis.url)
     try:
-        window = OutOfMemory(admin)
+        window = OutOfMemory(admin, REFUSED_FOR)
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             app.backend.store_result("call-2", {"ok": True}, "SUCCESS")
         window.freed.wait(10.0)

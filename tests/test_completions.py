@@ -4,13 +4,12 @@ timeout, and never in the way of a call when Redis is unreachable."""
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conftest import dead_redis
+from conftest import OutOfMemory, dead_redis
 from merchant_tasks.ops.metrics import FleetCollector
 from merchant_tasks.ops.status import AccountState, AccountStatus, format_status
 from merchant_tasks.sandbox.processes import RedisServer, free_port
@@ -102,13 +101,12 @@ def test_a_record_refused_for_lack_of_memory_is_written_once_redis_takes_writes_
     record: the result and the acknowledgement, on the same Redis, would be refused too."""
     admin = redis.Redis(port=private_redis.port)
     records = CompletionRecords(TokenStore(admin, "mt-test:sandbox:app-id"), TTL)
-    admin.config_set("maxmemory-policy", "noeviction")
-    admin.config_set("maxmemory", "1")
-    threading.Timer(1.2, lambda: admin.config_set("maxmemory", "0")).start()
+    window = OutOfMemory(admin, 1.2)
     records.record("task-1", {"ok": True}, patience=30.0)
     assert records.earlier_run("task-1") is not None
     assert "not written yet" in caplog.text
     assert "written after" in caplog.text
+    window.freed.wait(10.0)
     admin.close()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import redis
 from kombu.exceptions import OperationalError
 
-from conftest import TEST_API_KEY, CountingConnection
+from conftest import TEST_API_KEY, CountingConnection, OutOfMemory
 from merchant_tasks import tasks
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.exceptions import StoreUnavailable
@@ -384,25 +383,16 @@ def test_beat_whose_claims_redis_refuses_for_memory_ends_only_once_it_takes_writ
     the worker (docs/reliability.md, row 43): like a renewal, beat's check waits."""
     serve(_fleet(merchant_key_prefix, private_redis.url, 2))
     admin = redis.Redis(port=private_redis.port)
-    admin.config_set("maxmemory-policy", "noeviction")
-    admin.config_set("maxmemory", "1")
-    freeing, freed = threading.Event(), threading.Event()
-
-    def free() -> None:
-        freeing.set()  # first: a write that waited finds it set
-        admin.config_set("maxmemory", "0")
-        freed.set()
-
-    threading.Timer(1.0, free).start()
+    window = OutOfMemory(admin)
     try:
         with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.tasks"):
             tasks.renew_token()
-        assert freeing.is_set()  # it returned only once Redis took writes again
+        assert window.freeing.is_set()  # it returned only once Redis took writes again
         assert "scheduled token check failed" in caplog.text
         assert "out of memory" in caplog.text
         assert sent == []
         tasks.renew_token()  # the next tick sends them
         assert sorted(args for args, _ in sent) == [("shop-0",), ("shop-1",)]
     finally:
-        freed.wait(10.0)
+        window.freed.wait(10.0)
         admin.close()

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from merchant_tasks.accounts import AccountClients, FleetClient
 from merchant_tasks.ops.metrics import FleetCollector
-from merchant_tasks.ops.status import account_status
+from merchant_tasks.ops.status import account_statuses
 from merchant_tasks.sandbox.processes import free_port, running
 from merchant_tasks.token import BreakerKind, Outcome, RenewalReason
 
@@ -29,17 +29,10 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def _scrape(env: dict[str, str]) -> Samples:
-    fleet = AccountClients.from_env(env)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(
-        FleetCollector(
-            lambda: {
-                name: account_status(name, settings, fleet.get(name).manager.store)
-                for name, settings in fleet.accounts.items()
-            }
-        )
-    )
-    return _parse(generate_latest(registry).decode())
+    with AccountClients.from_env(env) as fleet:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(FleetCollector(lambda: account_statuses(fleet)))  # as the exporter
+        return _parse(generate_latest(registry).decode())
 
 
 def _parse(text: str) -> Samples:

@@ -31,7 +31,7 @@ from merchant_tasks.accounts import AccountClients, FleetClient, client_for, clo
 from merchant_tasks.exceptions import MerchantError, StoreUnavailable
 from merchant_tasks.ops.cli import main
 from merchant_tasks.ops.metrics import FleetCollector
-from merchant_tasks.ops.status import account_status
+from merchant_tasks.ops.status import account_statuses
 from merchant_tasks.renewal import refusals
 from merchant_tasks.renewal.lock import RenewalLock
 from merchant_tasks.sandbox.emulator import TOKEN_PATH
@@ -372,14 +372,7 @@ def test_a_corrupt_value_in_any_key_reads_as_absent_and_the_next_write_replaces_
     assert renew.exit_code == 0, renew.stdout + renew.stderr
     with AccountClients.from_env({k: v for k, v in env.items() if v is not None}) as clients:
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(
-            FleetCollector(
-                lambda: {
-                    n: account_status(n, s, clients.get(n).manager.store)
-                    for n, s in clients.accounts.items()
-                }
-            )
-        )
+        registry.register(FleetCollector(lambda: account_statuses(clients)))  # as the exporter
         assert b"merchant_tasks_up 1.0" in generate_latest(registry)
     assert redis_client.type(key) in (b"none", _written_type(name))
     stored = redis_client.get(merchant_client.manager.store.keys.token)

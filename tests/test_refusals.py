@@ -146,11 +146,20 @@ def test_a_real_allkeys_lru_eviction_of_all_but_the_token_then_a_revoke_all_fail
             with redis.Redis.from_url(server.url) as raw:
                 assert client.request("GET", PING) == {"ok": True}
                 before = set(raw.scan_iter(count=1000))  # SCAN touches no key's LRU clock
-                time.sleep(1.5)  # Redis's LRU clock ticks once a second
-                raw.set("another-application", b"x" * 4_000_000)
-                time.sleep(1.5)
                 token_key = client.manager.store.keys.token.encode()
+                accounts = before - {token_key}
+                other_value = b"another-application"
+
+                def idle(key: bytes) -> int:  # seconds, by Redis's LRU clock; OBJECT reads none
+                    return int(raw.object("idletime", key) or 0)
+
+                wait_until(lambda: min(map(idle, before)) >= 1, "the LRU clock ticking", 30.0)
+                raw.set(other_value, b"x" * 4_000_000)
+                wait_until(lambda: idle(other_value) >= 1, "the LRU clock ticking again", 30.0)
                 assert raw.get(token_key) is not None  # the callers' read: the newest
+                # the order Redis evicts in, as its LRU clock says (a loaded machine may not
+                # tick it every second): the account's keys, the other value, the token
+                assert min(map(idle, accounts)) > idle(other_value) > idle(token_key)
                 # evicting the account's keys is not enough; the other value's 4 MB are
                 raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) - 2_000_000)
                 left = set(raw.scan_iter(count=1000))

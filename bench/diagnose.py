@@ -8,14 +8,14 @@ rounds on one thread (wall and this thread's CPU time per call, medians):
 
 - raw requests.Session with a fixed bearer header (run.py's baseline);
 - the same GET with per-request headers and json=None/params=None, as the client sends it;
-- ``client._send`` alone: the token lookup, the request and the decoding, no tenacity;
-- ``client.request``: the above inside the two tenacity Retrying layers;
+- ``client._send`` alone: the token lookup, the request and the decoding, no send loop;
+- ``client.request``: the above inside the send loop (``api.calls``);
 - ``client.manager.token()`` alone.
 
 ``storm`` repeats run.py's 401 storm with timers around the pieces of a stormy call: the
-HTTP requests, ``manager.renew`` after the 401, the exchange, the sleeps of callers
-waiting for the lock holder, the Redis commands (INFO commandstats) and the connections
-in the client's Redis pool afterwards.
+HTTP requests, each Redis round trip of the token's life (``manager.store.send``), the
+exchange, the sleeps of callers waiting for the lock holder, the Redis commands (INFO
+commandstats) and the connections in the client's Redis pool afterwards.
 
 Both use a private redis-server and the emulator in its own process, and stop them at the
 end. These are diagnostics that read private attributes (``_send``); they are not part of
@@ -38,23 +38,23 @@ from typing import Any
 
 import redis
 import requests
-from callers import concurrent_calls
+
 from harness import (
+    API_KEY,
+    PING,
     SandboxControl,
     commands_processed,
+    concurrent_calls,
     median,
     percentile,
     private_redis,
     sandbox_process,
+    timed,
 )
-
 from merchant_tasks.accounts import FleetClient, client_for
-from merchant_tasks.api.client import _Call, new_session
+from merchant_tasks.api.calls import Call
+from merchant_tasks.api.client import new_session
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, FleetSettings, Secret, Settings
-
-API_KEY = "bench-app-id"
-PING = "/open-api/v1/ping"
-TIMEOUT = DEFAULT_TIMEOUTS
 
 
 @contextlib.contextmanager
@@ -97,7 +97,7 @@ def hot_path(kind: str, rounds: int, calls: int) -> None:
         pooled = new_session()
 
         def raw_fixed_header() -> None:
-            response = raw.get(url + PING, timeout=TIMEOUT, allow_redirects=False)
+            response = raw.get(url + PING, timeout=DEFAULT_TIMEOUTS, allow_redirects=False)
             response.raise_for_status()
             response.json()
 
@@ -108,14 +108,16 @@ def hot_path(kind: str, rounds: int, calls: int) -> None:
                 json=None,
                 params=None,
                 headers=dict(headers),
-                timeout=TIMEOUT,
+                timeout=DEFAULT_TIMEOUTS,
                 allow_redirects=False,
             )
             response.raise_for_status()
             response.json()
 
+        the_call = Call("GET", PING)
+
         def send_without_tenacity() -> None:
-            client._send(client.manager.token(), _Call("GET", PING, None, None, None))
+            client._send(client.manager.token(), the_call).json()
 
         def full_request() -> None:
             client.request("GET", PING)
@@ -126,7 +128,7 @@ def hot_path(kind: str, rounds: int, calls: int) -> None:
         contenders: list[tuple[str, Callable[[], None]]] = [
             ("raw session, fixed bearer header", raw_fixed_header),
             ("raw, per-request headers as the client sends", raw_as_the_client_sends),
-            ("client._send (no tenacity)", send_without_tenacity),
+            ("client._send (no send loop)", send_without_tenacity),
             ("client.request", full_request),
             ("manager.token() alone", token_only),
         ]
@@ -159,14 +161,14 @@ def storm(rounds: int) -> None:
         control = SandboxControl(url)
         counted = redis.Redis.from_url(redis_url)
         print(
-            "| round | phase | p50 ms | p99 ms | HTTP p50 / max ms | renew() p50 / max ms "
+            "| round | phase | p50 ms | p99 ms | HTTP p50 / max ms | Redis p50 / max ms "
             "| waiter sleeps (n, total ms) | exchange ms | Redis commands | Redis connections |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for n in range(rounds):
             client = new_client(redis_url, url, secret_file)
             client.request("GET", PING)
-            timers: dict[str, list[float]] = {"http": [], "renew": [], "sleep": [], "exchange": []}
+            timers: dict[str, list[float]] = {"http": [], "redis": [], "sleep": [], "exchange": []}
             _instrument(client, timers)
             for phase in ("calm", "storm"):
                 for values in timers.values():
@@ -177,7 +179,7 @@ def storm(rounds: int) -> None:
                 commands = commands_processed(counted)
                 latencies, _ = concurrent_calls([client], 64)
                 commands = commands_processed(counted) - commands
-                http, renew = timers["http"], timers["renew"]
+                http, renew = timers["http"], timers["redis"]
                 print(
                     f"| {n} | {phase} | {percentile(latencies, 0.5) * 1e3:.0f} "
                     f"| {percentile(latencies, 0.99) * 1e3:.0f} "
@@ -202,30 +204,19 @@ def _ms(values: list[float], fraction: float) -> str:
     return f"{percentile(values, fraction) * 1e3:.0f}" if values else "-"
 
 
-def _timed(target: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return target(*args, **kwargs)
-        finally:
-            into.append(time.perf_counter() - t0)
-
-    return timed
-
-
 def _instrument(client: FleetClient, timers: dict[str, list[float]]) -> None:
     """Wrap the pieces of a call with timers (instance attributes only; nothing global)."""
     manager = client.manager
-    client.session.request = _timed(client.session.request, timers["http"])  # type: ignore[method-assign]
-    manager.renew = _timed(manager.renew, timers["renew"])  # type: ignore[method-assign]
-    manager.renewer.exchange = _timed(manager.renewer.exchange, timers["exchange"])
-    sleep = manager.flight.sleep
+    client.session.request = timed(client.session.request, timers["http"])  # type: ignore[method-assign]
+    manager.store.send = timed(manager.store.send, timers["redis"])  # type: ignore[method-assign]
+    manager.exchange = timed(manager.exchange, timers["exchange"])
+    sleep = manager.sleep
 
     def counted_sleep(seconds: float) -> None:
         timers["sleep"].append(seconds)
         sleep(seconds)
 
-    manager.flight.sleep = manager.renewer.sleep = counted_sleep
+    manager.sleep = counted_sleep
 
 
 def main() -> None:

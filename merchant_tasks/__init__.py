@@ -19,6 +19,7 @@ from merchant_tasks.exceptions import (
     ApiError,
     ApiOutcomeUnknown,
     ApiUnavailable,
+    BrokerUnavailable,
     ConfigurationError,
     CredentialsRejected,
     ExchangeRateLimited,
@@ -26,12 +27,16 @@ from merchant_tasks.exceptions import (
     MalformedTokenResponse,
     MerchantError,
     MissingExtra,
+    PathForbidden,
     RenewalTimeout,
+    StoreRefusingWrites,
     StoreUnavailable,
+    TokenEndpointMisrouted,
     TokenEndpointUnavailable,
     TokenExchangeError,
     TokenRejected,
     TokenUnreadable,
+    WrongBaseUrl,
 )
 from merchant_tasks.extras import package_version
 from merchant_tasks.settings import Settings
@@ -43,24 +48,33 @@ __all__ = [
     "ApiError",
     "ApiOutcomeUnknown",
     "ApiUnavailable",
+    "AsyncAccountClients",
+    "BrokerUnavailable",
     "ConfigurationError",
     "CredentialsRejected",
     "ExchangeRateLimited",
     "FleetClient",
     "MalformedApiResponse",
     "MalformedTokenResponse",
+    "MerchantAuth",
     "MerchantClient",
     "MerchantError",
     "MissingExtra",
+    "PathForbidden",
     "RenewalTimeout",
     "Settings",
+    "StoreRefusingWrites",
     "StoreUnavailable",
+    "TokenEndpointMisrouted",
     "TokenEndpointUnavailable",
     "TokenExchangeError",
     "TokenRejected",
     "TokenSource",
     "TokenUnreadable",
+    "WrongBaseUrl",
     "__version__",
+    "account_statuses",
+    "async_client_from_env",
     "client_for",
     "client_from_env",
     "install",
@@ -84,14 +98,25 @@ def install(app: Any) -> None:
     install_into(app)
 
 
-def __getattr__(name: str) -> object:
-    """``merchant_tasks.app`` is the Celery app, imported only when asked for.
+_ASYNCIO = ("AsyncAccountClients", "MerchantAuth", "async_client_from_env")  # httpx: the
+# ``asyncio`` extra, imported only by those who use them
 
-    ``celery -A merchant_tasks`` looks it up here; library users who never touch Celery do
-    not pay for importing it.
-    """
+
+def __getattr__(name: str) -> object:
+    """``merchant_tasks.app`` is the Celery app, imported only when asked for: ``celery -A
+    merchant_tasks`` looks it up here, and library users who never touch Celery do not pay
+    for importing it. The asyncio client and ``MerchantAuth`` need the ``asyncio`` extra
+    (httpx): they too are imported when asked for, ``MissingExtra`` naming it if absent."""
     if name == "app":
         from merchant_tasks.worker.app import app
 
         return app
+    if name in _ASYNCIO:
+        from merchant_tasks import aio
+
+        return getattr(aio, name)
+    if name == "account_statuses":
+        from merchant_tasks.ops.status import account_statuses
+
+        return account_statuses
     raise AttributeError(f"module 'merchant_tasks' has no attribute {name!r}")

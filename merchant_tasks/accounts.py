@@ -33,7 +33,6 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import requests
 
@@ -43,11 +42,10 @@ from merchant_tasks.api.exchange import TokenExchange
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.renewal.due import claim_renewals, due_accounts, namespace_of, release_renewal
 from merchant_tasks.renewal.manager import TokenManager
-from merchant_tasks.renewal.timing import TimedExchange
 from merchant_tasks.settings import FleetSettings, Settings, environment, read_variable
 from merchant_tasks.store import topology as redis_topology
 from merchant_tasks.store.exchange_rate import ExchangeRate
-from merchant_tasks.store.keys import AccountKeys
+from merchant_tasks.store.keys import AccountKeys, Replies
 from merchant_tasks.store.sealing import TokenCodec, codec_for
 from merchant_tasks.store.token_store import TokenStore, breaker_states
 from merchant_tasks.store.topology import StoreClient
@@ -217,18 +215,21 @@ def client_for(
     deadline.
     """
     session = session or new_session()
+    given_store = store
     store = store or store_for(settings, redis_client or redis_for(settings.fleet), name=name)
     telemetry.watch_breaker(name, store, breaker_states)
-    server = urlsplit(settings.base_url).hostname or ""
+    exchange = TokenExchange.from_settings(settings)
     manager = TokenManager(
         store,
-        TimedExchange(TokenExchange.from_settings(settings), store, server=server),
+        exchange,
         # what a pause over rejected credentials is tied to: the key, the secret, the endpoint
         lambda: fingerprint(f"{settings.api_key}\n{settings.base_url}\n{settings.secret.reveal()}"),
         renew_before=settings.renew_before,
         renew_mandatory=settings.renew_mandatory,
         exchange_timeout=settings.connect_timeout + settings.read_timeout,
-        rate=exchange_rate_for(settings, store),
+        rate=exchange_rate_for(settings, store.commands),
+        endpoint=exchange.endpoint,
+        owns_redis=redis_client is None and given_store is None,
     )
     return MerchantClient(
         settings.base_url,
@@ -255,12 +256,12 @@ def store_for(
     return TokenStore(redis_client, namespace_of(settings), codec, account=name)
 
 
-def exchange_rate_for(settings: Settings, store: TokenStore) -> ExchangeRate:
+def exchange_rate_for(settings: Settings, commands: Replies) -> ExchangeRate:
     """The fleet-wide exchange rate of the account's token endpoint host, asked through
-    the account's Redis."""
+    the account's Redis (``commands``, its store's)."""
     host = settings.origin.split("://", 1)[-1]  # host:port; the scheme adds nothing
     key = AccountKeys.exchange_rate(settings.fleet.key_prefix, host)
-    return ExchangeRate(store.commands, key, host, settings.fleet.max_exchanges_per_second)
+    return ExchangeRate(commands, key, host, settings.fleet.max_exchanges_per_second)
 
 
 def redis_for(fleet: FleetSettings) -> StoreClient:
@@ -274,16 +275,20 @@ def redis_for(fleet: FleetSettings) -> StoreClient:
 
 
 def close_client(client: FleetClient) -> None:
-    """Close ``client``'s HTTP session and its store's Redis connections: a client made by
-    ``client_for`` owns both (``AccountClients.close()`` closes those it made)."""
-    client.session.close()
+    """Close ``client`` (``close()``) and its store's Redis connections, whoever made them
+    (a test's shared client too)."""
+    client.close()
     client.manager.store.redis.close()
 
 
 def client_from_env(environ: Mapping[str, str] | None = None) -> FleetClient:
     """The client of the only (or ``default``) account the MERCHANT_* variables and
-    MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see docs/configuration.md)."""
-    return AccountClients.from_env(environ).get()
+    MERCHANT_ACCOUNTS_FILE / _SOURCE configure (see docs/configuration.md), with a Redis
+    pool of its own: ``close()`` (or ``with``) closes it, its HTTP session, and stops its
+    listening for renewals."""
+    accounts = load_accounts(environ)
+    name = default_name(accounts)
+    return client_for(accounts[name], name=name)
 
 
 class AccountClients:
@@ -357,7 +362,7 @@ class AccountClients:
         shared = (fleet.redis_url, fleet.key_prefix, settings.origin, cap)
         rate = self._rates.get(shared)
         if rate is None:
-            rate = self._rates[shared] = exchange_rate_for(settings, self._store(name))
+            rate = self._rates[shared] = exchange_rate_for(settings, self._store(name).commands)
         return rate
 
     def close(self) -> None:
@@ -369,7 +374,7 @@ class AccountClients:
             for made in (self._clients, self._stores, self._rates, self._redis_by_url):
                 made.clear()
         for client in clients:
-            client.session.close()
+            client.close()  # its session; its manager stops listening (the pool is ours)
         for redis_client in redis_clients:
             redis_client.close()
 
@@ -405,10 +410,15 @@ class AccountClients:
             release_renewal(settings, self.redis_for(settings.fleet.redis_url))
 
     def default_name(self) -> str:
-        if len(self.accounts) == 1:
-            return next(iter(self.accounts))
-        if DEFAULT_ACCOUNT in self.accounts:
-            return DEFAULT_ACCOUNT
-        raise ConfigurationError(
-            f"several accounts are configured ({', '.join(sorted(self.accounts))}): name one"
-        )
+        return default_name(self.accounts)
+
+
+def default_name(accounts: Mapping[str, Settings]) -> str:
+    """The account used when none is named: the only one, or ``default``."""
+    if len(accounts) == 1:
+        return next(iter(accounts))
+    if DEFAULT_ACCOUNT in accounts:
+        return DEFAULT_ACCOUNT
+    raise ConfigurationError(
+        f"several accounts are configured ({', '.join(sorted(accounts))}): name one"
+    )

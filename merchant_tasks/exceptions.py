@@ -14,10 +14,16 @@ MerchantError                      base; ``retryable`` says whether trying later
 │   ├── CredentialsRejected        the API key or secret was refused (4xx)
 │   ├── ExchangeRateLimited        429 from the token endpoint (``retry_after``)  retryable
 │   ├── TokenEndpointUnavailable   5xx, timeout or connection failure             retryable
-│   │   └── ExchangesThrottled     no permit under the host's fleet-wide exchange rate
+│   │   ├── ExchangesThrottled     no permit under the host's fleet-wide exchange rate
+│   │   └── TokenEndpointMisrouted an endpoint that issued tokens answers as none does (a
+│   │                              page, 404): an outage, until it lasts a minute
 │   └── MalformedTokenResponse     2xx without a usable token                     retryable
+├── BrokerUnavailable              Celery's broker did not take a call within     retryable
+│                                  MERCHANT_ENQUEUE_TIMEOUT (names host:port)
 ├── RenewalTimeout                 another process held the renewal too long      retryable
 ├── TokenRejected                  401 on a token renewing cannot mend (never accepted)
+│   └── PathForbidden              401 on one path only: the merchant lacks a permission for
+│                                  it (names the path); not retried, no other call waits
 └── ApiError                       a business call failed (``status``, ``code``, ``excerpt``)
     ├── ApiUnavailable             429/5xx/connection failure the client gave up on  retryable
     │   └── ApiOutcomeUnknown      a non-idempotent call failed after it may have been processed
@@ -143,6 +149,12 @@ class TokenEndpointUnavailable(TokenExchangeError):
     retryable = True
 
 
+class TokenEndpointMisrouted(TokenEndpointUnavailable):
+    """The token endpoint that issued this account's tokens answers as no token endpoint
+    does (404, 405, an HTML page, a redirect): an ingress or a firewall in the way, most
+    likely for a while. Retried like any outage; after a minute of it, ``WrongBaseUrl``."""
+
+
 class ExchangesThrottled(TokenEndpointUnavailable):
     """No permit came within the wait under the token endpoint host's fleet-wide exchange
     rate (``store.exchange_rate``); ``retry_after`` says when one may. Not the account's fault:
@@ -151,6 +163,14 @@ class ExchangesThrottled(TokenEndpointUnavailable):
 
 class MalformedTokenResponse(TokenExchangeError):
     """The token endpoint answered 2xx without a usable ``access_token``."""
+
+    retryable = True
+
+
+class BrokerUnavailable(MerchantError):
+    """Celery's broker did not take a ``call_api`` within MERCHANT_ENQUEUE_TIMEOUT seconds
+    (unreachable, restarting, not answering). The call was not queued, unless the broker
+    hung after it had received it: send it again later, with the same idempotency key."""
 
     retryable = True
 
@@ -175,6 +195,26 @@ class TokenRejected(MerchantError):
         return cls(
             f"the API refused the token again after {renewals} renewals in one call "
             f"(HTTP 401). {LIKELY_CAUSES}"
+        )
+
+
+class PathForbidden(TokenRejected):
+    """The API refuses the account's token on one path (HTTP 401) and a new token did not
+    help: the merchant lacks a permission for that path, or, while no call of the account
+    has succeeded yet, the key may be wrong (the message says which). The token stays, no
+    other call waits or fails; ``call_api`` does not retry it (the next call to the path
+    once the permission is granted succeeds)."""
+
+    @classmethod
+    def on(cls, route: str) -> PathForbidden:
+        """The error of a call to ``route`` (``renewal.life.route_of``), which the API
+        refuses while it accepts the account's token elsewhere."""
+        return cls(
+            f"the API refuses this account's valid token on /open-api/v1/{route} (HTTP 401) "
+            "though it accepts it on other paths: the merchant lacks a permission for this "
+            "path (ask for it in the dashboard or from the API's support); calls to other "
+            "paths go on",
+            status=401,
         )
 
 

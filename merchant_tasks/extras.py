@@ -6,7 +6,7 @@ tools are extras: ``sandbox`` (the emulator: werkzeug), ``metrics`` (prometheus-
 ``flower``, ``demo`` (the emulator and an embedded Redis), ``encryption`` (tokens
 sealed at rest), ``gevent`` (the gevent worker pool), ``otel`` (the OpenTelemetry API:
 without it, or without an SDK, ``telemetry`` records nothing and never complains),
-``all``. A tool whose extra is
+``asyncio`` (httpx: the asyncio client and ``MerchantAuth``), ``all``. A tool whose extra is
 missing stops with ``MissingExtra`` naming the pip command, not an ImportError; so does a
 Celery worker whose pool is gevent, when the pool is named where the app sees it first
 (``worker_pool`` in the configuration, ``-Pgevent``). ``celery ... worker -P gevent`` and
@@ -40,6 +40,7 @@ EXTRAS = {
     "encryption": ("cryptography",),
     "gevent": ("gevent",),
     "otel": ("opentelemetry",),
+    "asyncio": ("httpx",),
 }
 POOL_EXTRAS = {"gevent": "gevent"}  # a worker pool (-P) -> the extra that installs it
 

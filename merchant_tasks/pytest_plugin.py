@@ -1,13 +1,13 @@
 """The pytest plugin, where pytest and users find it (the ``pytest11`` entry point,
 ``from merchant_tasks.pytest_plugin import MerchantSandbox``).
 
-The fixtures live in ``merchant_tasks.sandbox.pytest_plugin``, which says what each does;
+The fixtures live in ``merchant_tasks.sandbox.fixtures``, which says what each does;
 this door keeps the public import path.
 """
 
 from __future__ import annotations
 
-from merchant_tasks.sandbox.pytest_plugin import (
+from merchant_tasks.sandbox.fixtures import (
     MerchantSandbox,
     MerchantWorker,
     merchant_celery_eager,

@@ -54,6 +54,7 @@ DEFAULT_TIMEOUTS = (CONNECT_TIMEOUT, READ_TIMEOUT)  # requests' (connect, read) 
 MAX_EXCHANGES_PER_SECOND = 10.0  # per token endpoint host, fleet-wide: gateways limit a token
 # endpoint per client address (a few hundred a minute is common), and one deploy onto an
 # empty Redis would otherwise send one exchange per account at once
+ENQUEUE_TIMEOUT = 3.0  # a web request waits no longer for the broker to take a call_api
 REJECTED_RETRY_WINDOW = 900  # call_api keeps retrying refused credentials this long: time to
 # write a rotated secret to the secret file before the calls fail for good
 PREFIX = "MERCHANT_"
@@ -240,6 +241,13 @@ VARIABLES = (
         Scope.FLEET,
     ),
     Variable(
+        "MERCHANT_ENQUEUE_TIMEOUT",
+        "longest wait of `call_api.delay()` / `apply_async()` for the broker; then "
+        "`BrokerUnavailable` (workers' own publishes keep Celery's long retries)",
+        SECONDS,
+        Scope.FLEET,
+    ),
+    Variable(
         "MERCHANT_MAX_EXCHANGES_PER_SECOND",
         "token exchanges per second to one token endpoint host, across every account and "
         "process sharing the Redis (halved for a while after a 429)",
@@ -350,6 +358,7 @@ class FleetSettings:
     key_prefix: str = DEFAULT_KEY_PREFIX
     renew_interval: float = RENEW_INTERVAL
     rejected_retry_window: float = REJECTED_RETRY_WINDOW
+    enqueue_timeout: float = ENQUEUE_TIMEOUT
     max_exchanges_per_second: float = MAX_EXCHANGES_PER_SECOND
     token_key_file: str | None = None  # seals the token at rest (store.sealing)
     token_key_previous_file: str | None = None  # still opens tokens while rotating
@@ -359,6 +368,7 @@ class FleetSettings:
     def __post_init__(self) -> None:
         self._check_redis_topology()
         _check_seconds("MERCHANT_RENEW_INTERVAL", self.renew_interval)
+        _check_seconds("MERCHANT_ENQUEUE_TIMEOUT", self.enqueue_timeout)
         if not (self.rejected_retry_window >= 0 and math.isfinite(self.rejected_retry_window)):
             raise ConfigurationError(
                 "MERCHANT_REJECTED_RETRY_WINDOW must be a finite number of seconds, 0 or more "

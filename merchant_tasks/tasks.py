@@ -4,18 +4,32 @@ Each name stands for the task of the shop's app that ``install(app)`` ran on, in
 thread the caller runs (``worker.install.sending_app``), else of the package's own app
 (``celery -A merchant_tasks``, built only when a caller first needs it), so
 ``call_api.delay(...)`` sends through whichever app serves the caller. The task
-functions live in ``merchant_tasks.worker.tasks``.
+functions live in ``merchant_tasks.worker.task_bodies``.
+
+``call_api`` is typed (``CallApi``): its ``delay`` and ``apply_async`` return or raise
+``BrokerUnavailable`` within MERCHANT_ENQUEUE_TIMEOUT (``worker.sending``), and
+``await call_api.delay_async(...)`` does the same from async code without blocking the
+event loop.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import functools
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 from celery import current_app
 from celery.local import Proxy
+from celery.result import AsyncResult
 
+from merchant_tasks.settings import FleetSettings
 from merchant_tasks.worker.install import sending_app
-from merchant_tasks.worker.tasks import CALL_API, RENEW_ACCOUNT, RENEW_TOKEN, TASKS
+from merchant_tasks.worker.sending import send
+from merchant_tasks.worker.task_bodies import CALL_API, RENEW_ACCOUNT, RENEW_TOKEN, TASKS
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def installed_task(name: str) -> Any:
@@ -33,8 +47,79 @@ def _task(name: str) -> Any:
     return Proxy(installed_task, (name,), __doc__=TASKS[name][0].__doc__)
 
 
-call_api = _task(CALL_API)
+def _in_a_thread(blocking: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
+    """``blocking`` as a coroutine function that runs it in a worker thread, so that an
+    event loop goes on serving while it waits."""
+
+    @functools.wraps(blocking)
+    async def in_a_thread(*args: P.args, **kwargs: P.kwargs) -> R:
+        return await asyncio.to_thread(blocking, *args, **kwargs)
+
+    return in_a_thread
+
+
+class CallApi:
+    """Call the merchant API from a Celery worker: ``call_api.delay(method, path, ...)``.
+
+    Sends the task ``merchant_tasks.call_api`` (``worker.task_bodies.call_api`` says what it does)
+    and returns its ``AsyncResult``, or raises ``BrokerUnavailable`` (retryable, naming the
+    broker) when the broker has not taken it within MERCHANT_ENQUEUE_TIMEOUT seconds (3 by
+    default). Every other attribute (``s``, ``si``, ``name``, ``app``, ``AsyncResult``, ...)
+    is the registered Celery task's.
+    """
+
+    name = CALL_API
+
+    def delay(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        params: Mapping[str, Any] | None = None,
+        account: str | None = None,
+        idempotency_key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> AsyncResult:
+        """Enqueue a call of ``method`` ``path`` as ``account`` (the default one when None).
+
+        ``idempotency_key`` is sent as the ``Idempotency-Key`` header: the same for every
+        attempt of one operation (an order id); ``headers`` are more request headers (never
+        credentials: arguments show in Flower).
+        """
+        given = {
+            "json": json,
+            "params": params,
+            "account": account,
+            "idempotency_key": idempotency_key,
+            "headers": headers,
+        }
+        return self.apply_async((method, path), {k: v for k, v in given.items() if v is not None})
+
+    delay_async = _in_a_thread(delay)  # ``await call_api.delay_async(...)``, same arguments
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> AsyncResult:
+        """Celery's ``apply_async`` of the task (``countdown``, ``task_id``, ...), bounded
+        as ``delay``."""
+        timeout = FleetSettings.from_env().enqueue_timeout
+        return send(installed_task(CALL_API), args or (), kwargs or {}, options, timeout)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task's body here, in this process, as Celery's tasks do when called."""
+        return installed_task(CALL_API)(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy, pickle and inspect probing: no app is built for them
+            raise AttributeError(name)
+        return getattr(installed_task(CALL_API), name)
+
+
+call_api = CallApi()
 renew_token = _task(RENEW_TOKEN)
 renew_account = _task(RENEW_ACCOUNT)
 
-__all__ = ["call_api", "installed_task", "renew_account", "renew_token"]
+__all__ = ["CallApi", "call_api", "installed_task", "renew_account", "renew_token"]

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 TRACEPARENT_MAX = 64  # a W3C traceparent is 55 characters; more is not one
+ROUTES_KEPT = 16  # routes a token's record lists as accepting it: an API's resources, not ids
 
 
 class TokenState(enum.StrEnum):
@@ -66,6 +67,15 @@ class Token:
     refused_at: float = 0.0  # when the API first refused it (Redis time); 0: never
     first_use_refusals: int = 0  # tokens before it refused on their first use, in a row,
     # with no acceptance between (what the back-off after a refusal counts)
+    retry_route: str = ""  # the route whose 401 made this token's exchange, until a call on
+    # that route succeeds with it ("" : none)
+    route_worked: bool = False  # that route had accepted the token this one replaced: its
+    # refusing this one too is a revocation, not the route's permission
+    accepted_routes: tuple[str, ...] = ()  # the routes the API accepted it on (the first
+    # ROUTES_KEPT), written by the store's acceptance script
+    routes: tuple[tuple[str, float], ...] = ()  # routes judged by their 401s: (route, until),
+    # until 0 for a route that lacks a permission (kept by the tokens after it), else the
+    # Redis time until which the route's calls are held back (docs/design.md, "Refusals")
 
     @property
     def kept_until(self) -> float:
@@ -87,6 +97,19 @@ class Token:
     def refused_on_first_use(self) -> bool:
         """Refused before the API ever accepted it."""
         return self.refused and not self.accepted
+
+    def route_hold(self, route: str) -> float | None:
+        """What this token's record says of ``route``: 0.0 if the route lacks a permission,
+        the time until which its calls are held back, or None."""
+        for name, until in self.routes:
+            if name == route:
+                return until
+        return None
+
+    @property
+    def forbidden_routes(self) -> tuple[tuple[str, float], ...]:
+        """The routes that lack a permission (a token replacing this one keeps them)."""
+        return tuple((name, until) for name, until in self.routes if until == 0)
 
     def time_left(self, now: float) -> float:
         return self.expires_at - now
@@ -139,7 +162,8 @@ class Token:
             f"Token(fingerprint={self.fingerprint!r}, generation={self.generation}, "
             f"issued_at={self.issued_at:.3f}, expires_at={self.expires_at:.3f}, "
             f"renewed_by={self.renewed_by!r}, reason={self.reason!r}, final={self.final}, "
-            f"accepted={self.accepted}, refused={self.refused})"
+            f"accepted={self.accepted}, refused={self.refused}, "
+            f"retry_route={self.retry_route!r}, routes={self.routes!r})"
         )
 
     def to_json(self) -> str:
@@ -159,6 +183,11 @@ class Token:
                 "first_use_refusals": self.first_use_refusals,
                 "accepted": self.accepted,
                 "refused_at": self.refused_at,
+                # the scripts rewrite these two in place too (``store.scripts.set_text``)
+                "retry_route": self.retry_route,
+                "routes": " ".join(f"{name}={until!r}" for name, until in self.routes),
+                "accepted_routes": " ".join(self.accepted_routes),
+                "route_worked": self.route_worked,
             },
             separators=(",", ":"),
         )
@@ -183,6 +212,10 @@ class Token:
                 accepted=data.get("accepted", False) is True,
                 refused_at=float(data.get("refused_at", 0.0)),
                 first_use_refusals=int(data.get("first_use_refusals", 0)),
+                retry_route=str(data.get("retry_route", "")),
+                routes=_routes(str(data.get("routes", ""))),
+                accepted_routes=tuple(str(data.get("accepted_routes", "")).split()),
+                route_worked=data.get("route_worked", False) is True,
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a stored token ({type(exc).__name__})") from None
@@ -190,6 +223,18 @@ class Token:
         if not all(map(math.isfinite, times)):
             raise ValueError("not a stored token (a time that is not finite)")
         return token
+
+
+def _routes(text: str) -> tuple[tuple[str, float], ...]:
+    """The ``routes`` of a stored record (``route=until`` separated by blanks)."""
+    routes = []
+    for entry in text.split():
+        name, _, until = entry.rpartition("=")
+        value = float(until)
+        if not name or not math.isfinite(value):
+            raise ValueError("not a stored token (a route that is not one)")
+        routes.append((name, value))
+    return tuple(routes)
 
 
 def fingerprint(secret_or_token: str) -> str:

@@ -1,69 +1,36 @@
-"""Shared fixtures. The plugin the package ships (merchant_tasks.pytest_plugin) gives each
-test its Redis key prefix, emulator account, settings and client; here the suite fixes that
-account's key and secret, adds a Redis client and token store under the test's prefix, the
-Celery processes of a test (``fleet``), and for unit tests a store on fakeredis, a scripted
-token exchange and ``make_manager``."""
+"""Shared fixtures and the hooks that order the run. The plugin the package ships
+(merchant_tasks.pytest_plugin) gives each test its Redis key prefix, emulator account,
+settings and client; here the suite fixes that account's key and secret, adds a Redis client
+and token store under the test's prefix, the Celery processes of a test (``fleet``), and
+for unit tests a store on fakeredis and a ``TokenManager`` on a manual clock, sleep and
+scripted exchange. What tests import (fakes, token makers, harnesses) is in ``support``."""
 
 from __future__ import annotations
 
-import base64
 import os
-import random
+import sys
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
 
 import fakeredis
 import pytest
 import redis
-from redis.backoff import NoBackoff
-from redis.connection import Connection
-from redis.retry import Retry
 
-from celery_fleet import Fleet, running_fleet
 from merchant_tasks.renewal.manager import TokenManager
 from merchant_tasks.sandbox.emulator import SandboxConfig
-from merchant_tasks.sandbox.processes import RedisServer, free_port
-from merchant_tasks.sandbox.pytest_plugin import MerchantSandbox
+from merchant_tasks.sandbox.fixtures import MerchantSandbox
+from merchant_tasks.sandbox.processes import RedisServer
 from merchant_tasks.store.token_store import TokenStore
-from merchant_tasks.store.topology import StoreClient
-from merchant_tasks.token import IssuedToken
-
-TEST_API_KEY = "test-app-id"
-TEST_SECRET = "test-secret-4f1c9a7e2b"  # searched for in every leak test
-FAKE_TOKEN_LIFETIME = 7200.0  # seconds, as the real API's tokens
-UNIT_NAMESPACE = TokenStore.namespace_for("mt-test", "sandbox", "app-id-1234")
-
-
-class FakeExchange:
-    """A token exchange that gives the queued ``outcomes`` in turn (raising the errors), then
-    fresh tokens ``tok-issued-1``, ``-2``, ... (``padding`` appended, as long as JWTs), and
-    records the clock at each call in ``calls``; ``during`` runs inside each call."""
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self.clock = clock
-        self.outcomes: list[IssuedToken | Exception] = []
-        self.calls: list[float] = []
-        self.during: Callable[[], None] | None = None
-        self.padding = ""
-
-    def issued(self, n: int) -> str:
-        """The value of the ``n``-th fresh token (from 1)."""
-        return f"tok-issued-{n}{self.padding}"
-
-    def __call__(self) -> IssuedToken:
-        self.calls.append(self.clock())
-        if self.during is not None:
-            self.during()
-        if self.outcomes:
-            outcome = self.outcomes.pop(0)
-            if isinstance(outcome, Exception):
-                raise outcome
-            return outcome
-        return IssuedToken(value=self.issued(len(self.calls)), expires_in=FAKE_TOKEN_LIFETIME)
+from merchant_tasks.token import fingerprint
+from support.account import TEST_API_KEY, TEST_SECRET, UNIT_NAMESPACE
+from support.celery_config import write_celeryconfig
+from support.celery_fleet import Fleet, running_fleet
+from support.clock import ManualClock, Sleeper
+from support.drip_server import DRIP, SHUTDOWN_POLL, DripServer
+from support.renewal import FakeExchange, make_manager
+from support.token_keys import token_key_file
 
 
 @pytest.fixture
@@ -80,39 +47,26 @@ def store(fake_redis: redis.Redis) -> TokenStore:
 
 
 @pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    """A token key file (tokens sealed at rest) of this test's own."""
+    return token_key_file(tmp_path / "token-key")
+
+
+@pytest.fixture
+def empty_celeryconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """An empty celeryconfig.py first on the path (not the repo's), unless a test writes one."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_celeryconfig(tmp_path, "")
+    yield
+    sys.modules.pop("celeryconfig", None)
+
+
+@pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of this test's own, for tests that stop, fill or reconfigure it."""
     with RedisServer(tmp_path / "redis") as server:
         yield server
-
-
-class OutOfMemory:
-    """A Redis that refuses every write (``maxmemory`` 1, ``noeviction``) from now for
-    ``seconds``. ``freeing`` is set just before it takes writes again (a write that waited
-    finds it set), ``freed`` once it does."""
-
-    def __init__(self, admin: redis.Redis, seconds: float = 1.0) -> None:
-        self.freeing, self.freed = threading.Event(), threading.Event()
-        admin.config_set("maxmemory-policy", "noeviction")
-        admin.config_set("maxmemory", "1")
-
-        def free() -> None:
-            self.freeing.set()
-            admin.config_set("maxmemory", "0")
-            self.freed.set()
-
-        threading.Timer(seconds, free).start()
-
-
-class CountingConnection(Connection):
-    """A Redis connection that counts what it sends: one packet per command, one per
-    pipeline (a round trip each)."""
-
-    sent = 0
-
-    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        CountingConnection.sent += 1
-        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
 
 
 # -- how the suite runs -------------------------------------------------------------------
@@ -165,17 +119,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_expected_length)
 
 
-def dead_redis() -> redis.Redis:
-    """A client for a port nobody listens on, failing at once (no retries, no back-off)."""
-    return redis.Redis(
-        host="127.0.0.1",
-        port=free_port(),
-        socket_connect_timeout=0.2,
-        socket_timeout=0.2,
-        retry=Retry(NoBackoff(), 0),
-    )
-
-
 # -- the plugin's fixtures, as this suite needs them -------------------------------------
 # merchant_tasks.pytest_plugin gives every test its emulator account, settings, client and
 # Redis key prefix (merchant_sandbox, merchant_settings, merchant_client, merchant_env,
@@ -216,63 +159,69 @@ def fleet(
         yield f
 
 
-def make_manager(
-    store: TokenStore, exchange: Callable[[], IssuedToken], **options: Any
+# -- the renewal's unit tests: a manager on fakeredis, its clock, sleep and exchange -----
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def sleep(clock: ManualClock) -> Sleeper:
+    return Sleeper(clock)
+
+
+@pytest.fixture
+def exchange(clock: ManualClock) -> FakeExchange:
+    """The scripted token exchange the manager calls, recording each call on ``clock``."""
+    return FakeExchange(clock)
+
+
+@pytest.fixture
+def secret() -> list[str]:
+    """The current API secret; a test rotates it by replacing the item."""
+    return ["secret-one-0a1b2c3d4e"]
+
+
+@pytest.fixture
+def manager(
+    store: TokenStore,
+    exchange: FakeExchange,
+    clock: ManualClock,
+    sleep: Sleeper,
+    secret: list[str],
 ) -> TokenManager:
-    """A ``TokenManager`` for tests: the real windows (480 s / 120 s), a short exchange
-    timeout, seeded jitter, no copy of the token in the process and no wake-ups (waits go
-    through the injected sleep), unless ``options`` say otherwise."""
-    defaults: dict[str, Any] = {
-        "renew_before": 480.0,
-        "renew_mandatory": 120.0,
-        "exchange_timeout": 0.1,
-        "rng": random.Random(0),
-        "local_copy_ttl": 0.0,  # read the store on every call; the copy has its own tests
-        "wake_ups": False,
-    }
-    fingerprint = options.pop("secret_fingerprint", lambda: "fp")
-    return TokenManager(store, exchange, fingerprint, **{**defaults, **options})
+    return make_manager(
+        store, exchange, secret_fingerprint=lambda: fingerprint(secret[0]), clock=clock, sleep=sleep
+    )
 
 
-# -- the leak searches' readers (test_faults.py, test_celery_integration.py) ----------------
+@pytest.fixture
+def copying_manager(
+    store: TokenStore, exchange: FakeExchange, clock: ManualClock, sleep: Sleeper
+) -> TokenManager:
+    """A manager that trusts its copy for 1 s of the injected clock."""
+    return make_manager(
+        store,
+        exchange,
+        clock=clock,
+        sleep=sleep,
+        local_copy_ttl=1.0,
+        monotonic=clock,
+        wake_ups=True,
+    )
 
 
-def redis_value(client: StoreClient, key: bytes) -> bytes:
-    """A key and everything in it, read by type (members only, for sorted sets)."""
-    kind = client.type(key)
-    values: list[Any] = [key]
-    if kind == b"string":
-        values.append(client.get(key))
-    elif kind == b"list":
-        values += cast(list[bytes], client.lrange(key, 0, -1))
-    elif kind == b"hash":
-        for pair in cast(dict[bytes, bytes], client.hgetall(key)).items():
-            values += pair
-    elif kind == b"set":
-        values += cast(set[bytes], client.smembers(key))
-    elif kind == b"zset":
-        values += cast(list[bytes], client.zrange(key, 0, -1))
-    elif kind == b"stream":
-        for entry_id, fields in cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(key)):
-            values.append(entry_id)
-            for pair in fields.items():
-                values += pair
-    elif kind != b"none":  # "none": expired since the scan
-        raise AssertionError(f"no reader for Redis type {kind!r} (key {key!r})")
-    return b"\n".join(v for v in values if isinstance(v, bytes))
+# -- a token endpoint that drips its answer (the exchange's deadline) -----------------------
 
 
-def encoded_forms(needle: str) -> list[bytes]:
-    """The needle, and the part of its base64 that shows at any offset (message bodies)."""
-    raw = needle.encode()
-    forms = [raw]
-    for shift in range(3):
-        encoded = base64.b64encode(b"\0" * shift + raw)
-        core = encoded[4 if shift else 0 : (len(raw) + shift) // 3 * 4]
-        forms += [core, core.replace(b"+", b"-").replace(b"/", b"_")]
-    return forms
-
-
-def shows(needle: str, text: bytes) -> bool:
-    """Whether ``text`` holds the needle, plainly or in base64."""
-    return any(form in text for form in encoded_forms(needle))
+@pytest.fixture(params=["headers", "body"])
+def dripping(request: pytest.FixtureRequest) -> Iterator[DripServer]:
+    """A token endpoint on loopback dripping its headers, or its body, one byte at a time."""
+    server = DripServer(drip=DRIP, dripped=request.param)
+    thread = threading.Thread(target=server.serve_forever, args=(SHUTDOWN_POLL,), daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()

@@ -18,22 +18,25 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
 from urllib3 import HTTPConnectionPool, HTTPResponse, HTTPSConnectionPool
 from urllib3.exceptions import HTTPError
 
+from merchant_tasks import telemetry
 from merchant_tasks.exceptions import (
     CredentialsRejected,
     ExchangeRateLimited,
     MalformedTokenResponse,
+    MerchantError,
     TokenEndpointUnavailable,
     WrongBaseUrl,
 )
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, TOKEN_LIFETIME, Secret, Settings
-from merchant_tasks.token import IssuedToken
+from merchant_tasks.token import IssuedToken, fingerprint
 
 if TYPE_CHECKING:
     from urllib3._base_connection import BaseHTTPConnection
@@ -79,8 +82,84 @@ class Answer:
         return json.loads(self.body)
 
 
-class TokenExchange:
-    """Exchanges the API key and secret for a token at ``base_url``.
+class ExchangeRequest:
+    """What every token exchange sends and how it reads the answer, whatever HTTP client
+    sends it (``TokenExchange``: requests; ``api.aio.AsyncTokenExchange``: httpx)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        secret: Secret,
+        *,
+        timeout: tuple[float, float] = DEFAULT_TIMEOUTS,
+        default_lifetime: float = TOKEN_LIFETIME,
+    ) -> None:
+        self.url = base_url.rstrip("/") + TOKEN_PATH
+        self.api_key = api_key
+        self.secret = secret
+        self.timeout = timeout
+        self.default_lifetime = default_lifetime
+
+    @classmethod
+    def from_settings(cls: type[E], settings: Settings, **options: Any) -> E:
+        return cls(
+            settings.base_url,
+            settings.api_key,
+            settings.secret,
+            timeout=(settings.connect_timeout, settings.read_timeout),
+            default_lifetime=settings.token_lifetime,
+            **options,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r}, api_key={self.api_key!r})"
+
+    @property
+    def deadline(self) -> float:
+        """Seconds one exchange may take in all, whatever the server does byte by byte
+        (HTTP clients bound each read only)."""
+        return self.timeout[0] + self.timeout[1]
+
+    @property
+    def server(self) -> str:
+        """The token endpoint's host, in its spans."""
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def endpoint(self) -> str:
+        """A fingerprint of the token endpoint: kept with each token it issues, the evidence
+        that an answer no token endpoint gives from it is an outage (``renewal.life``)."""
+        return fingerprint(self.url)
+
+    def body(self, secret: str) -> dict[str, str]:
+        """The request's JSON body (``secret``: the secret now)."""
+        return {"grant_type": GRANT_TYPE, "appid": self.api_key, "secret": secret}
+
+    def answered(self, answer: Answer, secret: str, started: float) -> IssuedToken:
+        """The token in ``answer``, or the error it means (``classify``)."""
+        log.debug(
+            "token exchange for %s answered %s in %.3f s",
+            self.api_key,
+            answer.status_code,
+            time.monotonic() - started,
+        )
+        return classify(answer, self.default_lifetime, secret=secret, url=self.url)
+
+    def unavailable(self, reason: str) -> TokenEndpointUnavailable:
+        """The error of an exchange that broke off, for ``reason``."""
+        return TokenEndpointUnavailable(f"token endpoint {self.url} {reason}")
+
+    @property
+    def cut_off(self) -> str:
+        return f"did not finish its answer within {self.deadline:g} s"
+
+
+E = TypeVar("E", bound=ExchangeRequest)
+
+
+class TokenExchange(ExchangeRequest):
+    """Exchanges the API key and secret for a token at ``base_url``, with requests.
 
     Its own session (``exchange_session``) ends every exchange at its deadline; an injected
     ``session`` (a test's fake transport) is cut there once its answer's headers are in.
@@ -96,54 +175,35 @@ class TokenExchange:
         timeout: tuple[float, float] = DEFAULT_TIMEOUTS,
         default_lifetime: float = TOKEN_LIFETIME,
     ) -> None:
-        self.url = base_url.rstrip("/") + TOKEN_PATH
-        self.api_key = api_key
-        self.secret = secret
-        self.session = session or exchange_session()
-        self.timeout = timeout
-        self.default_lifetime = default_lifetime
-
-    @classmethod
-    def from_settings(
-        cls, settings: Settings, session: requests.Session | None = None
-    ) -> TokenExchange:
-        return cls(
-            settings.base_url,
-            settings.api_key,
-            settings.secret,
-            session=session,
-            timeout=(settings.connect_timeout, settings.read_timeout),
-            default_lifetime=settings.token_lifetime,
+        super().__init__(
+            base_url, api_key, secret, timeout=timeout, default_lifetime=default_lifetime
         )
-
-    def __repr__(self) -> str:
-        return f"TokenExchange(url={self.url!r}, api_key={self.api_key!r})"
-
-    @property
-    def deadline(self) -> float:
-        """Seconds one exchange may take in all, whatever the server does byte by byte
-        (``requests`` bounds each read only); the renewal lock's lease outlives it."""
-        return self.timeout[0] + self.timeout[1]
+        self.session = session or exchange_session()
 
     def __call__(self) -> IssuedToken:
-        """Make one exchange; raise a ``TokenExchangeError`` subclass on any failure."""
+        """Make one exchange, in its own span; raise a ``TokenExchangeError`` subclass (or
+        ``WrongBaseUrl``) on any failure."""
+        with telemetry.exchange_span(self.server) as span:
+            try:
+                issued = self._exchange()
+            except MerchantError as exc:
+                if exc.status is not None:
+                    span.set(telemetry.HTTP_STATUS, exc.status)
+                raise
+            span.set(telemetry.HTTP_STATUS, issued.status)
+            return issued
+
+    def _exchange(self) -> IssuedToken:
         secret = self.secret.reveal()
-        body = {"grant_type": GRANT_TYPE, "appid": self.api_key, "secret": secret}
         started = time.monotonic()
         with _Cutoff(self.deadline) as cutoff:
             try:
-                answer = self._send(body)
+                answer = self._send(self.body(secret))
             except (requests.RequestException, HTTPError, OSError) as exc:
                 raise self._failure(exc, cutoff.passed) from None
         if cutoff.passed:  # the socket was shut mid-answer: what came may be cut short
             raise self._failure(None, passed=True)
-        log.debug(
-            "token exchange for %s answered %s in %.3f s",
-            self.api_key,
-            answer.status_code,
-            time.monotonic() - started,
-        )
-        return classify(answer, self.default_lifetime, secret=secret, url=self.url)
+        return self.answered(answer, secret, started)
 
     def _send(self, body: Mapping[str, str]) -> Answer:
         """Post the request and read the answer, up to its size limit."""
@@ -164,14 +224,14 @@ class TokenExchange:
     def _failure(self, exc: Exception | None, passed: bool) -> TokenEndpointUnavailable:
         """The error for an exchange that broke off; ``passed``: its deadline cut it."""
         if passed:
-            reason = f"did not finish its answer within {self.deadline:g} s"
+            reason = self.cut_off
         elif isinstance(exc, requests.Timeout):
             reason = f"timed out (timeouts {self.timeout})"
         elif isinstance(exc, requests.RequestException):
             reason = f"unreachable ({type(exc).__name__})"
         else:  # urllib3 or the socket, reading the body
             reason = f"broke off its answer ({type(exc).__name__})"
-        return TokenEndpointUnavailable(f"token endpoint {self.url} {reason}")
+        return self.unavailable(reason)
 
 
 def _read_body(response: requests.Response, limit: int) -> bytes:
@@ -282,7 +342,7 @@ def classify(
     found = error_code(response, secret) if status >= 400 else None
     code = found[1] if found else None
     if status == 429:
-        retry_after = parse_retry_after(response.headers.get("Retry-After"))
+        retry_after = retry_after_of(response)
         raise ExchangeRateLimited(
             f"token endpoint rate limited the exchange (HTTP 429{_error_code(response, secret)}); "
             f"retry after {retry_after if retry_after is not None else 'an unknown time'} s",
@@ -295,7 +355,7 @@ def classify(
             f"token endpoint failed (HTTP {status}{_error_code(response, secret)})",
             status=status,
             code=code,
-            retry_after=parse_retry_after(response.headers.get("Retry-After")),
+            retry_after=retry_after_of(response),
         )
     # what no token endpoint answers: the request went to some other server or path, so
     # the base URL is wrong, whatever the key and secret (a redirect is not followed: it
@@ -393,22 +453,44 @@ def parse_token(response: Answered, default_lifetime: float, secret: str = "") -
     return IssuedToken(value=value, expires_in=lifetime, status=response.status_code)
 
 
-def parse_retry_after(header: str | None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds or HTTP date), capped; None if absent."""
+def parse_retry_after(header: str | None, date: str | None = None) -> float | None:
+    """Seconds from a Retry-After header, capped; None if absent or unusable.
+
+    Delta-seconds are taken as they are. An HTTP date is read against the answer's own
+    ``Date`` header (``date``), the server's clock: never against this host's, which may be
+    minutes off (a host behind would pause the fleet for those minutes, one ahead knock
+    early). A date without the server's ``Date`` (RFC 9110 has every server with a clock
+    send one with a 4xx) is unusable: the caller's own back-off applies.
+    """
     if not header:
         return None
     header = header.strip()
     try:
         seconds = float(header)
     except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(header)
-        except (TypeError, ValueError, IndexError):
+        when, now = _http_date(header), _http_date(date)
+        if when is None or now is None:
             return None
-        seconds = when.timestamp() - time.time()
+        seconds = when - now
     if not math.isfinite(seconds):
         return None
     return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
+def retry_after_of(response: Answered) -> float | None:
+    """An answer's Retry-After, in seconds (``parse_retry_after``, against its ``Date``)."""
+    headers = response.headers
+    return parse_retry_after(headers.get("Retry-After"), headers.get("Date"))
+
+
+def _http_date(text: str | None) -> float | None:
+    """An HTTP date as a timestamp, or None."""
+    if not text:
+        return None
+    try:
+        return email.utils.parsedate_to_datetime(text.strip()).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
 
 
 def _quotable(text: str, *hidden: str) -> bool:

@@ -19,7 +19,7 @@ from merchant_tasks.accounts import AccountClients
 from merchant_tasks.exceptions import ConfigurationError, MerchantError, StoreUnavailable
 from merchant_tasks.extras import package_version, require
 from merchant_tasks.ops.status import account_statuses, format_status
-from merchant_tasks.renewal.lock import process_owner
+from merchant_tasks.renewal.manager import process_owner
 from merchant_tasks.settings import (
     SANDBOX_DEFAULT_PORT,
     TOKEN_LIFETIME,

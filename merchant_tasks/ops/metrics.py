@@ -25,8 +25,8 @@ from prometheus_client.registry import Collector
 
 from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.ops.status import AccountStatus
-from merchant_tasks.renewal.timing import HISTOGRAMS
 from merchant_tasks.store.token_store import (
+    HISTOGRAMS,
     Histogram,
     attempt_counter,
     opening_counter,

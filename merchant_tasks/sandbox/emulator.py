@@ -11,8 +11,11 @@ Token exchange
          last token issued while it is live (not revoked, not expired), with its remaining
          lifetime in whole seconds (so 0 in its last second), as some servers do
     checked in this order:
-    429  rate_limited, with Retry-After, beyond rate_limit requests per rate_window
+    429  rate_limited, with Retry-After, beyond rate_limit requests per rate_window (an HTTP
+         date with retry_after_date, read against the answer's Date header)
          (then token_latency is slept)
+    <n>  an HTML page with status token_page_status when it is set (an ingress or a
+         firewall answering for the API)
     5xx  injected_failure (status error_status) with probability token_error_rate
     405  method_not_allowed
     415  unsupported_media_type       content-type is not application/json
@@ -33,11 +36,14 @@ Business endpoints, with Authorization: Bearer <token>
                                       true) and creates none; 422 idempotency_key_reused
                                       when the body differs
   GET  /open-api/v1/payments/{id}     200 the payment; 404 not_found
+  GET  /open-api/v1/reports           200 {"reports": []}
     checked in this order:
     401  missing_token / invalid_token / token_expired / token_revoked,
          with WWW-Authenticate: Bearer error="invalid_token";
          refused_by_api for every call, even with a fresh token, with refuse_all_calls
-         (as an API does for a key the token endpoint accepts but the API does not)
+         (as an API does for a key the token endpoint accepts but the API does not);
+         missing_permission for a path under one of forbidden_paths, even with a fresh
+         token (a merchant without that permission)
          (then api_latency is slept)
     5xx  injected_failure (status error_status; Retry-After: 1 on 429 and 503)
     404  not_found for an unknown path; 405 method_not_allowed for a known path
@@ -70,6 +76,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 
 from merchant_tasks.extras import require
@@ -125,6 +132,15 @@ _SETTABLE: dict[str, tuple[Callable[[Any], bool], str]] = {
     "hand_back_live_token": (lambda v: isinstance(v, bool), "true or false"),
     "refuse_all_calls": (lambda v: isinstance(v, bool), "true or false"),
     "key_family": (lambda v: isinstance(v, bool), "true or false"),
+    "forbidden_paths": (
+        lambda v: isinstance(v, list) and all(isinstance(p, str) and p for p in v),
+        "a list of paths",
+    ),
+    "token_page_status": (
+        lambda v: v is None or (_is_int(v) and 300 <= v <= 599),
+        "null or a status from 300 to 599",
+    ),
+    "retry_after_date": (lambda v: isinstance(v, bool), "true or false"),
 }
 
 
@@ -149,6 +165,9 @@ class SandboxConfig:
     hand_back_live_token: bool = False
     refuse_all_calls: bool = False
     key_family: bool = False  # accept "<api_key>.<name>" too: many accounts, one secret
+    forbidden_paths: list[str] = field(default_factory=list)  # refused for every token
+    token_page_status: int | None = None  # the token endpoint answers an HTML page instead
+    retry_after_date: bool = False  # a 429's Retry-After as an HTTP date, not seconds
 
     def __post_init__(self) -> None:
         # Messages name the field, never the value: the value may be the secret.
@@ -200,6 +219,14 @@ class _Refusal(Exception):
         self.code = code
         self.response = _json(status, {"error": code, "message": message}, headers)
 
+    @classmethod
+    def page(cls, status: int) -> _Refusal:
+        """An HTML page with ``status``, as an ingress or a firewall answers."""
+        refusal = cls(status, "page", "an HTML page")
+        body = f"<html><body><h1>{status}</h1><p>Request blocked.</p></body></html>"
+        refusal.response = Response(body, status, mimetype="text/html")
+        return refusal
+
 
 def _json(status: int, body: object, headers: Mapping[str, str] | None = None) -> Response:
     return Response(json.dumps(body), status, headers, mimetype="application/json")
@@ -238,6 +265,7 @@ _API_ROUTES = Map(
         Rule(f"{API_ROOT}/echo", methods=["POST"], endpoint="echo"),
         Rule(f"{API_ROOT}/payments", methods=["POST"], endpoint="create_payment"),
         Rule(f"{API_ROOT}/payments/<id>", methods=["GET"], endpoint="get_payment"),
+        Rule(f"{API_ROOT}/reports", methods=["GET"], endpoint="reports"),
     ],
     strict_slashes=False,
     merge_slashes=False,
@@ -376,11 +404,16 @@ class SandboxApp:
     def _issue(self, request: Request) -> Response:
         with self._lock:
             wait = self._tokens.admit_exchange(self.config, self.clock.now())
-        if wait is not None:
-            retry_after = {"Retry-After": str(max(1, math.ceil(wait)))}
-            raise _Refusal(429, "rate_limited", "too many token requests", retry_after)
         cfg = self._snapshot()
+        if wait is not None:
+            seconds = max(1, math.ceil(wait))
+            retry_after = {"Retry-After": str(seconds)}
+            if cfg.retry_after_date:  # against the Date header the server adds (wall clock)
+                retry_after = {"Retry-After": formatdate(time.time() + seconds, usegmt=True)}
+            raise _Refusal(429, "rate_limited", "too many token requests", retry_after)
         self._inject(cfg.token_latency, cfg.token_error_rate, cfg.error_status)
+        if cfg.token_page_status is not None:
+            raise _Refusal.page(cfg.token_page_status)
         if request.method != "POST":
             raise _Refusal(405, "method_not_allowed", "use POST", {"Allow": "POST"})
         if request.mimetype != "application/json":
@@ -453,8 +486,11 @@ class SandboxApp:
             record = self._tokens.issued.get(token)
             now = self.clock.now()
             refuse_all = self.config.refuse_all_calls
+            forbidden = list(self.config.forbidden_paths)
         if refuse_all:
             raise _unauthorized("refused_by_api", "this API does not accept the token")
+        if any(request.path.startswith(path) for path in forbidden):
+            raise _unauthorized("missing_permission", "the merchant may not call this path")
         if record is None:
             raise _unauthorized("invalid_token", "unknown access token")
         if record.revoked:
@@ -477,6 +513,8 @@ def _answer(app: SandboxApp, endpoint: str, args: dict[str, str], request: Reque
         if "amount" not in body:
             raise _Refusal(400, "invalid_body", "a payment needs an amount")
         return app._payments.create(body, request.headers.get(IDEMPOTENCY_HEADER))
+    if endpoint == "reports":
+        return _json(200, {"reports": []})
     return app._payments.get(args["id"])  # get_payment
 
 

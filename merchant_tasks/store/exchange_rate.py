@@ -3,8 +3,9 @@
 One token bucket per host in Redis (``store.scripts.TAKE_EXCHANGE_PERMIT``, Redis time),
 shared by every account, process and machine on that Redis, beside the other guards
 (docs/design.md, "The exchange rate"). It is asked only when an exchange is about to be
-sent, never on the hot path. A caller that needs a token now reserves the next permit and
-waits for it (at most ``PERMIT_WAIT``); beat's renewals never take the last
+sent, never on the hot path; the asking and waiting are ``renewal.life``'s (``permit``), the
+commands and the words of its error are here. A caller that needs a token now reserves the
+next permit and waits for it (at most ``PERMIT_WAIT``); beat's renewals never take the last
 ``RESERVED_FOR_CALLERS`` permits. A 429 on any account of the host halves the host's rate
 for ``RATE_HOLD``, then it grows back step by step.
 """
@@ -13,16 +14,12 @@ from __future__ import annotations
 
 import enum
 import logging
-import random
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-
-from tenacity import RetryCallState, Retrying, retry_if_result, stop_after_delay
+from typing import Any
 
 from merchant_tasks.exceptions import ExchangesThrottled, StoreUnavailable
 from merchant_tasks.store import scripts
-from merchant_tasks.store.keys import AccountRedis, milliseconds
+from merchant_tasks.store.keys import AccountRedis, Command, Replies, milliseconds
 
 log = logging.getLogger(__name__)
 
@@ -59,67 +56,59 @@ class RateState:
     counts: dict[str, int]  # granted_caller, granted_background, waited, waited_ms, gave_up, cuts
 
 
-class ExchangeRate:
-    """The permits of one token endpoint host, asked through one account's Redis."""
+@dataclass(frozen=True)
+class PermitAnswer:
+    """The script's answer to one ask for a permit."""
 
-    def __init__(
-        self,
-        commands: AccountRedis,
-        key: str,
-        host: str,
-        cap: float,
-        *,
-        sleep: Callable[[float], None] = time.sleep,
-        monotonic: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-    ) -> None:
+    granted: int  # 1: granted (wait ``wait`` before sending), 0: ask again after ``wait``,
+    # -1: none within the asker's wait
+    wait: float  # seconds
+    rate: float  # permits per second now
+    permits: float  # in the bucket now
+
+
+class ExchangeRate:
+    """The permits of one token endpoint host, asked through one account's Redis: the
+    commands (``ask``, ``cut``; ``renewal.life`` yields them and waits as told) and the
+    host's state for `status`."""
+
+    def __init__(self, commands: Replies, key: str, host: str, cap: float) -> None:
         self.commands = commands
         self.key = key
         self.host = host
         self.cap = cap
-        self._sleep = sleep
-        self._monotonic = monotonic
-        self._rng = rng or random.Random()
 
     def __repr__(self) -> str:
         return f"ExchangeRate(host={self.host!r}, cap={self.cap:g})"
 
-    def take(self, priority: Priority) -> None:
-        """Wait for a permit to send one exchange; ExchangesThrottled when none comes
-        within PERMIT_WAIT, StoreUnavailable when Redis cannot be asked."""
-        started = self._monotonic()
-        asked: list[bool] = []
+    def ask(self, priority: Priority, budget: float, waited: float) -> Command[PermitAnswer]:
+        """Ask for a permit to send one exchange now, for ``priority``; ``budget``: the
+        longest wait the asker accepts, ``waited``: how long it has waited so far."""
+        return self._command(priority, budget, waited)
 
-        def ask() -> tuple[int, float, float, float]:
-            # the first ask waited for nothing: a busy process's own delay is no wait
-            waited = self._monotonic() - started if asked else 0.0
-            asked.append(True)
-            return self._run(priority, budget=PERMIT_WAIT - waited, waited=waited)
+    def cut(self) -> Command[PermitAnswer]:
+        """The host answered 429: halve its rate fleet-wide."""
+        return self._command("cut")
 
-        retrying = Retrying(
-            retry=retry_if_result(lambda answer: answer[0] == 0),
-            wait=lambda state: _answer(state)[1] * (1 + _JITTER * self._rng.random()),
-            stop=stop_after_delay(2 * PERMIT_WAIT),  # the script's budget ends it well before
-            sleep=self._sleep,
-            retry_error_callback=_answer,
-        )
-        granted, wait, rate, _ = retrying(ask)
-        if granted == 1:
-            if wait > 0:
-                self._sleep(wait)  # until the permit reserved for this caller
-            return
-        raise ExchangesThrottled(
+    def throttled(self, answer: PermitAnswer) -> ExchangesThrottled:
+        """The error of an ask that got no permit within PERMIT_WAIT."""
+        return ExchangesThrottled(
             f"no token exchange permit for {self.host} within {PERMIT_WAIT:g} s: the fleet "
-            f"sends at most {rate:g} exchanges a second to it "
+            f"sends at most {answer.rate:g} exchanges a second to it "
             f"(MERCHANT_MAX_EXCHANGES_PER_SECOND={self.cap:g}"
-            f"{', halved after a 429' if rate < self.cap else ''})",
-            retry_after=round(max(wait, 1.0 / rate), 3),
+            f"{', halved after a 429' if answer.rate < self.cap else ''})",
+            retry_after=round(max(answer.wait, 1.0 / answer.rate), 3),
         )
+
+    @staticmethod
+    def jittered(wait: float, draw: float) -> float:
+        """Beat's renewals ask again up to _JITTER later (``draw`` in [0, 1)), not in step."""
+        return wait * (1 + _JITTER * draw)
 
     def rate_limited(self) -> None:
-        """The host answered 429: halve its rate fleet-wide (best effort)."""
+        """The host answered 429: halve its rate fleet-wide (best effort, blocking)."""
         try:
-            rate = self._run("cut")[2]
+            rate = self._blocking().send(self.cut()).rate
         except StoreUnavailable as exc:
             log.warning("could not lower the exchange rate of %s: %s", self.host, exc)
             return
@@ -127,17 +116,22 @@ class ExchangeRate:
 
     def state(self) -> RateState:
         """The rate now and the counts (for `status` and metrics)."""
-        _, _, rate, permits = self._run("peek")
-        raw: dict[bytes, bytes] = self.commands.read(
-            self.key, lambda: self.commands.client.hgetall(self.key), dict, {}
+        redis = self._blocking()
+        answer = redis.send(self._command("peek"))
+        raw: dict[bytes, bytes] = redis.read(
+            self.key, lambda: redis.client.hgetall(self.key), dict, {}
         )
         counted = ("granted_caller", "granted_background", "waited", "waited_ms", "gave_up")
         counts = {name: _integer(raw.get(name.encode())) for name in (*counted, "cuts")}
-        return RateState(self.host, rate, self.cap, permits, counts)
+        return RateState(self.host, answer.rate, self.cap, answer.permits, counts)
 
-    def _run(
+    def _blocking(self) -> AccountRedis:
+        assert isinstance(self.commands, AccountRedis), "the blocking store's rate"
+        return self.commands
+
+    def _command(
         self, mode: str, budget: float = 0.0, waited: float = 0.0
-    ) -> tuple[int, float, float, float]:
+    ) -> Command[PermitAnswer]:
         args = [
             mode,
             repr(self.cap),
@@ -152,17 +146,12 @@ class ExchangeRate:
             max(0, int(waited * 1000)),
             milliseconds(STATE_LIFETIME),
         ]
-        result, wait_ms, rate, permits = self.commands.run(
-            scripts.TAKE_EXCHANGE_PERMIT, [self.key], args
-        )
-        return int(result), int(wait_ms) / 1000, float(rate), float(permits)
+        return Command.script(scripts.TAKE_EXCHANGE_PERMIT, [self.key], args, _answer)
 
 
-def _answer(state: RetryCallState) -> tuple[int, float, float, float]:
-    """The script's last answer, in a retry of ``take``."""
-    assert state.outcome is not None  # a wait or a stop follows an attempt
-    answer: tuple[int, float, float, float] = state.outcome.result()
-    return answer
+def _answer(reply: list[Any]) -> PermitAnswer:
+    result, wait_ms, rate, permits = reply
+    return PermitAnswer(int(result), int(wait_ms) / 1000, float(rate), float(permits))
 
 
 def _integer(raw: bytes | None) -> int:

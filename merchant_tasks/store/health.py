@@ -3,7 +3,7 @@
 Workers and beat run it at start (``worker.store_check``): a Redis that is unreachable,
 refuses the account's keys to its ACL user, is a read-only replica or out of memory is
 named at once, rather than by the first call that needs a token. Tasks that end while the
-store refuses writes ask it again until it takes them (``worker.tasks``).
+store refuses writes ask it again until it takes them (``worker.task_bodies``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """One account's Redis commands, under the token store and its records
 (``store.token_store``): every key name made from the account's namespace (``AccountKeys``), every
-Redis error typed (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed
-value read as absent and logged once. docs/design.md, "Seams".
+command a value (``Command``: what is sent, and how its reply reads) that redis-py
+(``AccountRedis.send``) or redis.asyncio (``store.aio``) sends, every Redis error typed
+(``StoreUnavailable`` naming the cause), every corrupt or wrong-typed value read as absent
+and logged once. docs/design.md, "Seams".
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import redis
 from redis.exceptions import RedisClusterException
@@ -48,6 +50,7 @@ class AccountKeys:
     probe: str
     waits: str
     renewal_sent: str
+    issuer: str
     renewed: str  # a channel
 
     @classmethod
@@ -78,19 +81,113 @@ class AccountKeys:
         return f"{self.namespace}:completed:{task_id}"
 
 
-class AccountRedis:
-    """One account's Redis commands: every error typed (``StoreUnavailable`` naming the
-    cause), every corrupt or wrong-typed value read as absent and logged once."""
+def _same(reply: Any) -> Any:
+    return reply
 
-    def __init__(self, client: StoreClient, keys: AccountKeys) -> None:
-        self.client = client
+
+@dataclass(frozen=True)
+class Command(Generic[T]):
+    """One Redis command of an account as a value: the arguments sent (``args``, as
+    ``execute_command`` takes them), and how its reply reads (``parse``; ``absent`` when
+    ``key`` holds nothing, or something corrupt or of the wrong type). The renewal's flows
+    yield these and a driver sends them, blocking (``AccountRedis.send``) or asyncio
+    (``store.aio``): one command, written once, for both."""
+
+    args: tuple[Any, ...]
+    parse: Callable[[Any], T]
+    key: str
+    absent: T
+
+    @classmethod
+    def get(cls, key: str, parse: Callable[[bytes], T], absent: T) -> Command[T]:
+        """GET ``key``, parsed."""
+        return cls(("GET", key), parse, key, absent)
+
+    @classmethod
+    def script(
+        cls, script: str, keys: list[str], args: list[Any], parse: Callable[[Any], T] = _same
+    ) -> Command[T]:
+        """One of ``store.scripts``, sent whole (EVAL), not by digest (EVALSHA): they run a
+        few times a renewal, never on the hot path, and after a Redis restart or failover
+        the server's script cache is empty, when a digest would cost every process two more
+        commands (NOSCRIPT, SCRIPT LOAD) in the very storm that follows."""
+        return cls(("EVAL", script, len(keys), *keys, *args), parse, keys[0], cast(T, None))
+
+    @classmethod
+    def plain(cls, *args: Any, parse: Callable[[Any], T] = _same) -> Command[T]:
+        """Any other command (TIME, SET, DEL, PUBLISH...), its reply parsed as given."""
+        return cls(args, parse, str(args[1]) if len(args) > 1 else "", cast(T, None))
+
+
+class Replies:
+    """How an account's replies read, whatever client sent the command: a corrupt or
+    wrong-typed value as absent, logged once per key; any other error typed."""
+
+    def __init__(self, keys: AccountKeys) -> None:
         self.keys = keys
         self._reported: set[str] = set()  # keys whose corrupt value was logged
 
     @property
     def address(self) -> str:
+        """Where the commands go, for error messages (never a password)."""
+        return "MERCHANT_REDIS_URL"
+
+    def reply(self, key: str, raw: Any, parse: Callable[[Any], T], absent: T) -> T:
+        """What a command on ``key`` answered (``raw``; a pipeline's, errors left in it),
+        parsed: ``absent`` when nothing is there or what is there is corrupt or of the wrong
+        type (logged once); an error other than WRONGTYPE is raised as StoreUnavailable."""
+        if isinstance(raw, Exception):
+            if not wrong_type(raw):
+                raise store_error(raw, self.address) from raw
+            self.corrupt(key, "a value of the wrong type")
+            return absent
+        if raw is None:
+            return absent
+        try:
+            return parse(raw)
+        except CORRUPT as exc:
+            self.corrupt(key, type(exc).__name__)
+            return absent
+
+    def refused(self, exc: Exception) -> Exception:
+        """A Redis error a command met, as a reply: WRONGTYPE (a corrupt value, read as
+        absent); any other is raised as StoreUnavailable naming its cause."""
+        if not wrong_type(exc):
+            raise store_error(exc, self.address) from exc
+        return exc
+
+    def corrupt(self, key: str, why: str) -> None:
+        if key not in self._reported:
+            self._reported.add(key)
+            log.warning(
+                "%s holds what merchant-tasks never writes (%s): treated as absent; "
+                "the next write replaces it",
+                key,
+                why,
+            )
+
+
+class AccountRedis(Replies):
+    """One account's Redis commands sent with redis-py: every error typed
+    (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed value read as
+    absent and logged once."""
+
+    def __init__(self, client: StoreClient, keys: AccountKeys) -> None:
+        super().__init__(keys)
+        self.client = client
+
+    @property
+    def address(self) -> str:
         """host:port of the client in use, for error messages (never a password)."""
         return redis_address(self.client)
+
+    def send(self, command: Command[T]) -> T:
+        """Send ``command`` and read its reply (see ``Command``)."""
+        try:
+            raw = self.client.execute_command(*command.args)  # type: ignore[no-untyped-call]
+        except REDIS_ERRORS as exc:
+            raw = self.refused(exc)
+        return self.reply(command.key, raw, command.parse, command.absent)
 
     def command(self, command: Callable[[], T]) -> T:
         with unavailable_as_error(self.address):
@@ -107,44 +204,13 @@ class AccountRedis:
             raw = exc.__cause__
         return self.reply(key, raw, parse, absent)
 
-    def reply(self, key: str, raw: Any, parse: Callable[[Any], T], absent: T) -> T:
-        """``read`` of a reply already received (a pipeline's, errors left in it): an error
-        other than WRONGTYPE is raised as StoreUnavailable."""
-        if isinstance(raw, Exception):
-            if not wrong_type(raw):
-                raise store_error(raw, self.address) from raw
-            self.corrupt(key, "a value of the wrong type")
-            return absent
-        if raw is None:
-            return absent
-        try:
-            return parse(raw)
-        except CORRUPT as exc:
-            self.corrupt(key, type(exc).__name__)
-            return absent
-
     def get(self, key: str, parse: Callable[[bytes], T], absent: T) -> T:
         """GET ``key``, parsed; see ``read``."""
         return self.read(key, lambda: self.client.get(key), parse, absent)
 
-    def corrupt(self, key: str, why: str) -> None:
-        if key not in self._reported:
-            self._reported.add(key)
-            log.warning(
-                "%s holds what merchant-tasks never writes (%s): treated as absent; "
-                "the next write replaces it",
-                key,
-                why,
-            )
-
     def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        """Run one of ``store.scripts``, sent whole (EVAL), not by digest (EVALSHA).
-
-        They run a few times a renewal, never on the hot path; after a Redis restart or
-        failover the server's script cache is empty, and a digest would cost every process
-        two more commands (NOSCRIPT, SCRIPT LOAD) in the very storm that follows.
-        """
-        return self.command(lambda: self.client.eval(script, len(keys), *keys, *args))
+        """Run one of ``store.scripts`` (see ``Command.script``)."""
+        return self.send(Command.script(script, keys, args))
 
 
 def milliseconds(seconds: float) -> int:

@@ -43,6 +43,44 @@ end
 local function field_of(raw, name)
   return string.match(raw, ',"' .. name .. '":([^,}]*)')
 end
+-- A record's string field (``retry_route``, ``routes``: their text never holds a quote or a
+-- backslash, ``token.Token.to_json``), read and written in place like ``set_field``.
+local function text_of(raw, name)
+  return string.match(raw, ',"' .. name .. '":"([^"]*)"') or ''
+end
+local function set_text(raw, name, text)
+  local field = ',"' .. name .. '":"'
+  local start, stop = string.find(raw, field, 1, true)
+  if start then
+    local close = string.find(raw, '"', stop + 1, true)
+    return string.sub(raw, 1, stop) .. text .. string.sub(raw, close)
+  end
+  return string.sub(raw, 1, -2) .. field .. text .. '"}'
+end
+-- ``routes`` (``route=until`` separated by blanks) without ``route``'s entry
+local function without_route(routes, route)
+  local kept = {}
+  for entry in string.gmatch(routes, '%S+') do
+    if string.sub(entry, 1, #route + 1) ~= route .. '=' then table.insert(kept, entry) end
+  end
+  return table.concat(kept, ' ')
+end
+-- whether ``text`` (words separated by blanks) lists ``word``, and how many it lists
+local function lists(text, word)
+  for entry in string.gmatch(text, '%S+') do
+    if entry == word then return true end
+  end
+  return false
+end
+local function count_words(text)
+  return select(2, string.gsub(text, '%S+', ''))
+end
+-- whether the record names ``route`` (its retry route, or one of its routes)
+local function names_route(raw, route)
+  if route == '' then return false end
+  if text_of(raw, 'retry_route') == route then return true end
+  return without_route(text_of(raw, 'routes'), route) ~= text_of(raw, 'routes')
+end
 local function rewrite_token(key, raw)
   redis.call('SET', key, raw, 'KEEPTTL')
 end
@@ -83,9 +121,11 @@ local function note_wait(counters, counter, waits, limit_ms)
 end
 """
 
-# KEYS: token, generation, waits, histograms. ARGV: expected generation, token JSON, kept
-# until (Redis seconds), the highest generation the writer saw stored, then the lock-wait
-# histogram's ``Histogram.script_args``.
+# KEYS: token, generation, waits, histograms, issuer. ARGV: expected generation, token JSON,
+# kept until (Redis seconds), the highest generation the writer saw stored, the issuing
+# token endpoint's fingerprint (kept in ``issuer``: evidence that the endpoint issues this
+# account's tokens, docs/design.md "Refusals"), then the lock-wait histogram's
+# ``Histogram.script_args``.
 # Returns {1, new generation, then each wait it recorded (microseconds)} when written,
 # {0, current generation} when another write came first, {-1, expected generation} when
 # the token has already expired. A stored
@@ -109,6 +149,7 @@ local ttl_ms = math.floor(tonumber(ARGV[3]) * 1000) - now_ms
 if ttl_ms <= 0 then return {-1, expected} end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl_ms)
 redis.call('SET', KEYS[2], expected + 1)
+if ARGV[5] ~= '' then redis.call('SET', KEYS[5], ARGV[5]) end
 fit(KEYS[3], 'list')
 local waits = redis.call('LRANGE', KEYS[3], 0, -1)
 local reply = {1, expected + 1}
@@ -119,7 +160,7 @@ if #waits > 0 then
     local since, limit_ms = string.match(wait, '^(%d+):(%d+)$')
     local waited = since and now_us - tonumber(since)
     if waited and waited >= 0 and waited <= tonumber(limit_ms) * 1000 then
-      observe(KEYS[4], waited, 5)
+      observe(KEYS[4], waited, 6)
       table.insert(reply, waited)
     end
   end
@@ -142,34 +183,74 @@ return 1
 """
 )
 
-# KEYS: accepted, token. ARGV: generation. Marks the token record accepted when it is of
-# that generation (the evidence lives with the token), and raises the ``accepted`` key
-# (read by releases before this one): at most one write of each per generation.
+# KEYS: accepted, token. ARGV: generation, the route accepted ('' : none named), how many
+# routes a record lists. Marks the token record accepted when it is of that generation (the
+# evidence lives with the token), lists the route among those that accepted it, and clears
+# what the route's success answers: the record's retry route, if it is this one, and its
+# judgment of this route. Raises the ``accepted`` key (read by releases before this one).
+# Writes only what changes. Returns the token record as it is now when it is of that
+# generation (the evidence the caller just gave, and any other), else nil.
 RAISE_ACCEPTED = (
     _HELPERS
     + """
 local raw = read_string(KEYS[2])
-local wrote = 0
-if raw and token_generation(raw) == tonumber(ARGV[1]) and field_of(raw, 'accepted') ~= 'true' then
-  rewrite_token(KEYS[2], set_field(raw, 'accepted', 'true'))
-  wrote = 1
+if raw and token_generation(raw) == tonumber(ARGV[1]) then
+  local edited = raw
+  if field_of(raw, 'accepted') ~= 'true' then edited = set_field(edited, 'accepted', 'true') end
+  local accepted_routes = text_of(edited, 'accepted_routes')
+  if ARGV[2] ~= '' and not lists(accepted_routes, ARGV[2])
+      and count_words(accepted_routes) < tonumber(ARGV[3]) then
+    local listed = ARGV[2]
+    if accepted_routes ~= '' then listed = accepted_routes .. ' ' .. ARGV[2] end
+    edited = set_text(edited, 'accepted_routes', listed)
+  end
+  if ARGV[2] ~= '' and text_of(edited, 'retry_route') == ARGV[2] then
+    edited = set_text(edited, 'retry_route', '')
+  end
+  local routes = text_of(edited, 'routes')
+  if ARGV[2] ~= '' and without_route(routes, ARGV[2]) ~= routes then
+    edited = set_text(edited, 'routes', without_route(routes, ARGV[2]))
+  end
+  if edited ~= raw then rewrite_token(KEYS[2], edited) end
+  raw = edited
+else
+  raw = false
 end
-if tonumber(ARGV[1]) > (read_number(KEYS[1]) or 0) then
-  redis.call('SET', KEYS[1], ARGV[1])
-  wrote = 1
+if tonumber(ARGV[1]) > (read_number(KEYS[1]) or 0) then redis.call('SET', KEYS[1], ARGV[1]) end
+return raw
+"""
+)
+
+# KEYS: token. ARGV: generation, route, until (Redis seconds; 0: the route lacks a
+# permission). Records the judgment of a 401 on the route in the token's record, if it is
+# of that generation. Returns the record as it is now (nil: none stored).
+JUDGE_ROUTE = (
+    _HELPERS
+    + """
+local raw = read_string(KEYS[1])
+if raw and token_generation(raw) == tonumber(ARGV[1]) then
+  local routes = without_route(text_of(raw, 'routes'), ARGV[2])
+  local entry = ARGV[2] .. '=' .. ARGV[3]
+  if routes ~= '' then entry = routes .. ' ' .. entry end
+  raw = set_text(raw, 'routes', entry)
+  rewrite_token(KEYS[1], raw)
 end
-return wrote
+return raw or false
 """
 )
 
 # KEYS: token, lock, counters, waits. ARGV: refused generation, the lock value to take it
 # with ('' : do not take it, a thread of this process holds it), the process's owner
 # prefix, lease (ms), the 401 counter ('' : no new 401, do not count), the lock-wait
-# counter, the wait's limit (ms). Counts the 401 and reads the token; when the stored token
-# is the refused one, a new 401 marks its record refused (Redis time, the first refusal
-# kept): from then on no process sends it. When it is the refused one (or none is
-# stored), tries the renewal lock, and notes the wait if another holds it.
-# Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (noted)}.
+# counter, the wait's limit (ms), the route of the 401 ('' : none, or judged already),
+# '1' to mark the record refused. Counts the 401 and reads the token. When the stored
+# token is the refused one and its record names the route (its retry route, or one of its
+# routes), nothing else is done: what that 401 means is judged from the record first
+# (``renewal.life``). Otherwise the 401 marks its record refused (Redis time, the first
+# refusal kept): from then on no process sends it; and when it is the refused one (or none
+# is stored), tries the renewal lock, and notes the wait if another holds it.
+# Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (noted),
+# 2: the record names the route}.
 LOOK_AFTER_401 = (
     _HELPERS
     + """
@@ -177,7 +258,8 @@ if ARGV[5] ~= '' then incr(KEYS[3], ARGV[5], 1) end
 local raw = read_string(KEYS[1])
 local generation = token_generation(raw)
 if generation and generation ~= tonumber(ARGV[1]) then return {raw or false, 0} end
-if generation and ARGV[5] ~= '' and (tonumber(field_of(raw, 'refused_at')) or 0) == 0 then
+if generation and names_route(raw, ARGV[8]) then return {raw, 2} end
+if generation and ARGV[9] == '1' and (tonumber(field_of(raw, 'refused_at')) or 0) == 0 then
   local now = redis.call('TIME')
   raw = set_field(raw, 'refused_at', now[1] .. '.' .. string.format('%06d', tonumber(now[2])))
   rewrite_token(KEYS[1], raw)
@@ -250,33 +332,36 @@ return count
 """
 )
 
-# KEYS: the forced renewals' times (a sorted set, seconds). ARGV: the spacing (ms), how
-# long times are kept (ms). Reserves the next forced renewal's time, one spacing after the
-# last reserved (or now), and returns how long (ms) its renewer waits for it. The last
-# time is found by bisection with ZCOUNT: the README's least-privilege ACL user has
-# ZCOUNT, not ZRANGE or ZSCORE.
+# KEYS: the forced renewals' reservations (a sorted set, seconds). ARGV: the interval (ms),
+# the burst tolerance (ms), how long reservations are kept (ms). Reserves the next forced
+# renewal by the generic cell rate algorithm: each reservation is kept at its theoretical
+# time (the latest one's is where the allowance stands), a renewal may go at once while
+# that is no more than the burst tolerance ahead of now, else at that time less the
+# tolerance. Returns how long (ms) its renewer waits. The latest time is found by bisection
+# with ZCOUNT: the README's least-privilege ACL user has ZCOUNT, not ZRANGE or ZSCORE.
 SPACE_FORCED = (
     _HELPERS
     + """
 fit(KEYS[1], 'zset')
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local spacing = tonumber(ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ((now_ms - tonumber(ARGV[2])) / 1000))
+local interval, tolerance = tonumber(ARGV[1]), tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ((now_ms - tonumber(ARGV[3])) / 1000))
 local function later_than(ms)
   return redis.call('ZCOUNT', KEYS[1], '(' .. (ms / 1000), '+inf') > 0
 end
-local at = now_ms
-if later_than(now_ms - spacing) then
-  local low, high = now_ms - spacing, now_ms + spacing
+local due = now_ms  -- the allowance's theoretical time
+if later_than(now_ms) then
+  local low, high = now_ms, now_ms + interval
   while later_than(high) do low, high = high, high + (high - low) * 2 end
-  while high - low > 1 do  -- the last time reserved is in (low, high]
+  while high - low > 1 do  -- the latest time is in (low, high]
     local middle = math.floor((low + high) / 2)
     if later_than(middle) then low = middle else high = middle end
   end
-  at = math.max(now_ms, high + spacing)
+  due = high
 end
-local seconds = string.format('%.3f', at / 1000)
+local at = math.max(now_ms, due - tolerance)
+local seconds = string.format('%.3f', (math.max(due, now_ms) + interval) / 1000)
 redis.call('ZADD', KEYS[1], seconds, seconds)
 return at - now_ms
 """

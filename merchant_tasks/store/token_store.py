@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from redis.client import PubSub
 from redis.cluster import RedisCluster
@@ -64,6 +64,8 @@ from merchant_tasks.store.keys import (
     CORRUPT,
     AccountKeys,
     AccountRedis,
+    Command,
+    Replies,
     milliseconds,
     store_error,
     unavailable_as_error,
@@ -71,9 +73,17 @@ from merchant_tasks.store.keys import (
 )
 from merchant_tasks.store.sealing import PLAIN_TEXT, TokenCodec
 from merchant_tasks.store.topology import StoreClient
-from merchant_tasks.token import BreakerKind, CounterName, Outcome, RenewalReason, Token
+from merchant_tasks.token import (
+    ROUTES_KEPT,
+    BreakerKind,
+    CounterName,
+    Outcome,
+    RenewalReason,
+    Token,
+)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last day)
 # upper bounds (seconds) of the fleet-wide histograms: an exchange takes ~0.1-1 s, a wait
@@ -151,6 +161,8 @@ class BreakerRecord:
     secret_fingerprint: str = ""  # "rejected", "refused": the secret in use; a new one ends it
     detail: str = ""  # the error's message, free of secrets by construction
     generation: int = 0  # for "refused": the refused token's generation
+    since: float = 0.0  # when the failures in a row began (Redis time; 0: not recorded)
+    misrouted: bool = False  # "unavailable": the endpoint answered as no token endpoint does
 
     @classmethod
     def from_json(cls, raw: bytes) -> BreakerRecord:
@@ -161,102 +173,312 @@ class BreakerRecord:
         return record
 
 
-class AccountRecords:
-    """Breaker, budget, probe, counters, histograms and completion records of one account."""
+MGET_CHUNK = 1000  # keys read by one command in beat's check, not one command each
+CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
+LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding another's renewal under way to a
+# token being stored: recorded by the store's write, not by the waiters
+_LOCK_WAIT_ARGS = Histogram(LOCK_WAIT_SECONDS).script_args()  # the same for every write
+EXCHANGE_SECONDS = "exchange_seconds"  # one token exchange attempt, any outcome
+HISTOGRAMS = {
+    EXCHANGE_SECONDS: "Seconds one token exchange attempt took, any outcome.",
+    LOCK_WAIT_SECONDS: "Seconds from a caller finding another's renewal under way to a token "
+    "being stored.",
+}
 
-    def __init__(self, commands: AccountRedis, account: str = "") -> None:
-        self.commands = commands
-        self.account = account  # its name in this process's meters (telemetry)
-        self.keys = commands.keys
+
+def _seconds(reply: tuple[int, int]) -> float:
+    seconds, micros = reply
+    return float(int(seconds) + int(micros) / 1e6)
+
+
+class TokenCommands:
+    """Every command of one account's token and records, as a value (``store.keys.Command``):
+    what the renewal's flows yield and its drivers send, blocking or asyncio. Builds and
+    reads, sends nothing. It also keeps what this process has seen stored: the highest
+    generation (Redis may lose the last writes in a failover, and a process that used a
+    token must never go back to an older one) and the last token parsed."""
+
+    def __init__(
+        self, replies: Replies, namespace: str, codec: TokenCodec = PLAIN_TEXT, account: str = ""
+    ) -> None:
+        self.replies = replies  # where corrupt values are reported, once per key
+        self.namespace = namespace
+        self.keys = AccountKeys.of(namespace)
+        self.codec = codec  # how the token value is kept at rest (store.sealing)
+        self.account = account  # the account's name (``accounts``), in telemetry
+        self._parsed: tuple[bytes, Token] | None = None
+        self._parsed_lock = threading.Lock()
+        self._seen_generation = 0
 
     def __repr__(self) -> str:
-        return f"AccountRecords(namespace={self.keys.namespace!r})"
+        return f"TokenCommands(namespace={self.namespace!r})"
 
-    # -- breaker, budget, probe ------------------------------------------------------------
+    # -- the token -----------------------------------------------------------------------
 
-    def load_breaker(self) -> BreakerRecord | None:
-        key = self.keys.breaker
-        return self.commands.get(key, BreakerRecord.from_json, None)
+    def time(self) -> Command[float]:
+        """Redis's clock, in seconds."""
+        return Command.plain("TIME", parse=_seconds)
 
-    def open_breaker(self, record: BreakerRecord, now: float) -> None:
+    def load(self) -> Command[Token | None]:
+        """The stored token, or None (see ``parse_token``)."""
+        return Command.get(self.keys.token, self._token_or_none, None)
+
+    def _token_or_none(self, raw: bytes) -> Token | None:
+        return self.parse_token(raw)
+
+    def parse_token(self, raw: bytes | None) -> Token | None:
+        """The token a GET of its key read (``raw``), opened; an unchanged value is not
+        parsed again. None too when it is older than one this process has seen stored
+        (Redis lost writes): it is renewed rather than used again."""
+        if raw is None:
+            return None
+        parsed = self._parsed
+        if parsed is not None and parsed[0] == raw:
+            token = parsed[1]
+        else:
+            try:
+                token = Token.from_json(raw)
+                token = replace(token, value=self.codec.open(token.value, self.namespace))
+            except CORRUPT as exc:  # (a value in clear where a key seals them is a ValueError)
+                self.replies.corrupt(self.keys.token, type(exc).__name__)
+                return None
+            with self._parsed_lock:
+                self._parsed = (raw, token)
+        if token.generation < self._seen_generation:
+            return None
+        if token.generation > self._seen_generation:
+            self._see(token.generation)
+        return token
+
+    def generation(self) -> Command[int]:
+        """The generation of the last token written (0 if none ever was), or the highest
+        this process has seen stored if Redis has lost writes since (or evicted the
+        counter: the stored token's generation counts, as in the save script)."""
+        seen = self._seen_generation
+        return Command.get(self.keys.generation, lambda raw: max(int(raw), seen), seen)
+
+    def look_after_401(
+        self,
+        refused_generation: int,
+        lock_value: str | None,
+        owner_prefix: str,
+        lease: float,
+        wait_limit: float,
+        *,
+        route: str = "",
+        count: bool = True,
+        mark: bool | None = None,
+    ) -> Command[tuple[Token | None, int]]:
+        """After a 401 on ``route``, in one round trip: count it (unless ``count`` is False:
+        no new 401 came, the call follows an earlier one), load the token; if it is still
+        the refused generation and its record names ``route``, nothing more (what the 401
+        means is judged from the record first); else mark its record refused (``mark``, as
+        ``count`` unless given) and, if it is still the refused generation (or none is
+        stored), try the renewal lock with ``lock_value`` (None: do not take it).
+
+        Returns the stored token and 1 (lock taken), 0 (not tried), -1 (another holds it:
+        the wait was noted, see ``note_wait``) or 2 (the record names the route).
+        """
+        return Command.script(
+            scripts.LOOK_AFTER_401,
+            [self.keys.token, self.keys.lock, self.keys.counters, self.keys.waits],
+            [
+                refused_generation,
+                lock_value or "",
+                owner_prefix,
+                milliseconds(lease),
+                CounterName.UNAUTHORIZED if count else "",
+                CounterName.LOCK_WAITS,
+                milliseconds(wait_limit),
+                route,
+                "1" if (count if mark is None else mark) else "",
+            ],
+            lambda reply: (self.parse_token(reply[0] or None), int(reply[1])),
+        )
+
+    def judge_route(self, generation: int, route: str, until: float) -> Command[Token | None]:
+        """Record in token ``generation``'s record what a 401 on ``route`` means: it lacks
+        a permission (``until`` 0) or its calls are held back until ``until``; the record
+        as it is now."""
+        return Command.script(
+            scripts.JUDGE_ROUTE,
+            [self.keys.token],
+            [generation, route, repr(until)],
+            lambda raw: self.parse_token(raw or None),
+        )
+
+    def save(self, token: Token, issuer: str = "") -> Command[tuple[bool, int]]:
+        """Write ``token`` if it is the successor of the stored generation (its generation
+        must be the stored one plus one); ``issuer``, the fingerprint of the endpoint that
+        issued it, is kept as evidence that it issues this account's tokens. The reply:
+        whether it was written, and the generation now stored."""
+        sealed = replace(token, value=self.codec.seal(token.value, self.namespace))
+        keys = self.keys
+        return Command.script(
+            scripts.SAVE_IF_GENERATION,
+            [keys.token, keys.generation, keys.waits, keys.histograms, keys.issuer],
+            [
+                token.generation - 1,
+                sealed.to_json(),
+                repr(token.kept_until),
+                self._seen_generation,
+                issuer,
+                *_LOCK_WAIT_ARGS,
+            ],
+            self._saved,
+        )
+
+    def _saved(self, reply: list[Any]) -> tuple[bool, int]:
+        written, generation, *waits = reply
+        if written == 1:
+            self._see(int(generation))
+            for micros in waits:  # this process's meter gets the waits its write ended
+                telemetry.observe_lock_wait(self.account, int(micros) / 1e6)
+        return written == 1, int(generation)
+
+    def issuer(self) -> Command[str]:
+        """The fingerprint of the token endpoint that issued the account's last token
+        ("" : none recorded)."""
+        return Command.get(self.keys.issuer, bytes.decode, "")
+
+    def _see(self, generation: int) -> None:
+        with self._parsed_lock:
+            self._seen_generation = max(self._seen_generation, generation)
+
+    @property
+    def seen_generation(self) -> int:
+        """The highest generation this process has seen stored."""
+        return self._seen_generation
+
+    def announce(self, generation: int) -> Command[Any]:
+        """Tell waiting processes that ``generation`` is stored."""
+        return Command.plain("PUBLISH", self.keys.renewed, str(generation))
+
+    def note_wait(self, stale_generation: int, wait_limit: float) -> Command[bool]:
+        """Count a wait for another's renewal of ``stale_generation`` and note when it
+        began, for the lock-wait histogram: the write that ends it records it, so a waiter
+        sends no command for it. False, nothing noted, if a newer generation is stored."""
+        return Command.script(
+            scripts.NOTE_WAIT_UNLESS_RENEWED,
+            [self.keys.token, self.keys.counters, self.keys.waits],
+            [stale_generation, CounterName.LOCK_WAITS, milliseconds(wait_limit)],
+            bool,
+        )
+
+    def mark_accepted(self, generation: int, route: str = "") -> Command[Token | None]:
+        """Record that the API accepted a token of ``generation`` (on ``route``), in its own
+        record (and in the ``accepted`` key older releases read); writes what changes. The
+        record as it is now, if it is of that generation."""
+        keys = [self.keys.accepted, self.keys.token]
+        return Command.script(
+            scripts.RAISE_ACCEPTED,
+            keys,
+            [generation, route, ROUTES_KEPT],
+            lambda raw: self.parse_token(raw or None),
+        )
+
+    def accepted_generation(self) -> Command[int]:
+        """The highest generation the API is known to have accepted (0: none ever)."""
+        return Command.get(self.keys.accepted, int, 0)
+
+    # -- the renewal lock (``renewal.life`` decides, drivers send) ------------------------
+
+    def take_lock(self, value: str, owner_prefix: str, lease: float) -> Command[bool]:
+        args = [value, owner_prefix, milliseconds(lease)]
+        return Command.script(scripts.TAKE_LOCK, [self.keys.lock], args, bool)
+
+    def extend_lock(self, value: str, lease: float) -> Command[bool]:
+        args = [value, milliseconds(lease)]
+        return Command.script(scripts.EXTEND_LOCK, [self.keys.lock], args, bool)
+
+    def release_lock(self, value: str) -> Command[bool]:
+        return Command.script(scripts.RELEASE_LOCK, [self.keys.lock], [value], bool)
+
+    def lock_holder(self) -> Command[str | None]:
+        """Who holds the renewal lock, if anyone."""
+        return Command.get(self.keys.lock, bytes.decode, None)
+
+    # -- breaker, forced renewals, probe ---------------------------------------------------
+
+    def load_breaker(self) -> Command[BreakerRecord | None]:
+        return Command.get(self.keys.breaker, BreakerRecord.from_json, None)
+
+    def open_breaker(self, record: BreakerRecord, now: float) -> Command[Any]:
         """Store the breaker; it outlives ``record.until`` by BREAKER_MEMORY."""
         ttl_ms = milliseconds(record.until - now + BREAKER_MEMORY)
-        self.commands.command(
-            lambda: self.commands.client.set(
-                self.keys.breaker, json.dumps(asdict(record)), px=ttl_ms
-            )
+        return Command.plain("SET", self.keys.breaker, json.dumps(asdict(record)), "PX", ttl_ms)
+
+    def close_breaker(self) -> Command[Any]:
+        return Command.plain("DEL", self.keys.breaker)
+
+    def reserve_forced(self, interval: float, tolerance: float) -> Command[float]:
+        """Reserve the next forced renewal, fleet-wide: one per ``interval`` seconds, with
+        ``tolerance`` seconds of them at once (``scripts.SPACE_FORCED``); the seconds its
+        renewer waits for it."""
+        args = [milliseconds(interval), int(tolerance * 1000), milliseconds(EXCHANGE_LOG_SPAN)]
+        return Command.script(
+            scripts.SPACE_FORCED, [self.keys.forced], args, lambda ms: int(ms) / 1000
         )
 
-    def close_breaker(self) -> None:
-        self.commands.command(lambda: self.commands.client.delete(self.keys.breaker))
+    def forced_in_period(self, now: float, period: float) -> Command[int]:
+        """Forced renewals reserved in the ``period`` seconds before ``now``."""
+        args = [repr(now - period), ""]
+        return Command.script(scripts.COUNT_RECENT, [self.keys.forced], args, int)
 
-    def forced_in_period(self, now: float, period: float) -> int:
-        """Forced renewals logged in the ``period`` seconds before ``now``."""
-        return int(
-            self.commands.run(scripts.COUNT_RECENT, [self.keys.forced], [repr(now - period), ""])
-        )
+    def log_forced(self, now: float) -> Command[Any]:
+        """Log one forced renewal at ``now``."""
+        args = [repr(now - EXCHANGE_LOG_SPAN), f"{now:.6f}"]
+        return Command.script(scripts.COUNT_RECENT, [self.keys.forced], args)
 
-    def log_forced(self, now: float) -> None:
-        """Log one forced renewal at ``now``, for the budget."""
-        horizon = repr(now - EXCHANGE_LOG_SPAN)
-        self.commands.run(scripts.COUNT_RECENT, [self.keys.forced], [horizon, f"{now:.6f}"])
-
-    def reserve_forced(self, spacing: float) -> float:
-        """Reserve the next forced renewal's time, ``spacing`` seconds after the last one
-        fleet-wide (or now): the seconds its renewer waits for it."""
-        args = [milliseconds(spacing), milliseconds(EXCHANGE_LOG_SPAN)]
-        return int(self.commands.run(scripts.SPACE_FORCED, [self.keys.forced], args)) / 1000
-
-    def take_probe(self, interval: float) -> bool:
+    def take_probe(self, interval: float) -> Command[bool]:
         """The half-open probe slot, at most once per ``interval`` seconds fleet-wide."""
         args = [milliseconds(interval)]
-        return bool(self.commands.run(scripts.TAKE_SLOT, keys=[self.keys.probe], args=args))
+        return Command.script(scripts.TAKE_SLOT, [self.keys.probe], args, bool)
 
-    # -- counters and histograms ---------------------------------------------------------
+    # -- counters and histograms -----------------------------------------------------------
 
-    def count(self, *events: str) -> None:
+    def count(self, *events: str) -> Command[Any]:
         """Add one to each named fleet-wide counter."""
-        self._add(self.keys.counters, [(event, 1) for event in events])
+        return self._add(self.keys.counters, [(event, 1) for event in events])
 
     def _add(
         self,
         hash_key: str,
         increments: list[tuple[str, int]],
         logged: tuple[str, float] | None = None,
-    ) -> None:
+    ) -> Command[Any]:
         """Add to fields of ``hash_key``; with ``logged`` (entry, time), also log the entry
         in the exchange log, which keeps the last EXCHANGE_LOG_SPAN seconds."""
         entry, at = logged if logged is not None else ("", 0.0)
         args: list[Any] = [entry, repr(at), repr(at - EXCHANGE_LOG_SPAN)]
         args += [x for increment in increments for x in increment]
-        self.commands.run(scripts.COUNT, [hash_key, self.keys.exchange_log], args)
+        return Command.script(scripts.COUNT, [hash_key, self.keys.exchange_log], args)
 
-    def record_attempt(self, reason: RenewalReason, outcome: Outcome, now: float) -> None:
+    def record_attempt(self, reason: RenewalReason, outcome: Outcome, now: float) -> Command[Any]:
         """Count one HTTP attempt at the token endpoint, and log its time for rates."""
         telemetry.count_exchange_attempt(self.account, reason, outcome)
         counter = attempt_counter(reason, outcome)
-        self._add(self.keys.counters, [(counter, 1)], logged=(f"{now:.6f}:{counter}", now))
+        return self._add(self.keys.counters, [(counter, 1)], logged=(f"{now:.6f}:{counter}", now))
 
-    def record_renewal(self, reason: RenewalReason, outcome: Outcome) -> None:
+    def record_renewal(self, reason: RenewalReason, outcome: Outcome) -> Command[Any]:
         """Count one renewal (however many attempts it made) by reason and outcome."""
         telemetry.count_renewal(self.account, reason, outcome)
-        self.count(renewal_counter(reason, outcome))
+        return self.count(renewal_counter(reason, outcome))
 
-    def exchanges_since(self, since: float) -> int:
+    def exchanges_since(self, since: float) -> Command[int]:
         """Exchange attempts (any outcome) since ``since``, within the last day."""
         key = self.keys.exchange_log
-        return self.commands.read(
-            key, lambda: self.commands.client.zcount(key, since, "+inf"), int, 0
-        )
+        return Command(("ZCOUNT", key, since, "+inf"), int, key, 0)
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> Command[dict[str, int]]:
         return self._numbers(self.keys.counters)
 
-    def _numbers(self, key: str) -> dict[str, int]:
-        raw: dict[bytes, bytes] = self.commands.read(
-            key, lambda: self.commands.client.hgetall(key), dict, {}
-        )
-        return self.numbers(key, raw)
+    def histograms(self) -> Command[dict[str, int]]:
+        """The raw fields of every histogram (``Histogram``)."""
+        return self._numbers(self.keys.histograms)
+
+    def _numbers(self, key: str) -> Command[dict[str, int]]:
+        return Command(("HGETALL", key), lambda raw: self.numbers(key, raw), key, {})
 
     def numbers(self, key: str, raw: Mapping[bytes, bytes]) -> dict[str, int]:
         """The fields of hash ``key`` as read (``raw``), as integers; a field that is not
@@ -266,36 +488,25 @@ class AccountRecords:
             try:
                 numbers[field.decode()] = int(value)
             except ValueError:
-                self.commands.corrupt(key, f"field {field.decode(errors='replace')[:64]!r}")
+                self.replies.corrupt(key, f"field {field.decode(errors='replace')[:64]!r}")
         return numbers
 
-    def observe(self, name: str, seconds: float) -> None:
-        """Add one duration to the fleet-wide histogram ``name`` (see ``Histogram``).
-
-        Best effort: a failure is logged, never raised, so it cannot fail what it measures.
-        """
+    def observe(self, name: str, seconds: float) -> Command[Any]:
+        """Add one duration to the fleet-wide histogram ``name`` (see ``Histogram``)."""
         micros = round(max(0.0, seconds) * 1e6)
         args = [micros, *Histogram(name).script_args()]
-        try:
-            self.commands.run(scripts.OBSERVE, [self.keys.histograms], args)
-        except StoreUnavailable as exc:
-            log.warning("could not record %s in Redis: %s", name, exc)
-
-    def histograms(self) -> dict[str, int]:
-        """The raw fields of every histogram (``Histogram``)."""
-        return self._numbers(self.keys.histograms)
+        return Command.script(scripts.OBSERVE, [self.keys.histograms], args)
 
     # -- completion records ----------------------------------------------------------------
 
-    def load_completion(self, task_id: str) -> dict[str, Any] | None:
+    def load_completion(self, task_id: str) -> Command[dict[str, Any] | None]:
         """The completion record of ``task_id`` (``{"result": ...}``), or None."""
-        key = self.keys.completed(task_id)
-        return self.commands.get(key, _completion, None)
+        return Command.get(self.keys.completed(task_id), _completion, None)
 
-    def save_completion(self, task_id: str, result: Any, ttl: float) -> None:
+    def save_completion(self, task_id: str, result: Any, ttl: float) -> Command[Any]:
         payload = json.dumps({"result": result})
         key = self.keys.completed(task_id)
-        self.commands.command(lambda: self.commands.client.set(key, payload, px=milliseconds(ttl)))
+        return Command.plain("SET", key, payload, "PX", milliseconds(ttl))
 
 
 def _completion(raw: bytes) -> dict[str, Any]:
@@ -303,50 +514,131 @@ def _completion(raw: bytes) -> dict[str, Any]:
     return {"result": record["result"]}
 
 
-MGET_CHUNK = 1000  # keys read by one command in beat's check, not one command each
-CLOCK_RESYNC = 60.0  # seconds between reads of Redis TIME; monotonic drift is negligible
-LOCK_WAIT_SECONDS = "lock_wait_seconds"  # from finding another's renewal under way to a
-# token being stored: recorded by the store's write, not by the waiters
-_LOCK_WAIT_ARGS = Histogram(LOCK_WAIT_SECONDS).script_args()  # the same for every write
+class AccountRecords:
+    """Breaker, forced renewals, probe, counters, histograms and completion records of one
+    account, each command sent at once (``TokenCommands`` builds them)."""
+
+    def __init__(self, redis: AccountRedis, ask: TokenCommands) -> None:
+        self.commands = redis
+        self.ask = ask
+        self.account = ask.account  # its name in this process's meters (telemetry)
+        self.keys = ask.keys
+
+    def __repr__(self) -> str:
+        return f"AccountRecords(namespace={self.keys.namespace!r})"
+
+    def load_breaker(self) -> BreakerRecord | None:
+        return self.commands.send(self.ask.load_breaker())
+
+    def open_breaker(self, record: BreakerRecord, now: float) -> None:
+        self.commands.send(self.ask.open_breaker(record, now))
+
+    def close_breaker(self) -> None:
+        self.commands.send(self.ask.close_breaker())
+
+    def forced_in_period(self, now: float, period: float) -> int:
+        return self.commands.send(self.ask.forced_in_period(now, period))
+
+    def log_forced(self, now: float) -> None:
+        self.commands.send(self.ask.log_forced(now))
+
+    def reserve_forced(self, interval: float, tolerance: float = 0.0) -> float:
+        return self.commands.send(self.ask.reserve_forced(interval, tolerance))
+
+    def take_probe(self, interval: float) -> bool:
+        return self.commands.send(self.ask.take_probe(interval))
+
+    def count(self, *events: str) -> None:
+        self.commands.send(self.ask.count(*events))
+
+    def record_attempt(self, reason: RenewalReason, outcome: Outcome, now: float) -> None:
+        self.commands.send(self.ask.record_attempt(reason, outcome, now))
+
+    def record_renewal(self, reason: RenewalReason, outcome: Outcome) -> None:
+        self.commands.send(self.ask.record_renewal(reason, outcome))
+
+    def exchanges_since(self, since: float) -> int:
+        return self.commands.send(self.ask.exchanges_since(since))
+
+    def counters(self) -> dict[str, int]:
+        return self.commands.send(self.ask.counters())
+
+    def histograms(self) -> dict[str, int]:
+        return self.commands.send(self.ask.histograms())
+
+    def numbers(self, key: str, raw: Mapping[bytes, bytes]) -> dict[str, int]:
+        return self.ask.numbers(key, raw)
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Add one duration to the fleet-wide histogram ``name``. Best effort: a failure
+        is logged, never raised, so it cannot fail what it measures."""
+        try:
+            self.commands.send(self.ask.observe(name, seconds))
+        except StoreUnavailable as exc:
+            log.warning("could not record %s in Redis: %s", name, exc)
+
+    def load_completion(self, task_id: str) -> dict[str, Any] | None:
+        return self.commands.send(self.ask.load_completion(task_id))
+
+    def save_completion(self, task_id: str, result: Any, ttl: float) -> None:
+        self.commands.send(self.ask.save_completion(task_id, result, ttl))
 
 
 class RedisClock:
-    """Redis's clock, estimated locally between reads of TIME."""
+    """Redis's clock, estimated locally between reads of TIME: the reading (``at``) and when
+    to read again (``due``) are here, the read itself is the caller's (blocking:
+    ``__call__``; asyncio: ``store.aio``)."""
 
     def __init__(
         self,
-        read_time: Callable[[], float],
+        read_time: Callable[[], float] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         resync: float = CLOCK_RESYNC,
     ) -> None:
         self._read_time = read_time
-        self._monotonic = monotonic
+        self.monotonic = monotonic
         self._resync = resync
         self._base: tuple[float, float] | None = None  # (redis time, monotonic) at the last read
         self._next_read = 0.0
 
-    def __call__(self) -> float:
-        """Redis's time now. Raises StoreUnavailable only if Redis was never reached."""
-        mono = self._monotonic()
+    def due(self, mono: float) -> bool:
+        """Whether Redis's TIME should be read again at ``mono`` (claims the read)."""
         if self._base is None or mono >= self._next_read:
             self._next_read = mono + self._resync
+            return True
+        return False
+
+    def read(self, remote: float, before: float, after: float) -> None:
+        """A reading of TIME (``remote``), sent at ``before`` and answered at ``after``."""
+        self._base = (remote, (before + after) / 2)  # read about mid round trip
+
+    def at(self, mono: float) -> float:
+        """Redis's time at ``mono``; StoreUnavailable if it was never read."""
+        if self._base is None:
+            raise StoreUnavailable("token store: Redis's clock was never read")
+        remote_then, mono_then = self._base
+        return remote_then + (mono - mono_then)
+
+    def __call__(self) -> float:
+        """Redis's time now. Raises StoreUnavailable only if Redis was never reached."""
+        assert self._read_time is not None, "a blocking clock needs read_time"
+        mono = self.monotonic()
+        if self.due(mono):
             try:
-                before = self._monotonic()
+                before = self.monotonic()
                 remote = self._read_time()
-                after = self._monotonic()
+                self.read(remote, before, self.monotonic())
             except StoreUnavailable:
                 if self._base is None:
                     raise
-            else:
-                self._base = (remote, (before + after) / 2)  # read about mid round trip
-        remote_then, mono_then = self._base
-        return remote_then + (mono - mono_then)
+        return self.at(mono)
 
 
 class TokenStore:
     """One account's token, generation, acceptance and renewal lock; ``records`` holds its
-    breaker, budget, counters and completion records. The manager, beat's check,
-    completions, wake-ups, status and metrics reach Redis through it."""
+    breaker, counters and completion records. Each method sends the command of the same
+    name of ``ask`` (``TokenCommands``, what the renewal's flows yield) and returns its
+    reply. Beat's check, completions, wake-ups, status and metrics reach Redis through it."""
 
     namespace_for = staticmethod(AccountKeys.namespace_for)
 
@@ -360,15 +652,10 @@ class TokenStore:
         self.namespace = namespace
         self.account = account  # the account's name (``accounts``), in telemetry
         self.keys = AccountKeys.of(namespace)
-        self.codec = codec  # how the token value is kept at rest (store.sealing)
+        self.codec = codec
         self.commands = AccountRedis(client, self.keys)
-        self.records: AccountRecords = AccountRecords(self.commands, account)
-        self._parsed: tuple[bytes, Token] | None = None
-        self._parsed_lock = threading.Lock()
-        # the highest generation this process has seen stored: Redis may lose the last
-        # writes in a failover (asynchronous replication), and a process that used a token
-        # must never go back to an older one
-        self._seen_generation = 0
+        self.ask = TokenCommands(self.commands, namespace, codec, account)
+        self.records = AccountRecords(self.commands, self.ask)
 
     def __repr__(self) -> str:
         return f"TokenStore(namespace={self.namespace!r})"
@@ -382,43 +669,18 @@ class TokenStore:
     def redis(self, client: StoreClient) -> None:
         self.commands.client = client
 
-    # -- the token ---------------------------------------------------------------------------
+    def send(self, command: Command[T]) -> T:
+        """Send one of ``ask``'s commands and read its reply."""
+        return self.commands.send(command)
 
     def time(self) -> float:
-        """Redis's clock, in seconds."""
-        seconds, micros = self.commands.command(self.redis.time)
-        return float(seconds + micros / 1e6)
+        return self.send(self.ask.time())
 
     def load(self) -> Token | None:
-        """The stored token, or None. One GET; an unchanged value is not parsed again.
-
-        None too when the stored token is older than one this process has seen stored
-        (Redis lost writes): it is renewed rather than used again.
-        """
-        key = self.keys.token
-        return self.parse_token(self.commands.get(key, bytes, None))
+        return self.send(self.ask.load())
 
     def parse_token(self, raw: bytes | None) -> Token | None:
-        """The token a GET of its key read (``raw``), opened; see ``load``."""
-        if raw is None:
-            return None
-        parsed = self._parsed
-        if parsed is not None and parsed[0] == raw:
-            token = parsed[1]
-        else:
-            try:
-                token = Token.from_json(raw)
-                token = replace(token, value=self.codec.open(token.value, self.namespace))
-            except CORRUPT as exc:  # (a value in clear where a key seals them is a ValueError)
-                self.commands.corrupt(self.keys.token, type(exc).__name__)
-                return None
-            with self._parsed_lock:
-                self._parsed = (raw, token)
-        if token.generation < self._seen_generation:
-            return None
-        if token.generation > self._seen_generation:
-            self._see(token.generation)
-        return token
+        return self.ask.parse_token(raw)
 
     def look_after_401(
         self,
@@ -428,119 +690,62 @@ class TokenStore:
         lease: float,
         wait_limit: float,
         *,
+        route: str = "",
         count: bool = True,
+        mark: bool | None = None,
     ) -> tuple[Token | None, int]:
-        """After a 401, in one round trip: count it (unless ``count`` is False: no new 401
-        came, the call follows an earlier one), load the token and, if it is still the
-        refused generation (or none is stored), try the renewal lock with ``lock_value``
-        (None: a thread of this process holds it; only ``renewal.lock`` calls this).
-
-        Returns the stored token and 1 (lock taken), 0 (not tried) or -1 (another holds
-        it: the wait was noted, see ``note_wait``).
-        """
-        raw, outcome = self.commands.run(
-            scripts.LOOK_AFTER_401,
-            keys=[self.keys.token, self.keys.lock, self.keys.counters, self.keys.waits],
-            args=[
-                refused_generation,
-                lock_value or "",
-                owner_prefix,
-                milliseconds(lease),
-                CounterName.UNAUTHORIZED if count else "",
-                CounterName.LOCK_WAITS,
-                milliseconds(wait_limit),
-            ],
+        command = self.ask.look_after_401(
+            refused_generation,
+            lock_value,
+            owner_prefix,
+            lease,
+            wait_limit,
+            route=route,
+            count=count,
+            mark=mark,
         )
-        return self.parse_token(raw), int(outcome)
+        return self.send(command)
 
     def generation(self) -> int:
-        """The generation of the last token written (0 if none ever was), or the highest
-        this process has seen stored if Redis has lost writes since (or evicted the
-        counter: the stored token's generation counts, as in the save script)."""
-        key = self.keys.generation
-        return max(self.commands.get(key, int, 0), self._seen_generation)
+        return self.send(self.ask.generation())
 
-    def save(self, token: Token) -> tuple[bool, int]:
-        """Write ``token`` if it is the successor of the stored generation.
-
-        ``token.generation`` must be the stored generation plus one. Returns whether it was
-        written and the generation now stored.
-        """
-        written, generation, *waits = self.commands.run(
-            scripts.SAVE_IF_GENERATION,
-            keys=[self.keys.token, self.keys.generation, self.keys.waits, self.keys.histograms],
-            args=[
-                token.generation - 1,
-                replace(token, value=self.codec.seal(token.value, self.namespace)).to_json(),
-                repr(token.kept_until),
-                self._seen_generation,
-                *_LOCK_WAIT_ARGS,
-            ],
-        )
-        if written == 1:
-            self._see(int(generation))
-            for micros in waits:  # this process's meter gets the waits its write ended
-                telemetry.observe_lock_wait(self.account, int(micros) / 1e6)
-        return written == 1, int(generation)
-
-    def _see(self, generation: int) -> None:
-        with self._parsed_lock:
-            self._seen_generation = max(self._seen_generation, generation)
+    def save(self, token: Token, issuer: str = "") -> tuple[bool, int]:
+        return self.send(self.ask.save(token, issuer))
 
     @property
     def seen_generation(self) -> int:
-        """The highest generation this process has seen stored."""
-        return self._seen_generation
+        return self.ask.seen_generation
 
     def announce(self, generation: int) -> bool:
         """Tell waiting processes that ``generation`` is stored. Best effort (they poll too):
         False if it could not be published (Redis down, or an ACL without the channel)."""
         try:
-            self.commands.command(lambda: self.redis.publish(self.keys.renewed, str(generation)))
+            self.send(self.ask.announce(generation))
         except StoreUnavailable as exc:
             log.warning("could not announce a new token: %s", exc)
             return False
         return True
 
     def note_wait(self, stale_generation: int, wait_limit: float) -> bool:
-        """Count a wait for another's renewal of ``stale_generation`` and note when it
-        began, for the lock-wait histogram: the write that ends it records it, so a waiter
-        sends no command for it. False, nothing noted, if a newer generation is stored."""
-        noted = self.commands.run(
-            scripts.NOTE_WAIT_UNLESS_RENEWED,
-            keys=[self.keys.token, self.keys.counters, self.keys.waits],
-            args=[stale_generation, CounterName.LOCK_WAITS, milliseconds(wait_limit)],
-        )
-        return bool(noted)
+        return self.send(self.ask.note_wait(stale_generation, wait_limit))
 
-    def mark_accepted(self, generation: int) -> None:
-        """Record that the API accepted a token of ``generation``, in its own record (and in
-        the ``accepted`` key older releases read); no write if already known."""
-        keys = [self.keys.accepted, self.keys.token]
-        self.commands.run(scripts.RAISE_ACCEPTED, keys=keys, args=[generation])
+    def mark_accepted(self, generation: int, route: str = "") -> None:
+        self.send(self.ask.mark_accepted(generation, route))
 
     def accepted_generation(self) -> int:
-        """The highest generation the API is known to have accepted (0: none ever)."""
-        key = self.keys.accepted
-        return self.commands.get(key, int, 0)
-
-    # -- the renewal lock (``renewal.lock.RenewalLock`` is its only user) -----------------
+        return self.send(self.ask.accepted_generation())
 
     def take_lock(self, value: str, owner_prefix: str, lease: float) -> bool:
-        args = [value, owner_prefix, milliseconds(lease)]
-        return bool(self.commands.run(scripts.TAKE_LOCK, keys=[self.keys.lock], args=args))
+        return self.send(self.ask.take_lock(value, owner_prefix, lease))
 
     def extend_lock(self, value: str, lease: float) -> bool:
-        args = [value, milliseconds(lease)]
-        return bool(self.commands.run(scripts.EXTEND_LOCK, keys=[self.keys.lock], args=args))
+        return self.send(self.ask.extend_lock(value, lease))
 
     def release_lock(self, value: str) -> bool:
-        return bool(self.commands.run(scripts.RELEASE_LOCK, keys=[self.keys.lock], args=[value]))
+        return self.send(self.ask.release_lock(value))
 
     def lock_holder(self) -> str | None:
-        """Who holds the renewal lock, if anyone."""
-        key = self.keys.lock
-        return self.commands.get(key, bytes.decode, None)
+        return self.send(self.ask.lock_holder())
 
 
 def read_values(client: StoreClient, keys: list[str]) -> tuple[float, list[bytes | None]]:

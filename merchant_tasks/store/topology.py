@@ -15,16 +15,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.sentinel
 from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
 from merchant_tasks.exceptions import ConfigurationError, StoreUnavailable
 
 StoreClient: TypeAlias = "redis.Redis | RedisCluster"
+AsyncStoreClient: TypeAlias = "redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster"
 
 SOCKET_CONNECT_TIMEOUT = 2.0  # a dead Redis (or sentinel) fails a call fast...
 SOCKET_TIMEOUT = 5.0  # ... and so does one that accepted the connection and hangs
@@ -151,28 +155,63 @@ def redis_from_url(
     A Sentinel client reads and writes on the master: a replica may lag behind it, and the
     store compares generations.
     """
+    client: StoreClient = _client_from_url(
+        url, sentinel_master, sentinel_password, cluster, redis, Sentinel, RedisCluster
+    )
+    return client
+
+
+def async_redis_from_url(
+    url: str,
+    *,
+    sentinel_master: str = DEFAULT_SENTINEL_MASTER,
+    sentinel_password: str | None = None,
+    cluster: bool = False,
+) -> AsyncStoreClient:
+    """``redis_from_url``'s client, with redis.asyncio: the same topology and options."""
+    client: AsyncStoreClient = _client_from_url(
+        url,
+        sentinel_master,
+        sentinel_password,
+        cluster,
+        redis.asyncio,
+        redis.asyncio.sentinel.Sentinel,
+        redis.asyncio.cluster.RedisCluster,
+    )
+    return client
+
+
+def _client_from_url(
+    url: str,
+    sentinel_master: str,
+    sentinel_password: str | None,
+    cluster: bool,
+    module: Any,
+    sentinel_class: Any,
+    cluster_class: Any,
+) -> Any:
+    """A client of redis-py's ``module`` (``redis`` or ``redis.asyncio``) for ``url``."""
     timeouts = {
         "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT,
         "socket_timeout": SOCKET_TIMEOUT,
     }
     if is_sentinel_url(url):
         parsed = parse_sentinel_url(url)
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = sentinel_class(
             list(parsed.sentinels),
             sentinel_kwargs={**timeouts, "password": sentinel_password},
             **timeouts,
         )
-        master: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        return sentinel.master_for(
             sentinel_master,
             db=parsed.db,
             username=parsed.username,
             password=parsed.password,
             health_check_interval=HEALTH_CHECK_INTERVAL,
         )
-        return master
     if cluster:
-        return RedisCluster.from_url(url, **timeouts)
-    return redis.Redis.from_url(url, health_check_interval=HEALTH_CHECK_INTERVAL, **timeouts)
+        return cluster_class.from_url(url, **timeouts)
+    return module.Redis.from_url(url, health_check_interval=HEALTH_CHECK_INTERVAL, **timeouts)
 
 
 def probe_redis(url: str, *, connect_timeout: float) -> bool:

@@ -17,13 +17,13 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from redis.client import PubSub
 
 from merchant_tasks.store.keys import REDIS_ERRORS
 from merchant_tasks.store.token_store import TokenStore, open_subscription
-from merchant_tasks.store.topology import StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,20 @@ class RenewalSignal:
     @property
     def subscriber_thread(self) -> threading.Thread | None:
         """The thread that listens for this signal's account, while one runs."""
-        return _subscriber_for(self._redis).thread_of(self)
+        thread = subscriber_for(self._redis).thread_of(self)
+        return thread if isinstance(thread, threading.Thread) else None
 
     def start(self) -> None:
         """Have this process's subscriber listen for the account (cheap: called on each
         store read)."""
         if not self._listening:
-            _subscriber_for(self._redis).add(self)
+            subscriber_for(self._redis).add(self)
+
+    def stop(self) -> None:
+        """This process no longer listens for the account (its client closed): the
+        subscriber drops its channel within LISTEN_TICK, and ends when none is left."""
+        subscriber_for(self._redis).discard(self)
+        self._subscribed(False)
 
     def wait(self, heard: int, timeout: float) -> bool:
         """Wait up to ``timeout`` s for an announcement after ``heard``; True if one came."""
@@ -79,35 +86,55 @@ class RenewalSignal:
             self._cond.notify_all()  # waiters re-check the store rather than trust a dead line
 
 
-class _Subscriber:
-    """One process's subscription connection to one Redis, shared by every account on it."""
+class Signal(Protocol):
+    """What a subscriber tells a signal (``RenewalSignal``, or ``store.aio``'s)."""
 
-    def __init__(self, client: StoreClient) -> None:
+    channel: str
+
+    def _heard(self) -> None: ...
+
+    def _subscribed(self, listening: bool) -> None: ...
+
+
+class _Subscriber:
+    """One process's subscription connection to one Redis, shared by every account on it:
+    which channels are wanted and confirmed, and who hears what. The listening itself is a
+    thread's (``_listen``) or, for asyncio, a task's (``store.aio``), started by ``start``."""
+
+    def __init__(self, client: Any, start: Callable[[_Subscriber], Any] | None = None) -> None:
         self._client = client
+        self._start = start or _listening_thread
         self._lock = threading.Lock()
-        self._signals: dict[str, weakref.WeakSet[RenewalSignal]] = {}
+        self._signals: dict[str, weakref.WeakSet[Signal]] = {}
         self._confirmed: set[str] = set()  # channels the server confirmed subscribing
-        self.thread: threading.Thread | None = None
+        self.thread: Any = None  # the listening thread (or task), while one runs
         self._next_try = 0.0
 
-    def add(self, signal: RenewalSignal) -> None:
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    def add(self, signal: Signal) -> None:
         with self._lock:
             self._signals.setdefault(signal.channel, weakref.WeakSet()).add(signal)
             confirmed = signal.channel in self._confirmed
-            if self.thread is None and time.monotonic() >= self._next_try:
-                self.thread = threading.Thread(
-                    target=self._listen, name="renewal-announcements", daemon=True
-                )
-                self.thread.start()
+            if _ended(self.thread) and time.monotonic() >= self._next_try:
+                self.thread = self._start(self)
         if confirmed:  # another signal of this account subscribed already
             signal._subscribed(True)
 
-    def thread_of(self, signal: RenewalSignal) -> threading.Thread | None:
+    def discard(self, signal: Signal) -> None:
+        with self._lock:
+            members = self._signals.get(signal.channel)
+            if members is not None:
+                members.discard(signal)
+
+    def thread_of(self, signal: Signal) -> Any:
         with self._lock:
             members = self._signals.get(signal.channel)
             return self.thread if members is not None and signal in members else None
 
-    def _wanted(self) -> set[str]:
+    def wanted(self) -> set[str]:
         """The channels some live signal still needs; forgets the others."""
         with self._lock:
             for channel in [c for c, members in self._signals.items() if not members]:
@@ -117,7 +144,7 @@ class _Subscriber:
             self._confirmed &= set(self._signals)
             return set(self._signals)
 
-    def _deliver(self, message: dict[str, Any]) -> None:
+    def deliver(self, message: dict[str, Any]) -> None:
         """A subscription confirmed or an announcement heard: tell the channel's signals."""
         if message["type"] not in ("subscribe", "message"):
             return
@@ -140,7 +167,7 @@ class _Subscriber:
             pubsub = open_subscription(self._client)
             subscribed: set[str] = set()
             while True:
-                wanted = self._wanted()
+                wanted = self.wanted()
                 if not wanted:
                     return
                 if wanted - subscribed:
@@ -150,19 +177,20 @@ class _Subscriber:
                 subscribed = wanted
                 message: dict[str, Any] | None = pubsub.get_message(timeout=LISTEN_TICK)
                 if message is not None:
-                    self._deliver(message)  # holds no signal across ticks: they may end
+                    self.deliver(message)  # holds no signal across ticks: they may end
         except (*REDIS_ERRORS, OSError, ValueError, AttributeError) as exc:
             log.info(
                 "renewal announcements lost (%s); waiters poll until resubscribed",
                 type(exc).__name__,
             )
-            self._stopped()
+            self.stopped()
         finally:
             if pubsub is not None:
                 with contextlib.suppress(*REDIS_ERRORS, OSError):
                     pubsub.close()
 
-    def _stopped(self) -> None:
+    def stopped(self, exc: BaseException | None = None) -> None:
+        """The listening ended (the subscription dropped: waiters poll meanwhile)."""
         with self._lock:
             self.thread = None
             self._confirmed.clear()
@@ -172,16 +200,34 @@ class _Subscriber:
             signal._subscribed(False)
 
 
-_SUBSCRIBERS: weakref.WeakKeyDictionary[StoreClient, _Subscriber] = weakref.WeakKeyDictionary()
+def _ended(listener: Any) -> bool:
+    """Whether no listener runs: none started, or its thread or task is over (a task dies
+    with its event loop, without saying so)."""
+    if listener is None:
+        return True
+    if isinstance(listener, threading.Thread):
+        return not listener.is_alive()
+    return bool(listener.done())
+
+
+def _listening_thread(subscriber: _Subscriber) -> threading.Thread:
+    thread = threading.Thread(target=subscriber._listen, name="renewal-announcements", daemon=True)
+    thread.start()
+    return thread
+
+
+_SUBSCRIBERS: weakref.WeakKeyDictionary[Any, _Subscriber] = weakref.WeakKeyDictionary()
 _SUBSCRIBERS_LOCK = threading.Lock()
 _SIGNALS: weakref.WeakSet[RenewalSignal] = weakref.WeakSet()
 
 
-def _subscriber_for(client: StoreClient) -> _Subscriber:
+def subscriber_for(client: Any, start: Callable[[_Subscriber], Any] | None = None) -> _Subscriber:
+    """This process's subscriber for ``client`` (one per Redis client), made on first use;
+    ``start``: how its listening starts (a thread unless given)."""
     with _SUBSCRIBERS_LOCK:
         subscriber = _SUBSCRIBERS.get(client)
         if subscriber is None:
-            subscriber = _SUBSCRIBERS[client] = _Subscriber(client)
+            subscriber = _SUBSCRIBERS[client] = _Subscriber(client, start)
         return subscriber
 
 

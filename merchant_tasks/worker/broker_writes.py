@@ -37,7 +37,7 @@ from tenacity import RetryCallState
 from merchant_tasks.exceptions import StoreRefusingWrites
 from merchant_tasks.store.keys import REFUSING_WRITES, cause
 from merchant_tasks.worker.completions import once_writes_are_taken
-from merchant_tasks.worker.tasks import WAIT_IN_PLACE
+from merchant_tasks.worker.task_bodies import WAIT_IN_PLACE
 
 log = logging.getLogger(__name__)
 

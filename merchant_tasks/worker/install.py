@@ -56,7 +56,7 @@ from merchant_tasks.worker.routing import (
     remove_stale_bindings,
 )
 from merchant_tasks.worker.store_check import start_store_check
-from merchant_tasks.worker.tasks import CALL_API, COUNTDOWN_MAX, RENEW_ACCOUNT, TASKS
+from merchant_tasks.worker.task_bodies import CALL_API, COUNTDOWN_MAX, RENEW_ACCOUNT, TASKS
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,10 @@ from celery.result import AsyncResult
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
+from merchant_tasks import BrokerUnavailable
 from merchant_tasks.tasks import call_api
+
+RETRY_AFTER = "5"  # seconds: a broker restart or failover is usually over by then
 
 
 @require_POST
@@ -15,9 +18,14 @@ def charge(request: HttpRequest) -> HttpResponse:
     order = json.loads(request.body)
     body = {"amount": int(order["amount"]), "currency": "EUR", "reference": order["order"]}
     # the order id is the idempotency key: a retried or redelivered charge pays once
-    task = call_api.delay(
-        "POST", "/open-api/v1/payments", json=body, idempotency_key=f"order-{order['order']}"
-    )
+    try:
+        task = call_api.delay(
+            "POST", "/open-api/v1/payments", json=body, idempotency_key=f"order-{order['order']}"
+        )
+    except BrokerUnavailable:  # within MERCHANT_ENQUEUE_TIMEOUT: the request is not held
+        return JsonResponse(
+            {"error": "try again"}, status=503, headers={"Retry-After": RETRY_AFTER}
+        )
     return JsonResponse({"task": task.id}, status=202)
 
 

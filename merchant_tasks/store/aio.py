@@ -1,0 +1,160 @@
+"""The token store for asyncio callers: the same commands (``TokenCommands``), sent with
+redis.asyncio, the same clock and the same wake-ups, heard by a task instead of a thread.
+
+Nothing of the store's rules is here: the keys, the scripts, how replies read and errors
+are typed are the blocking store's (``store.keys``, ``store.token_store``); this module
+only awaits where that one blocks. An asyncio process and a blocking one on one account
+share every record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, TypeVar
+
+from merchant_tasks.store.keys import REDIS_ERRORS, AccountKeys, Command, Replies, redis_address
+from merchant_tasks.store.sealing import PLAIN_TEXT, TokenCodec
+from merchant_tasks.store.token_store import RedisClock, TokenCommands
+from merchant_tasks.store.topology import AsyncStoreClient
+from merchant_tasks.store.wakeup import LISTEN_TICK, _Subscriber, subscriber_for
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncAccountRedis(Replies):
+    """One account's Redis commands sent with redis.asyncio (errors typed and corrupt values
+    read as ``Replies`` says, as for the blocking store)."""
+
+    def __init__(self, client: AsyncStoreClient, keys: AccountKeys) -> None:
+        super().__init__(keys)
+        self.client = client
+
+    @property
+    def address(self) -> str:
+        return redis_address(self.client)
+
+    async def send(self, command: Command[T]) -> T:
+        """Send ``command`` and read its reply (see ``Command``)."""
+        try:
+            raw = await self.client.execute_command(*command.args)
+        except REDIS_ERRORS as exc:
+            raw = self.refused(exc)
+        return self.reply(command.key, raw, command.parse, command.absent)
+
+
+class AsyncTokenStore:
+    """One account's token and records for asyncio callers: ``ask`` builds the commands,
+    ``send`` awaits them, ``now`` is the store's clock."""
+
+    def __init__(
+        self,
+        client: AsyncStoreClient,
+        namespace: str,
+        codec: TokenCodec = PLAIN_TEXT,
+        account: str = "",
+    ) -> None:
+        self.namespace = namespace
+        self.account = account
+        self.keys = AccountKeys.of(namespace)
+        self.commands = AsyncAccountRedis(client, self.keys)
+        self.ask = TokenCommands(self.commands, namespace, codec, account)
+        self.clock = RedisClock()
+
+    def __repr__(self) -> str:
+        return f"AsyncTokenStore(namespace={self.namespace!r})"
+
+    @property
+    def redis(self) -> AsyncStoreClient:
+        return self.commands.client
+
+    async def send(self, command: Command[T]) -> T:
+        return await self.commands.send(command)
+
+    async def now(self, mono: float) -> float:
+        """Redis's time at ``mono`` (this process's monotonic clock): TIME read once a
+        minute, the local clock in between (``RedisClock``)."""
+        if self.clock.due(mono):
+            try:
+                remote = await self.send(self.ask.time())
+            except Exception:
+                with contextlib.suppress(Exception):
+                    return self.clock.at(mono)  # a reading from before: still good
+                raise
+            self.clock.read(remote, mono, self.clock.monotonic())
+        return self.clock.at(mono)
+
+
+class AsyncRenewalSignal:
+    """``store.wakeup.RenewalSignal`` for asyncio: the renewals of one account this process
+    has heard of, and a wait for the next that does not block the event loop."""
+
+    def __init__(self, store: AsyncTokenStore) -> None:
+        self._redis = store.redis
+        self.channel = store.keys.renewed
+        self.heard = 0
+        self.listening = False
+        self._next = asyncio.Event()
+
+    def start(self) -> None:
+        """Have this process's subscriber task listen for the account."""
+        if not self.listening:
+            subscriber_for(self._redis, _listening_task).add(self)
+
+    def stop(self) -> None:
+        """This process no longer listens for the account: the subscriber task drops its
+        channel within LISTEN_TICK, and ends when none is left."""
+        subscriber_for(self._redis, _listening_task).discard(self)
+        self._subscribed(False)
+
+    async def wait(self, heard: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for an announcement after ``heard``; True if one came."""
+        if self.heard > heard:
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._next.wait(), timeout)
+        return self.heard > heard
+
+    def _heard(self) -> None:
+        self.heard += 1
+        self._next.set()
+        self._next = asyncio.Event()
+
+    def _subscribed(self, listening: bool) -> None:
+        self.listening = listening
+        self._next.set()  # waiters look at the store rather than trust a dead line
+        self._next = asyncio.Event()
+
+
+def _listening_task(subscriber: _Subscriber) -> asyncio.Task[None]:
+    return asyncio.get_running_loop().create_task(_listen(subscriber))
+
+
+async def _listen(subscriber: _Subscriber) -> None:
+    """The subscriber task: takes up new channels each tick, ends when none is wanted."""
+    pubsub: Any = None
+    try:
+        pubsub = subscriber.client.pubsub()
+        current: set[str] = set()
+        while wanted := subscriber.wanted():
+            if added := wanted - current:
+                await pubsub.subscribe(*added)
+            if dropped := current - wanted:
+                await pubsub.unsubscribe(*dropped)
+            current = wanted
+            message = await pubsub.get_message(timeout=LISTEN_TICK)
+            if message is not None:
+                subscriber.deliver(message)
+    except (*REDIS_ERRORS, OSError, ValueError, AttributeError) as exc:
+        log.info(
+            "renewal announcements lost (%s); waiters poll until resubscribed",
+            type(exc).__name__,
+        )
+        subscriber.stopped()
+    finally:
+        if pubsub is not None:
+            with contextlib.suppress(*REDIS_ERRORS, OSError):
+                await pubsub.aclose()

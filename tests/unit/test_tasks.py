@@ -1,0 +1,99 @@
+"""merchant_tasks.tasks: ``call_api`` is typed, sends the registered Celery task, and has an
+awaitable send that leaves the event loop serving."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+import merchant_tasks
+from merchant_tasks.exceptions import BrokerUnavailable
+from merchant_tasks.sandbox.processes import free_port
+from merchant_tasks.tasks import call_api
+from merchant_tasks.worker import install as install_module
+from merchant_tasks.worker.task_bodies import CALL_API
+
+MYPY_TIMEOUT = 300.0  # seconds: mypy without a cache, on a busy machine
+TICK = 0.01  # seconds between two ticks of the event loop's other task
+
+MISSPELT = """\
+from merchant_tasks.tasks import call_api
+
+
+async def charge() -> None:
+    call_api.delay("POST", "/open-api/v1/payments", json={"amount": 7}, idempotency_kee="o-1")
+    await call_api.delay_async("GET", "/open-api/v1/ping", acount="eu-shop")
+"""
+
+
+@pytest.fixture
+def shop_app(monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
+    """A shop's app install() ran on, whose broker nobody listens on; forgotten after."""
+    monkeypatch.setattr(install_module, "_shop_app", None)
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    app = Celery("shop", broker=url, backend=url, set_as_current=False)
+    merchant_tasks.install(app)
+    yield app
+    app.close()
+
+
+def test_a_misspelt_argument_of_call_api_fails_the_users_mypy(tmp_path: Path) -> None:
+    (tmp_path / "shop.py").write_text(MISSPELT, encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "shop.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=MYPY_TIMEOUT,
+        check=False,
+    )
+    assert 'Unexpected keyword argument "idempotency_kee" for "delay"' in done.stdout, done.stdout
+    assert 'Unexpected keyword argument "acount"' in done.stdout, done.stdout
+    assert "Found 2 errors" in done.stdout, done.stdout
+
+
+def test_call_api_is_still_the_registered_celery_task_for_everything_else(
+    shop_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task = shop_app.tasks[CALL_API]
+    assert call_api.app is shop_app
+    assert call_api.name == task.name == CALL_API
+    signature = call_api.s("GET", "/open-api/v1/ping", idempotency_key="o-1")
+    assert (signature.task, signature.kwargs) == (CALL_API, {"idempotency_key": "o-1"})
+    monkeypatch.setattr(task, "run", lambda *args, **kwargs: [args, kwargs])
+    monkeypatch.setattr(shop_app.conf, "task_always_eager", True)
+    sent = call_api.delay("POST", "/p", json={"amount": 7}, account="eu-shop").get()
+    assert sent == [("POST", "/p"), {"json": {"amount": 7}, "account": "eu-shop"}]  # no Nones
+    assert call_api("GET", "/p") == [("GET", "/p"), {}]  # the body, in this process
+
+
+def test_delay_async_raises_what_delay_raises_and_the_event_loop_serves_meanwhile(
+    shop_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MERCHANT_ENQUEUE_TIMEOUT", "1")
+    ticks: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(TICK)
+            ticks.append(asyncio.get_running_loop().time())
+
+    async def enqueue() -> Any:
+        ticker = asyncio.create_task(tick())
+        started = asyncio.get_running_loop().time()
+        try:
+            return await call_api.delay_async("GET", "/open-api/v1/ping")
+        finally:
+            ticker.cancel()
+            print(f"{len(ticks)} ticks in {ticks[-1] - started:.3f} s of waiting")
+
+    with pytest.raises(BrokerUnavailable):
+        asyncio.run(enqueue())
+    assert len(ticks) > 10  # the loop was never held for the whole wait

@@ -45,11 +45,10 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.flows import CLOCK, Flow, Sleep, next_try
 from merchant_tasks.settings import Secret
-from merchant_tasks.token import Token
+from merchant_tasks.token import API_PREFIX, Token
 
 log = logging.getLogger(__name__)
 
-API_PREFIX = "/open-api/v1/"
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})  # RFC 9110 9.2.2
 IDEMPOTENCY_HEADER = "Idempotency-Key"  # the header most payment APIs read (IETF draft name):
 # a request carrying one may be sent again whatever its method, the server answers it once

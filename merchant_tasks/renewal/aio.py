@@ -91,6 +91,7 @@ class AsyncTokenManager:
         self.life.after_fork(process_owner(), f"{process_owner()}:{uuid.uuid4().hex[:6]}:")
         self._pid = os.getpid()
         self._beating: dict[str, asyncio.Task[None]] = {}
+        self._reading: asyncio.Future[Token] | None = None  # the shared read of the copy
         self._steps: dict[type, Callable[[Any], Awaitable[Any]]] = {
             Redis: lambda step: self.store.send(step.command),
             Clock: lambda _: self.moment(),
@@ -112,11 +113,17 @@ class AsyncTokenManager:
     # -- callers -------------------------------------------------------------------------
 
     async def token(self, path: str = "") -> Token:
-        """A token to call the API with (``TokenManager.token``, awaited)."""
+        """A token to call the API with (``TokenManager.token``, awaited). When this
+        process's copy is out of date, the tasks that want it at once share one read (an
+        event loop may hold hundreds of callers: one round trip, not one each)."""
         token = self.life.ready(await self.moment())
-        if token is not None and not token.routes:
-            return token
-        return await self.run(self.life.token_for(path) if path else self.life.token())
+        if token is None:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(self.run(self.life.token()))
+            token = await asyncio.shield(self._reading)
+        if path and token.routes:  # a route's hold may stop this call before it is sent
+            return await self.run(self.life.token_for(path))
+        return token
 
     async def refused(self, token: Token, path: str = "") -> Token:
         """A request on ``path`` with ``token`` got 401: its replacement, or why not."""
@@ -127,9 +134,11 @@ class AsyncTokenManager:
         its heartbeats end) and close the exchange's client."""
         if self.signal is not None:
             self.signal.stop()
-        for task in self._beating.values():
-            task.cancel()
+        beating = list(self._beating.values())
         self._beating.clear()
+        for task in beating:
+            task.cancel()
+        await asyncio.gather(*beating, return_exceptions=True)  # ended, not just told to
         close = getattr(self.exchange, "aclose", None)
         if close is not None:
             await close()

@@ -88,6 +88,7 @@ from merchant_tasks.store.token_store import (
     opening_counter,
 )
 from merchant_tasks.token import (
+    API_PREFIX,
     BreakerKind,
     CounterName,
     IssuedToken,
@@ -327,7 +328,6 @@ def refused_backoff(in_a_row: int) -> float:
 
 
 _ID_SEGMENT = re.compile(r"[a-z][a-z_-]*")  # a resource's name; anything else is an id
-API_PREFIX = "/open-api/v1/"
 
 
 def route_of(path: str) -> str:
@@ -740,7 +740,7 @@ class TokenLife:
         its error, with no Redis command."""
         hold = stale.route_hold(route) if route and not stale.refused else None
         if hold == 0:
-            raise PathForbidden.on(route)
+            raise PathForbidden.on(route, accepted_elsewhere=stale.accepted)
         if hold is not None and now < hold:
             raise _held(route, hold - now)
 
@@ -833,7 +833,7 @@ class TokenLife:
         if record is not None:
             self.keep(record, moment.mono)
         if verdict == Verdict.FORBIDDEN:
-            return RouteVerdict(PathForbidden.on(route))
+            return RouteVerdict(PathForbidden.on(route, accepted_elsewhere=current.accepted))
         return RouteVerdict(_held(route, until - moment.now))
 
     def _token_verdict(self, refused: Token, now: float) -> Flow[None]:
@@ -1321,10 +1321,10 @@ def _held(route: str, left: float) -> PathForbidden:
     """The error of a call to a route held back for ``left`` seconds more."""
     left = max(0.0, left)
     return PathForbidden(
-        f"the API refused 2 tokens in a row on route {route} (HTTP 401), and none of the "
-        "account's calls has succeeded with them since: the merchant may lack a permission "
-        f"for this route, or the key is wrong. Calls to it fail for {left:.0f} s, then a new "
-        "token is tried; calls to other routes go on. " + LIKELY_CAUSES,
+        f"the API refused 2 tokens in a row on {API_PREFIX}{route} (HTTP 401), and no call "
+        "of the account has succeeded with them yet: the merchant may lack a permission for "
+        f"this path, or the key is wrong. Calls to it fail for {left:.0f} s, then a new token "
+        "is tried; calls to other paths go on. " + LIKELY_CAUSES,
         status=401,
         retry_after=left,
     )

@@ -63,6 +63,7 @@ class AsyncTokenStore:
         self.commands = AsyncAccountRedis(client, self.keys)
         self.ask = TokenCommands(self.commands, namespace, codec, account)
         self.clock = RedisClock()
+        self._timing: asyncio.Future[None] | None = None  # the TIME reading under way
 
     def __repr__(self) -> str:
         return f"AsyncTokenStore(namespace={self.namespace!r})"
@@ -76,16 +77,22 @@ class AsyncTokenStore:
 
     async def now(self, mono: float) -> float:
         """Redis's time at ``mono`` (this process's monotonic clock): TIME read once a
-        minute, the local clock in between (``RedisClock``)."""
+        minute, the local clock in between (``RedisClock``); the tasks that find it due at
+        once share one reading."""
         if self.clock.due(mono):
+            if self._timing is None or self._timing.done():
+                self._timing = asyncio.ensure_future(self._read_time(mono))
             try:
-                remote = await self.send(self.ask.time())
+                await asyncio.shield(self._timing)
             except Exception:
                 with contextlib.suppress(Exception):
                     return self.clock.at(mono)  # a reading from before: still good
                 raise
-            self.clock.read(remote, mono, self.clock.monotonic())
         return self.clock.at(mono)
+
+    async def _read_time(self, mono: float) -> None:
+        remote = await self.send(self.ask.time())
+        self.clock.read(remote, mono, self.clock.monotonic())
 
 
 class AsyncRenewalSignal:
@@ -149,10 +156,11 @@ async def _listen(subscriber: _Subscriber) -> None:
             if message is not None:
                 subscriber.deliver(message)
     except (*REDIS_ERRORS, OSError, ValueError, AttributeError) as exc:
-        log.info(
-            "renewal announcements lost (%s); waiters poll until resubscribed",
-            type(exc).__name__,
-        )
+        if subscriber.wanted():  # else the pool was closed under it: a client's aclose
+            log.info(
+                "renewal announcements lost (%s); waiters poll until resubscribed",
+                type(exc).__name__,
+            )
         subscriber.stopped()
     finally:
         if pubsub is not None:

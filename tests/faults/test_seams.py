@@ -501,7 +501,10 @@ def test_two_revocations_before_first_use_heal_after_one_backoff(
         time.sleep(0.2)
     healed = time.monotonic() - started
     print(f"\ntwo revocations before first use: healed after {healed:.1f} s; {dict(outcomes)}")
-    assert set(outcomes) == {"TokenRejected"}  # failing fast meanwhile, then healed
+    # failing fast meanwhile (PathForbidden, a TokenRejected, once the path refused two
+    # tokens in a row that no call had proven good), then healed
+    assert outcomes
+    assert set(outcomes) <= {"TokenRejected", "PathForbidden"}, outcomes
     assert (
         merchant_sandbox.exchanges()["ok"] == 4
     )  # the first token, two revoked on issue, the healer

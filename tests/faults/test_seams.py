@@ -441,7 +441,8 @@ def test_status_reports_an_account_whose_tokens_are_refused_as_failing(
     assert "in a row" in call.stderr
     status = CliRunner().invoke(main, ["status", "--json"], env=env)
     [account] = json.loads(status.stdout)["accounts"]
-    assert account["breaker"]["kind"] == "refused"
+    assert account["refused_paths"] == {PING: account["refused_paths"][PING]}  # held back
+    assert account["breaker"] is None  # no fleet-wide pause: the path's refusal
     assert status.exit_code != 0
     assert merchant_sandbox.exchanges()["ok"] == 2  # the first refusal is replaced at once
 

@@ -122,9 +122,8 @@ def test_requests_that_are_not_the_accounts_api_calls_are_refused_before_they_ar
     named: str,
 ) -> None:
     target = url.format(base=merchant_sandbox.url)
-    with httpx.Client(auth=MerchantAuth(blocking)) as http:
-        with pytest.raises(ValueError, match=named):
-            http.get(target, headers=headers)
+    with httpx.Client(auth=MerchantAuth(blocking)) as http, pytest.raises(ValueError, match=named):
+        http.get(target, headers=headers)
     with requests.Session() as session:
         session.auth = MerchantAuth(blocking)
         with pytest.raises(ValueError, match=named):
@@ -141,7 +140,7 @@ def test_an_auth_used_with_the_other_kind_of_client_says_what_to_build_it_with(
         async with httpx.AsyncClient(auth=MerchantAuth(blocking)) as http:
             await http.get(merchant_sandbox.url + PING)
 
-    with pytest.raises(ValueError, match="no asyncio client for httpx.AsyncClient"):
+    with pytest.raises(ValueError, match=r"no asyncio client for httpx\.AsyncClient"):
         asyncio.run(scenario())
     with pytest.raises(ValueError, match="needs the package's client"):
         MerchantAuth()

@@ -1,7 +1,7 @@
 """A call to the merchant API as a flow: the send loop, and what each answer means.
 
 Written once for every HTTP client (``flows``): ``MerchantClient`` drives it with requests,
-``api.aio.AsyncMerchantClient`` with httpx, and ``api.auth.MerchantAuth`` inside the user's
+``api.async_client.AsyncMerchantClient`` with httpx, and ``api.auth.MerchantAuth`` inside the user's
 own httpx or requests client. A driver carries out ``Send`` (the request, signed with the
 token it names; the answer, or a ``TransportFailure``) and the token source's steps.
 

@@ -84,7 +84,7 @@ class Answer:
 
 class ExchangeRequest:
     """What every token exchange sends and how it reads the answer, whatever HTTP client
-    sends it (``TokenExchange``: requests; ``api.aio.AsyncTokenExchange``: httpx)."""
+    sends it (``TokenExchange``: requests; ``api.async_client.AsyncTokenExchange``: httpx)."""
 
     def __init__(
         self,

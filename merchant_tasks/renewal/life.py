@@ -5,7 +5,7 @@ HTTP. Its flows are generators, as httpx's ``Auth.auth_flow`` is: each yields th
 step as a value (send this Redis command; make one exchange attempt; sleep; wait for an
 announcement; lead or join this process's renewal) and is sent what that step gave back
 (or has the step's error thrown in). A driver carries the steps out: the blocking one
-(``renewal.manager``: redis-py, requests, threads) and the asyncio one (``renewal.aio``:
+(``renewal.manager``: redis-py, requests, threads) and the asyncio one (``renewal.async_manager``:
 redis.asyncio, httpx, tasks) drive the same flows, so no rule is written twice. Redis
 commands are values too (``store.token_store.TokenCommands``).
 

@@ -1,7 +1,7 @@
 """One account's Redis commands, under the token store and its records
 (``store.token_store``): every key name made from the account's namespace (``AccountKeys``), every
 command a value (``Command``: what is sent, and how its reply reads) that redis-py
-(``AccountRedis.send``) or redis.asyncio (``store.aio``) sends, every Redis error typed
+(``AccountRedis.send``) or redis.asyncio (``store.async_store``) sends, every Redis error typed
 (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed value read as absent
 and logged once. docs/design.md, "Seams".
 """
@@ -91,7 +91,7 @@ class Command(Generic[T]):
     ``execute_command`` takes them), and how its reply reads (``parse``; ``absent`` when
     ``key`` holds nothing, or something corrupt or of the wrong type). The renewal's flows
     yield these and a driver sends them, blocking (``AccountRedis.send``) or asyncio
-    (``store.aio``): one command, written once, for both."""
+    (``store.async_store``): one command, written once, for both."""
 
     args: tuple[Any, ...]
     parse: Callable[[Any], T]

@@ -587,7 +587,7 @@ class AccountRecords:
 class RedisClock:
     """Redis's clock, estimated locally between reads of TIME: the reading (``at``) and when
     to read again (``due``) are here, the read itself is the caller's (blocking:
-    ``__call__``; asyncio: ``store.aio``)."""
+    ``__call__``; asyncio: ``store.async_store``)."""
 
     def __init__(
         self,

@@ -87,7 +87,7 @@ class RenewalSignal:
 
 
 class Signal(Protocol):
-    """What a subscriber tells a signal (``RenewalSignal``, or ``store.aio``'s)."""
+    """What a subscriber tells a signal (``RenewalSignal``, or ``store.async_store``'s)."""
 
     channel: str
 
@@ -99,7 +99,8 @@ class Signal(Protocol):
 class _Subscriber:
     """One process's subscription connection to one Redis, shared by every account on it:
     which channels are wanted and confirmed, and who hears what. The listening itself is a
-    thread's (``_listen``) or, for asyncio, a task's (``store.aio``), started by ``start``."""
+    thread's (``_listen``) or, for asyncio, a task's (``store.async_store``), started by
+    ``start``."""
 
     def __init__(self, client: Any, start: Callable[[_Subscriber], Any] | None = None) -> None:
         self._client = client

@@ -24,7 +24,7 @@ from merchant_tasks.exceptions import ApiError, CredentialsRejected, PathForbidd
 from merchant_tasks.sandbox.emulator import SandboxConfig
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.settings import Settings
-from merchant_tasks.store.aio import AsyncAccountRedis
+from merchant_tasks.store.async_store import AsyncAccountRedis
 from merchant_tasks.store.wakeup import LISTEN_TICK
 
 pytestmark = pytest.mark.integration

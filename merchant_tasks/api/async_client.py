@@ -4,7 +4,7 @@
 Neither decides anything the blocking client does not: the exchange sends the same request
 and reads the answer with the same rules (``api.exchange``), the client drives the same
 send loop (``api.calls``) and its token source's steps with the asyncio driver
-(``renewal.aio``). No thread per call; the secret file is read off the event loop.
+(``renewal.async_manager``). No thread per call; the secret file is read off the event loop.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from merchant_tasks.flows import Flow, Sleep, drive_async
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, TOKEN_LIFETIME, Secret
 from merchant_tasks.token import IssuedToken, Token
 
-require("asyncio", "the asyncio client (merchant_tasks.api.aio)")
+require("asyncio", "the asyncio client (merchant_tasks.api.async_client)")
 
 import httpx  # noqa: E402
 
@@ -134,7 +134,7 @@ class AsyncMerchantClient:
         self.base_url = base_url.rstrip("/")
         self.account = account
         self.secret = secret
-        self.manager = manager  # ``renewal.aio.AsyncTokenManager``
+        self.manager = manager  # ``renewal.async_manager.AsyncTokenManager``
         self._flows: TokenFlows = manager.life
         connect, read = timeout
         self.http = http or httpx.AsyncClient(

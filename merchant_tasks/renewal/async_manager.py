@@ -1,6 +1,6 @@
 """The asyncio driver of the token's life: ``AsyncTokenManager`` runs ``renewal.life``'s
-flows with redis.asyncio (``store.aio``), an async token exchange (``api.aio``), tasks and
-``asyncio.sleep``, in one event loop, never blocking it.
+flows with redis.asyncio (``store.async_store``), an async token exchange
+(``api.async_client``), tasks and ``asyncio.sleep``, in one event loop, never blocking it.
 
 It decides nothing: every step is a flow's, the same flows the blocking driver
 (``renewal.manager``) runs, so an asyncio process and a blocking one on one account share
@@ -39,7 +39,7 @@ from merchant_tasks.renewal.life import (
     Unhold,
 )
 from merchant_tasks.renewal.manager import process_owner
-from merchant_tasks.store.aio import AsyncRenewalSignal, AsyncTokenStore
+from merchant_tasks.store.async_store import AsyncRenewalSignal, AsyncTokenStore
 from merchant_tasks.store.exchange_rate import ExchangeRate
 from merchant_tasks.token import IssuedToken, RenewalPolicy, Token
 

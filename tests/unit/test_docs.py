@@ -155,3 +155,18 @@ def test_no_two_modules_of_the_package_share_a_name() -> None:
             seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
     shared = {stem: paths for stem, paths in seen.items() if len(paths) > 1}
     assert not shared, shared
+
+
+def test_every_test_the_reliability_page_names_exists() -> None:
+    """docs/reliability.md proves each promise by naming tests: each name is a test file or
+    a test function of the suite (a renamed test takes the page along)."""
+    tests = ROOT / "tests"
+    files = {path.stem for path in tests.rglob("test_*.py")}
+    functions = {
+        name
+        for path in tests.rglob("test_*.py")
+        for name in re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(), re.M)
+    }
+    named = set(re.findall(r"\btest_\w+", (ROOT / "docs" / "reliability.md").read_text()))
+    assert named
+    assert named <= files | functions, sorted(named - files - functions)

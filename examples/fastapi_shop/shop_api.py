@@ -55,14 +55,16 @@ class Services:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the clients once per process; close them in reverse order at shutdown."""
     with AccountClients.from_env() as fleet:
-        async with async_client_from_env() as merchant:
-            async with httpx.AsyncClient(
+        async with (
+            async_client_from_env() as merchant,
+            httpx.AsyncClient(
                 base_url=merchant.base_url,
                 auth=MerchantAuth(merchant),
                 timeout=OWN_CLIENT_TIMEOUT,
-            ) as own:
-                app.state.services = Services(merchant, own, fleet)
-                yield
+            ) as own,
+        ):
+            app.state.services = Services(merchant, own, fleet)
+            yield
 
 
 app = FastAPI(title="fastapi_shop", lifespan=lifespan)
@@ -170,8 +172,7 @@ async def health(request: Request) -> JSONResponse:
     except StoreUnavailable as exc:
         return JSONResponse({"redis": "unreachable", "message": str(exc)}, status_code=503)
     accounts = {
-        name: {"state": status.state, "paused": status.breaker}
-        for name, status in statuses.items()
+        name: {"state": status.state, "paused": status.breaker} for name, status in statuses.items()
     }
     paused = any(status.breaker is not None for status in statuses.values())
     return JSONResponse({"accounts": accounts}, status_code=503 if paused else 200)

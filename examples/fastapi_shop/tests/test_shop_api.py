@@ -86,7 +86,9 @@ def serve(tmp_path: Path) -> Iterator[Callable[[Settings], Shop]]:
 
 @pytest.fixture
 def shop(
-    serve: Callable[[Settings], Shop], merchant_settings: Settings, merchant_sandbox: MerchantSandbox
+    serve: Callable[[Settings], Shop],
+    merchant_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
 ) -> Shop:
     return serve(merchant_settings)
 

@@ -130,14 +130,22 @@ def test_a_queued_payment_runs_on_a_worker_and_comes_back_through_tasks(
     merchant_sandbox: MerchantSandbox,
 ) -> None:
     shop = serve(merchant_settings)
-    queued = shop.http.post("/orders/2001/payment/queued", json={"amount": 700})
-    assert queued.status_code == 202, queued.text
-    task = queued.json()["task"]
-    wait_until(lambda: shop.http.get(f"/tasks/{task}").status_code != 202, "the payment", WAIT)
-    done = shop.http.get(f"/tasks/{task}")
+    done = _queued_outcome(shop, "2001", 700)
     assert done.status_code == 200, done.text
     assert done.json()["amount"] == 700
     assert [p["id"] for p in merchant_sandbox.app.payments()] == [done.json()["id"]]
+    changed = _queued_outcome(shop, "2001", 800)  # the worker's ApiError, as HTTP
+    assert changed.status_code == 422, changed.text
+    assert changed.json()["code"] == "idempotency_key_reused"
+
+
+def _queued_outcome(shop: Shop, order: str, amount: int) -> httpx.Response:
+    """Queue a payment through the shop and poll /tasks until it is done; the answer."""
+    queued = shop.http.post(f"/orders/{order}/payment/queued", json={"amount": amount})
+    assert queued.status_code == 202, queued.text
+    task = f"/tasks/{queued.json()['task']}"
+    wait_until(lambda: shop.http.get(task).status_code != 202, "the queued payment", WAIT)
+    return shop.http.get(task)
 
 
 def test_the_own_client_after_a_revoke_all_makes_one_exchange_for_8_concurrent_requests(

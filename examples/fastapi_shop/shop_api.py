@@ -36,7 +36,7 @@ from merchant_tasks import (
     TokenRejected,
 )
 from merchant_tasks.aio import MerchantAuth, async_client_from_env
-from merchant_tasks.api.aio import AsyncMerchantClient
+from merchant_tasks.api.async_client import AsyncMerchantClient
 from merchant_tasks.ops.status import account_statuses
 from merchant_tasks.tasks import call_api
 
@@ -187,8 +187,9 @@ async def health(request: Request) -> JSONResponse:
         statuses = await asyncio.to_thread(account_statuses, services(request).fleet)
     except StoreUnavailable as exc:
         return JSONResponse({"redis": "unreachable", "message": str(exc)}, status_code=503)
-    accounts = {
-        name: {"state": status.state, "paused": status.breaker} for name, status in statuses.items()
+    accounts = {  # a path refused (a permission the merchant lacks) is told, not a 503
+        name: {"state": status.state, "paused": status.breaker, "refused": status.refused_paths}
+        for name, status in statuses.items()
     }
     paused = any(status.breaker is not None for status in statuses.values())
     return JSONResponse({"accounts": accounts}, status_code=503 if paused else 200)

@@ -130,6 +130,10 @@ def test_a_route_the_merchant_may_not_call_is_403_and_other_routes_go_on(
     assert forbidden.status_code == 403, forbidden.text
     assert forbidden.json()["error"] == "PathForbidden"
     assert shop.pay("2").status_code == 201
+    health = shop.http.get("/health")  # told, but no reason to take the shop out
+    assert health.status_code == 200
+    [account] = health.json()["accounts"].values()
+    assert account["refused"], account
 
 
 def test_a_queued_payment_runs_on_a_worker_and_comes_back_through_tasks(

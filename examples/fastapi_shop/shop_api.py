@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,6 @@ from merchant_tasks import (
     AccountClients,
     ApiError,
     ApiOutcomeUnknown,
-    BrokerUnavailable,
     CredentialsRejected,
     MerchantError,
     PathForbidden,
@@ -42,14 +40,6 @@ from merchant_tasks.tasks import call_api
 
 RETRY_AFTER = 5  # seconds a client is told to wait when the error names no time of its own
 OWN_CLIENT_TIMEOUT = 30.0  # seconds for the shop's own client: a 401 may wait for a renewal
-# Working around the library (for now): delay_async sends in the loop's default executor
-# (min(32, CPUs + 4) threads), the same one where the asyncio client reads the secret file
-# (each exchange, each error answer). With the broker away each enqueue holds a thread for
-# up to MERCHANT_ENQUEUE_TIMEOUT: 30 at once on 2 cores took 9 s for the last 503 (the
-# bound is 3 s), and a direct call answered 404 meanwhile took 8.8 s instead of 10 ms. So
-# the executor is larger, and enqueues may hold only part of it; one more is a 503 at once.
-THREADS = 32  # the event loop's default executor
-ENQUEUE_SLOTS = 16  # enqueues waiting on the broker at once: the rest of THREADS stays free
 
 
 @dataclass
@@ -59,13 +49,11 @@ class Services:
     merchant: AsyncMerchantClient  # the account's asyncio client
     own: httpx.AsyncClient  # the shop's own client, signed by MerchantAuth
     fleet: AccountClients  # blocking: status reads for /health, in a thread
-    enqueue_slots: asyncio.Semaphore  # see ENQUEUE_SLOTS
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the clients once per process; close them in reverse order at shutdown."""
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(THREADS))
     with AccountClients.from_env() as fleet:
         async with (
             async_client_from_env() as merchant,
@@ -75,7 +63,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                 timeout=OWN_CLIENT_TIMEOUT,
             ) as own,
         ):
-            app.state.services = Services(merchant, own, fleet, asyncio.Semaphore(ENQUEUE_SLOTS))
+            app.state.services = Services(merchant, own, fleet)
             yield
 
 
@@ -137,16 +125,12 @@ async def payment(payment_id: str, request: Request) -> Any:
 async def pay_queued(order_id: str, payment: Payment, request: Request) -> dict[str, str]:
     """Hand the payment to the Celery fleet; BrokerUnavailable (within
     MERCHANT_ENQUEUE_TIMEOUT) becomes a 503 with Retry-After through ``error_response``."""
-    slots = services(request).enqueue_slots
-    if slots.locked():  # as many enqueues wait on the broker as may: it is slow or away
-        raise BrokerUnavailable("every enqueue waits on the broker: send it again later")
-    async with slots:
-        task = await call_api.delay_async(
-            "POST",
-            "/open-api/v1/payments",
-            json={"amount": payment.amount},
-            idempotency_key=f"order-{order_id}",
-        )
+    task = await call_api.delay_async(
+        "POST",
+        "/open-api/v1/payments",
+        json={"amount": payment.amount},
+        idempotency_key=f"order-{order_id}",
+    )
     return {"task": task.id}
 
 

@@ -10,8 +10,10 @@ send loop (``api.calls``) and its token source's steps with the asyncio driver
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from merchant_tasks import telemetry
@@ -42,6 +44,21 @@ require("asyncio", "the asyncio client (merchant_tasks.api.async_client)")
 import httpx  # noqa: E402
 
 POOL_SIZE = 100  # connections kept per host: an event loop's concurrent calls share them
+SECRET_READERS = 2  # threads that read secret files, the package's own: never queued behind
+# the event loop's default executor (the application's work, sends waiting on a broker)
+_readers: list[ThreadPoolExecutor] = []
+_readers_made = threading.Lock()
+
+
+async def reveal(secret: Secret) -> str:
+    """``secret``'s value, read off the event loop (it may come from a file, re-read at
+    each use so that a rotation needs no restart)."""
+    with _readers_made:
+        if not _readers:
+            _readers.append(
+                ThreadPoolExecutor(SECRET_READERS, thread_name_prefix="merchant-secret")
+            )
+    return await asyncio.get_running_loop().run_in_executor(_readers[0], secret.reveal)
 
 
 class AsyncTokenExchange(ExchangeRequest):
@@ -84,7 +101,7 @@ class AsyncTokenExchange(ExchangeRequest):
     async def credentials(self) -> str:
         """The secret, read off the event loop (it may come from a file, re-read at each
         exchange so that a rotation needs no restart)."""
-        return await asyncio.to_thread(self.secret.reveal)
+        return await reveal(self.secret)
 
     async def _exchange(self) -> IssuedToken:
         secret = await self.credentials()
@@ -180,7 +197,7 @@ class AsyncMerchantClient:
             if isinstance(step, Sleep):
                 return await asyncio.sleep(step.seconds)
             if isinstance(step, Reveal):  # off the event loop: it may read a file
-                return await asyncio.to_thread(self.secret.reveal) if self.secret else None
+                return await reveal(self.secret) if self.secret else None
             return await self.manager.perform(step)
 
         return await drive_async(flow, perform)

@@ -38,7 +38,7 @@ START_TIMEOUT = 60.0  # seconds for uvicorn to start the shop on a busy machine
 WAIT = 60.0  # seconds for a queued payment, or for Redis to be read again, on a busy machine
 REQUEST_TIMEOUT = 60.0  # seconds a request to the shop may take on a busy machine
 SLACK = 2.0  # seconds beyond MERCHANT_ENQUEUE_TIMEOUT for the enqueue's 503 to arrive
-ENQUEUES = 30  # enqueues at once while Redis is down: more than the executor's threads
+ENQUEUES = 30  # enqueues at once while Redis is down: more than the loop's default executor
 
 
 @dataclass

@@ -172,7 +172,7 @@ ClientT = TypeVar("ClientT")
 
 class ClientReplies(Replies, Generic[ClientT]):
     """The replies of one account's commands sent with ``client`` (redis-py's:
-    ``AccountRedis``; redis.asyncio's: ``store.aio.AsyncAccountRedis``)."""
+    ``AccountRedis``; redis.asyncio's: ``store.async_store.AsyncAccountRedis``)."""
 
     def __init__(self, client: ClientT, keys: AccountKeys) -> None:
         super().__init__(keys)

@@ -638,7 +638,7 @@ class RedisClock:
 
 
 class AccountStore(Generic[ClientT, SenderT]):
-    """One account's store, blocking (``TokenStore``) or asyncio (``store.aio``'s
+    """One account's store, blocking (``TokenStore``) or asyncio (``store.async_store``'s
     ``AsyncTokenStore``): its keys, its commands (``ask``) and what sends them
     (``commands``, made by ``sender`` over the client)."""
 

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from merchant_tasks import telemetry
 from merchant_tasks.api.calls import (
     IDEMPOTENCY_HEADER,
     Call,
@@ -25,7 +24,6 @@ from merchant_tasks.api.calls import (
     TokenFlows,
     TransportFailure,
     call,
-    host_of,
 )
 from merchant_tasks.api.exchange import (
     ERROR_BODY_LIMIT,
@@ -33,7 +31,6 @@ from merchant_tasks.api.exchange import (
     Answer,
     ExchangeRequest,
 )
-from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.extras import require
 from merchant_tasks.flows import Flow, Sleep, drive_async
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, TOKEN_LIFETIME, Secret
@@ -86,17 +83,9 @@ class AsyncTokenExchange(ExchangeRequest):
         )
 
     async def __call__(self) -> IssuedToken:
-        """Make one exchange, in its own span; raise a ``TokenExchangeError`` subclass (or
-        ``WrongBaseUrl``) on any failure."""
-        with telemetry.exchange_span(self.server) as span:
-            try:
-                issued = await self._exchange()
-            except MerchantError as exc:
-                if exc.status is not None:
-                    span.set(telemetry.HTTP_STATUS, exc.status)
-                raise
-            span.set(telemetry.HTTP_STATUS, issued.status)
-            return issued
+        """``TokenExchange.__call__``, awaited."""
+        with self.recorded() as issued:
+            return issued(await self._exchange())
 
     async def credentials(self) -> str:
         """The secret, read off the event loop (it may come from a file, re-read at each
@@ -177,16 +166,8 @@ class AsyncMerchantClient:
         ``Idempotency-Key`` (a call carrying one may be sent again, whatever its method)."""
         if idempotency_key is not None:
             headers = {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
-        checked = Call.checked(method, path, json, params, headers)
-        with telemetry.request_span(checked.method, path, self.account) as span:
-            the_call = Call(checked.method, path, json, params, headers, span)
-            try:
-                answer = await self.run(call(self._flows, the_call, self.secret), the_call)
-            except Exception as exc:
-                telemetry.count_call(self.account, type(exc).__name__)
-                raise
-            telemetry.count_call(self.account, "ok")
-            return answer
+        with Call(method, path, json, params, headers).recorded(self.account) as the_call:
+            return await self.run(call(self._flows, the_call, self.secret), the_call)
 
     async def run(self, flow: Flow[Any], the_call: Call) -> Any:
         """Drive ``flow``: ``Send`` with httpx, the rest with the token source's driver."""
@@ -212,19 +193,11 @@ class AsyncMerchantClient:
                 headers=the_call.signed_headers(token),
             )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise TransportFailure(
-                f"connection to {host_of(self.base_url)} failed: {type(exc).__name__}",
-                never_sent=True,
-            ) from None
+            raise TransportFailure.connecting(self.base_url, exc, never_sent=True) from None
         except httpx.TimeoutException:
-            raise TransportFailure(
-                f"timed out waiting for {host_of(self.base_url)}", never_sent=False
-            ) from None
+            raise TransportFailure.timed_out(self.base_url) from None
         except httpx.TransportError as exc:
-            raise TransportFailure(
-                f"connection to {host_of(self.base_url)} failed: {type(exc).__name__}",
-                never_sent=False,
-            ) from None
+            raise TransportFailure.connecting(self.base_url, exc, never_sent=False) from None
 
     async def aclose(self) -> None:
         """Close the HTTP client (its pooled connections) and what the token source runs

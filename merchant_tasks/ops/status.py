@@ -42,6 +42,9 @@ class AccountState(enum.StrEnum):
     MISSING = "missing"
 
 
+_SHOWN = {TokenState(state.value): state for state in AccountState if state != "missing"}
+
+
 @dataclass(frozen=True)
 class AccountStatus:
     """One account's token, renewals, breaker and counters at one moment (Redis time)."""
@@ -160,7 +163,7 @@ def status_of(
         return AccountStatus(state=AccountState.MISSING, **common)
     state = token.state(now, settings.renew_before, settings.renew_mandatory)
     return AccountStatus(
-        state=AccountState(state),
+        state=_SHOWN[state],
         generation=token.generation,
         fingerprint=token.fingerprint,
         issued_at=token.issued_at,

@@ -510,7 +510,8 @@ def stored_token(raw: bytes, codec: TokenCodec, replies: Replies) -> Token | Non
     reading of many accounts (``store.reading``) both read a token through this."""
     try:
         token = Token.from_json(raw)
-        return replace(token, value=codec.open(token.value, replies.keys.namespace))
+        value = codec.open(token.value, replies.keys.namespace)
+        return token if value == token.value else replace(token, value=value)
     except CORRUPT as exc:  # (a value in clear where a key seals them is a ValueError)
         replies.corrupt(replies.keys.token, type(exc).__name__)
         return None

@@ -18,17 +18,12 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from merchant_tasks import account_statuses, async_account_statuses  # the public door
 from merchant_tasks import accounts as accounts_module
 from merchant_tasks.accounts import AccountClients, exchange_rate_for, store_for
 from merchant_tasks.aio import AsyncAccountClients
 from merchant_tasks.ops.cli import main
-from merchant_tasks.ops.status import (
-    AccountState,
-    AccountStatus,
-    account_status,
-    account_statuses,
-    async_account_statuses,
-)
+from merchant_tasks.ops.status import AccountState, AccountStatus, account_status
 from merchant_tasks.sandbox.processes import RedisServer
 from merchant_tasks.settings import FleetSettings, Settings
 from merchant_tasks.store.keys import AccountKeys

@@ -20,7 +20,7 @@ their replies, so the blocking driver (``read_stored``) and the asyncio one
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -47,6 +47,7 @@ PIPELINE_ACCOUNTS = 2000  # accounts a pipeline reads (20 scripts): 10,000 accou
 # 1 + 5 round trips, one pipeline's replies about 1 MB
 
 Client = TypeVar("Client", StoreClient, AsyncStoreClient)
+T = TypeVar("T")
 Trip = list[Command[Any]]  # the commands of one round trip
 Readings = tuple[dict[str, "AccountReading"], dict[str, RateState]]
 
@@ -192,34 +193,39 @@ def _rows(raw: bytes) -> list[Any]:
     return rows
 
 
-def _value(item: Any) -> Any:
-    """One command's reply as the script encoded it, as redis-py would have read it."""
-    if item is False:
-        return None
+def _read(replies: Replies, key: str, item: Any, parse: Callable[[Any], T], absent: T) -> T:
+    """``Replies.reply`` of one command's reply as the script encoded it (most keys of most
+    accounts hold nothing: they read as absent at once)."""
+    if item is False or item == {}:  # nothing, or an empty hash
+        return absent
     if isinstance(item, str):
-        return item.encode("utf-8", "surrogateescape")
-    if isinstance(item, list):  # a hash, flat
+        raw: Any = item.encode("utf-8", "surrogateescape")
+    elif isinstance(item, list):  # a hash, flat
         fields = [part.encode("utf-8", "surrogateescape") for part in item]
-        return dict(zip(fields[::2], fields[1::2], strict=True))
-    if isinstance(item, dict):  # an error, or an empty hash (cjson writes {} for both kinds)
-        return redis.ResponseError(item["err"]) if "err" in item else {}
-    return item  # a count
+        raw = dict(zip(fields[::2], fields[1::2], strict=True))
+    elif isinstance(item, dict):  # an error
+        raw = redis.ResponseError(item["err"])
+    else:  # a count
+        raw = item
+    return replies.reply(key, raw, parse, absent)
 
 
 def _reading(account: StoredAccount[Any], now: float, row: list[Any]) -> AccountReading:
-    token, breaker, lock, counters, histograms, *exchanges = map(_value, row)
+    token, breaker, lock, counters, histograms, *exchanges = row
     replies = account.replies
-    keys, reply = replies.keys, replies.reply
-    raw_token = reply(keys.token, token, bytes, None)
+    keys = replies.keys
+    raw_token = _read(replies, keys.token, token, bytes, None)
     return AccountReading(
         now=now,
         token=None if raw_token is None else stored_token(raw_token, account.codec, replies),
-        breaker=reply(keys.breaker, breaker, BreakerRecord.from_json, None),
-        exchanges=tuple(reply(keys.exchange_log, count, int, 0) for count in exchanges),
-        lock_holder=reply(keys.lock, lock, bytes.decode, None),
-        counters=stored_numbers(keys.counters, reply(keys.counters, counters, dict, {}), replies),
+        breaker=_read(replies, keys.breaker, breaker, BreakerRecord.from_json, None),
+        exchanges=tuple(_read(replies, keys.exchange_log, n, int, 0) for n in exchanges),
+        lock_holder=_read(replies, keys.lock, lock, bytes.decode, None),
+        counters=stored_numbers(
+            keys.counters, _read(replies, keys.counters, counters, dict, {}), replies
+        ),
         histograms=stored_numbers(
-            keys.histograms, reply(keys.histograms, histograms, dict, {}), replies
+            keys.histograms, _read(replies, keys.histograms, histograms, dict, {}), replies
         ),
     )
 

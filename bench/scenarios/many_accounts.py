@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -408,6 +409,7 @@ class TenThousandAccounts(Scenario):
         "accounts_10k_worker_rss_mb",
         "accounts_10k_call_s",
         "accounts_10k_call_ok",
+        "accounts_10k_status_cpu_s",
     )
 
     def measure(self, bench: Bench) -> Result:
@@ -474,6 +476,7 @@ class TenThousandAccounts(Scenario):
                     ["beat's check of 10,000 accounts (ms)", f"{check_ms:.1f}"],
                     ["its Redis round trips", str(trips)],
                     ["`status --json` of 10,000 accounts (s)", f"{status.seconds:.2f}"],
+                    ["its CPU time, user and system (s)", f"{status.cpu_seconds:.2f}"],
                     ["its Redis round trips (reading the accounts)", str(status.round_trips)],
                     ["worker: largest process RSS after one call (MB)", f"{rss_mb:.1f}"],
                     ["the call (first token of its account, s)", f"{call_s:.2f}"],
@@ -487,6 +490,7 @@ class TenThousandAccounts(Scenario):
                 "accounts_10k_worker_rss_mb": round(rss_mb, 1),
                 "accounts_10k_call_s": round(call_s, 2),
                 "accounts_10k_call_ok": answer == {"ok": True},
+                "accounts_10k_status_cpu_s": round(status.cpu_seconds, 2),
             },
             goals=[
                 Goal(
@@ -523,6 +527,8 @@ class TenThousandAccounts(Scenario):
 @dataclass(frozen=True)
 class StatusRun:
     seconds: float  # the command's wall time: start-up, loading the accounts, reading, JSON
+    cpu_seconds: float  # its CPU time (user and system): on a loaded machine, the wall time
+    # is mostly waiting for a core
     round_trips: int  # of its reading (``AccountClients.statuses``)
 
 
@@ -535,6 +541,7 @@ def _status(
 ) -> StatusRun:
     """`merchant-tasks status --json` over the accounts, as an operator runs it, then the
     same reading in this process on the counting connection (its packets: round trips)."""
+    cpu_before = _children_cpu()
     t0 = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "merchant_tasks.ops.cli", "status", "--json"],
@@ -545,13 +552,20 @@ def _status(
         check=False,
     )
     seconds = time.perf_counter() - t0
+    cpu_seconds = _children_cpu() - cpu_before
     shown = json.loads(done.stdout).get("accounts", []) if done.stdout else []
     if len(shown) != len(accounts):
         raise ScenarioError(f"status showed {len(shown)} accounts: {done.stderr[-300:]!r}")
     fleet = AccountClients(accounts)
     fleet._redis_by_url[redis_url] = counting  # its reading on the counting connection
     _, round_trips = timed_round_trips(lambda: account_statuses(fleet))
-    return StatusRun(seconds, round_trips)
+    return StatusRun(seconds, cpu_seconds, round_trips)
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of this process's children that have ended."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _store_fresh_tokens(client: redis.Redis, accounts: list[Settings]) -> None:

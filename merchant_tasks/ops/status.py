@@ -77,9 +77,10 @@ class AccountStatus:
         return self.state in (AccountState.FRESH, AccountState.ADVISORY) and self.breaker is None
 
     def as_dict(self) -> dict[str, Any]:
-        """``dataclasses.asdict(self)``, ten times faster: `status --json` of 10,000
-        accounts makes 10,000 of them. Its dicts are copies, as asdict's are; its values
-        are immutable or those dicts (of plain values, but ``exchange_rate``'s counts)."""
+        """Equal to ``dataclasses.asdict(self)``, without its recursive deep copy (60 times
+        faster: `status --json` of 10,000 accounts makes 10,000). Its dicts are copies, as
+        asdict's are: the fields' values are immutable or dicts of plain values (and
+        ``exchange_rate``'s ``counts``, copied too)."""
         made = dict(self.__dict__)  # the fields, in their order
         made["counters"] = dict(self.counters)
         made["histograms"] = dict(self.histograms)

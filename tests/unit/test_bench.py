@@ -132,6 +132,7 @@ SCENARIO_KEYS = {
         "accounts_10k_worker_rss_mb",
         "accounts_10k_call_s",
         "accounts_10k_call_ok",
+        "accounts_10k_status_cpu_s",  # added by issue 36: CPU time, less the machine's load
     ],
     # added by issue 35: the asyncio client
     "asyncio": [

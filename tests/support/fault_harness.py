@@ -267,6 +267,11 @@ class Calling:
         with self._lock:
             return min((t for t, o in self.outcomes if o == "ok" and t > moment), default=None)
 
+    def successes_after(self, moment: float) -> int:
+        """How many calls succeeded after ``moment`` (monotonic)."""
+        with self._lock:
+            return sum(o == "ok" and t > moment for t, o in self.outcomes)
+
 
 class CallLoop:
     """Threads calling PING through one client until stopped; every outcome kept with its

@@ -335,8 +335,9 @@ class CallLoop:
             if phase in (None, ph) and thread in (None, n) and started >= since
         ]
 
-    def each_thread_ok_in(self, phase: str) -> bool:
-        return all("ok" in self.of(phase, n) for n in range(len(self._threads)))
+    def each_thread_ok_in(self, phase: str, at_least: int = 1) -> bool:
+        """Whether every thread had ``at_least`` successful calls in ``phase``."""
+        return all(self.of(phase, n).count("ok") >= at_least for n in range(len(self._threads)))
 
     def failures(self, origin: float) -> list[str]:
         """Every failed call: its thread, start (seconds after ``origin``) and outcome."""

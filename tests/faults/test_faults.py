@@ -1618,11 +1618,13 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     is searched the same way when it ends (the ``evidence`` fixture).
     """
     texts: list[str] = []
+    failures: list[str] = []
 
     def attempt(call: Callable[[], object]) -> None:
         try:
             call()
         except MerchantError as exc:
+            failures.append(type(exc).__name__)
             texts.extend([str(exc), repr(exc), "".join(traceback.format_exception(exc))])
 
     attempt(lambda: merchant_client.request("GET", PING))
@@ -1679,6 +1681,15 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
         "leak search: the sealed token key",
         redis_value(sealed.manager.store.redis, sealed.manager.store.keys.token.encode()),
     )
+    # every error path ran (the unavailable endpoint, three calls with the reset secret, the
+    # 404, the other key), so that their texts are searched too
+    assert len(failures) == 6, failures
+    assert [failures[0], *failures[4:]] == [
+        "TokenEndpointUnavailable",
+        "ApiError",
+        "TokenUnreadable",
+    ]
+    assert set(failures[1:4]) <= {"CredentialsRejected", "TokenRejected"}, failures
     assert any("MERCHANT_TOKEN_KEY_FILE" in text for text in texts)
     evidence.add("leak search: this process's errors and reprs", "\n".join(texts))
     evidence.add("leak search: DEBUG log so far", "\n".join(debug_logs.lines))

@@ -280,7 +280,6 @@ def test_pages_from_an_endpoint_that_never_issued_a_token_are_a_wrong_base_url_a
 # -- no decision on the host's clock -----------------------------------------------------------
 
 
-@pytest.mark.long
 def test_a_retry_after_date_pauses_hosts_minutes_off_for_what_the_server_asked(
     merchant_settings: Settings, merchant_sandbox: MerchantSandbox, callers: Callers
 ) -> None:

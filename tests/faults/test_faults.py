@@ -238,6 +238,7 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
     for phase in ("0", "down", "down, token revoked", "after"):
         assert set(loop.of(phase)) <= {"ok", "StoreUnavailable"}, (phase, _runs(loop.of(phase)))
     assert "ok" in loop.of("down")  # the process's copy of the token served calls
+    assert "StoreUnavailable" in loop.of("down, token revoked")  # the calls needed the store
     for n in range(6):
         after = loop.of("after", n)
         assert _only_ok_after_first_ok(after), _runs(after)

@@ -309,7 +309,7 @@ def test_a_retry_after_date_pauses_hosts_minutes_off_for_what_the_server_asked(
         f"\nRetry-After as a date, hosts -600 s and +90 s: recovered {recovered:.1f} s after "
         f"the revoke-all; exchanges {exchanges}; {dict(outcomes_of(reports, 'revoked'))}"
     )
-    assert exchanges["rate_limited"] <= 2
+    assert 1 <= exchanges["rate_limited"] <= 2  # the server did ask the fleet to wait
     assert outcomes_of(reports, "revoked")["ok"] > 0
     assert set(outcomes_of(reports, "revoked")) <= {"ok", "ExchangeRateLimited", "TokenRejected"}
 

@@ -429,7 +429,7 @@ def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_ti
     exchanges = merchant_sandbox.exchanges()["ok"]
     print(f"\nrevocations: {refused} requests got 401, {exchanges} exchanges; {dict(outcomes)}")
     assert set(outcomes) <= {"ok", "TokenRejected"}, outcomes
-    assert refused <= 80
+    assert 0 < refused <= 80  # the revocations were met, each by few requests
     assert exchanges <= 1 + life.FORCED_BURST + 10.0 / life.FORCED_INTERVAL + 1
 
 

@@ -199,7 +199,7 @@ FULL = Plan(
     "full",
     (
         Fleet(processes=4, threads=4, duration=20.0, lifetime=4.0, advisory=1.5),
-        Storm(rounds=10, lag_rounds=3),
+        Storm(rounds=10, lag_rounds=3, repeated_rounds=3),
         HotPath(rounds=7, calls=2000),
         CeleryTasks(pairs=5, tasks=400),
         AccountsCheck(accounts=1000),

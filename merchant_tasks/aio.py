@@ -4,7 +4,7 @@
 ``async with async_client_from_env() as client: await client.request(...)`` calls the API
 with the fleet's token: the same token, records, refusals, exchange rate and wake-ups as
 the Celery workers and blocking clients of the account, driven on the event loop
-(``renewal.aio``). ``AsyncAccountClients`` keeps one client per account and one Redis pool
+(``renewal.async_manager``). ``AsyncAccountClients`` keeps one client per account and one Redis pool
 per server, as ``AccountClients`` does. docs/asyncio.md shows them in a FastAPI service.
 """
 
@@ -19,13 +19,13 @@ from merchant_tasks.accounts import (
     exchange_rate_for,
     load_accounts,
 )
-from merchant_tasks.api.aio import AsyncMerchantClient, AsyncTokenExchange
+from merchant_tasks.api.async_client import AsyncMerchantClient, AsyncTokenExchange
 from merchant_tasks.api.auth import MerchantAuth
 from merchant_tasks.exceptions import ConfigurationError
-from merchant_tasks.renewal.aio import AsyncTokenManager
+from merchant_tasks.renewal.async_manager import AsyncTokenManager
 from merchant_tasks.renewal.due import namespace_of
 from merchant_tasks.settings import Settings
-from merchant_tasks.store.aio import AsyncTokenStore
+from merchant_tasks.store.async_store import AsyncTokenStore
 from merchant_tasks.store.sealing import TokenCodec, codec_for
 from merchant_tasks.store.topology import AsyncStoreClient, async_redis_from_url
 from merchant_tasks.token import fingerprint

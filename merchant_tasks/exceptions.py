@@ -206,9 +206,20 @@ class PathForbidden(TokenRejected):
     once the permission is granted succeeds)."""
 
     @classmethod
-    def on(cls, route: str) -> PathForbidden:
+    def on(cls, route: str, *, accepted_elsewhere: bool = True) -> PathForbidden:
         """The error of a call to ``route`` (``renewal.life.route_of``), which the API
-        refuses while it accepts the account's token elsewhere."""
+        refuses with a token it accepts on other paths (``accepted_elsewhere``), or with the
+        replacement of a token it accepted there before, which no call has yet proven good
+        elsewhere: a lost permission and a revoked access then look alike."""
+        if not accepted_elsewhere:
+            return cls(
+                f"the API refuses this account's tokens on /open-api/v1/{route} (HTTP 401): "
+                "it accepted the one before there, then refused it, and refused its "
+                "replacement at once: the merchant may have lost a permission for this path. "
+                "Each call to it is sent again, and succeeds once the access is back. If no "
+                f"other path works either: {LIKELY_CAUSES}",
+                status=401,
+            )
         return cls(
             f"the API refuses this account's valid token on /open-api/v1/{route} (HTTP 401) "
             "though it accepts it on other paths: the merchant lacks a permission for this "

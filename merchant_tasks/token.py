@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 TRACEPARENT_MAX = 64  # a W3C traceparent is 55 characters; more is not one
+API_PREFIX = "/open-api/v1/"  # every call's path starts so; a token's routes are named without it
 ROUTES_KEPT = 16  # routes a token's record lists as accepting it: an API's resources, not ids
 
 

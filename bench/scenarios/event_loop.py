@@ -19,7 +19,7 @@ import redis.asyncio
 
 from harness import LONG_LIFETIME, PING, Bench, commands_processed, median, percentile, progress
 from merchant_tasks.aio import async_client_for
-from merchant_tasks.api.aio import AsyncMerchantClient
+from merchant_tasks.api.async_client import AsyncMerchantClient
 from merchant_tasks.exceptions import MerchantError
 from scenarios.scenario import Goal, Result, Scenario, Table
 

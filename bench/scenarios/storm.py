@@ -1,7 +1,9 @@
 """2. 401 storm: 64 concurrent callers over 4 clients (as 4 processes) right after
 revoke-all, against the same 64 calls without a storm, with the token endpoint taking ~0 ms
 and 100 ms; overhead over the floor (2 x calm p99 + exchange) and Redis commands per process
-that waited for another's renewal; then revoke-all just after another process renewed."""
+that waited for another's renewal; three revoke-alls 3.3 s apart on one account (each
+revoked token had served calls: replaced at once, issue 34); then revoke-all just after
+another process renewed."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ STORM_SETTLE = 0.2  # seconds after the first calls, so each client hears of ren
 SLOW_EXCHANGE = 0.1  # seconds the emulator's token endpoint takes in the slow storm
 STORM_OVERHEAD_GOAL = 20.0  # ms of stormed p99 over 2 x calm p99 + the exchange
 STORM_WAITER_COMMANDS_GOAL = 3.0  # Redis commands per waiting process per storm
+REPEATED_AT = (0.5, 3.8, 7.1)  # seconds into a round: revoke-alls 3.3 s apart (issue 34)
+REPEATED_OVERHEAD_GOAL = 40.0  # ms of p99 over the floor behind each of them
 
 
 @dataclass
@@ -114,6 +118,47 @@ def storm_round(bench: Bench, renewed_elsewhere: bool) -> StormRound:
     )
 
 
+def repeated_round(bench: Bench) -> StormRound:
+    """One account, STORM_PROCESSES clients, a first token and 64 calm calls, then three
+    revoke-alls REPEATED_AT apart, each followed at once by 64 calls: each revoked token had
+    served calls, so each is replaced at once (a fixed spacing of forced renewals made the
+    second and third wait: issue 34). Its figures are those of all three storms."""
+    prefix = f"bench-repeated-{uuid.uuid4().hex[:8]}"
+    processes = [storm_process(bench, prefix) for _ in range(STORM_PROCESSES)]
+    clients = [p.client for p in processes]
+    stormy: list[float] = []
+    try:
+        for client in clients:
+            client.request("GET", PING)
+        time.sleep(STORM_SETTLE)
+        calm, errors = concurrent_calls(clients, STORM_CALLERS)
+        before = bench.control.counters()
+        exchanged = sum(len(p.exchanges) for p in processes)
+        began = time.monotonic()
+        for at in REPEATED_AT:
+            time.sleep(max(0.0, began + at - time.monotonic()))
+            bench.control.revoke_all()
+            latencies, failed = concurrent_calls(clients, STORM_CALLERS)
+            stormy += latencies
+            errors.update(failed)
+        after = bench.control.counters()
+    finally:
+        for client in clients:
+            client.session.close()
+            client.manager.store.redis.close()
+    delta = counter_delta(before, after)
+    exchange_seconds = [x for p in processes for x in p.exchanges][exchanged:]
+    return StormRound(
+        calm,
+        stormy,
+        delta["exchanges.ok"],
+        delta["calls.unauthorized"],
+        errors,
+        exchange_seconds,
+        [],
+    )
+
+
 @dataclass
 class StormFigures:
     calm_p50: float
@@ -184,6 +229,7 @@ class Storm(Scenario):
 
     rounds: int
     lag_rounds: int
+    repeated_rounds: int = 1
     name: ClassVar[str] = "storm"
     keys: ClassVar[tuple[str, ...]] = (
         "storm_exchanges",
@@ -210,6 +256,10 @@ class Storm(Scenario):
         "storm_after_renewal_exchanges_per_round",
         "storm_after_renewal_unauthorized",
         "storm_after_renewal_failed_calls",
+        "storm_repeated_exchanges_per_revoke",
+        "storm_repeated_p99_ms",
+        "storm_repeated_overhead_p99_ms",
+        "storm_repeated_failed_calls",
     )
     optional_keys: ClassVar[tuple[str, ...]] = ("storm_errors", "storm_after_renewal_errors")
 
@@ -220,8 +270,11 @@ class Storm(Scenario):
         bench.control.configure(token_latency=SLOW_EXCHANGE)
         try:
             slow = storm_figures([storm_round(bench, False) for _ in range(self.rounds)])
+            repeated = storm_figures([repeated_round(bench) for _ in range(self.repeated_rounds)])
         finally:
             bench.control.configure(token_latency=0.0)
+        per_revoke = [n / len(REPEATED_AT) for n in repeated.per_round]
+        repeated_failed = sum(repeated.errors.values())
         lag_errors: Counter[str] = sum((r.errors for r in lagging), Counter())
         lag_exchanges = [r.exchanges for r in lagging]
         lag_unauthorized = sum(r.unauthorized for r in lagging)
@@ -254,6 +307,10 @@ class Storm(Scenario):
             "storm_after_renewal_exchanges_per_round": lag_exchanges,
             "storm_after_renewal_unauthorized": lag_unauthorized,
             "storm_after_renewal_failed_calls": lag_failed,
+            "storm_repeated_exchanges_per_revoke": per_revoke,
+            "storm_repeated_p99_ms": round(repeated.storm_p99, 2),
+            "storm_repeated_overhead_p99_ms": round(repeated.overhead_p99, 2),
+            "storm_repeated_failed_calls": repeated_failed,
         }
         if errors:
             found["storm_errors"] = dict(errors)
@@ -273,6 +330,7 @@ class Storm(Scenario):
         rows = [
             *fast.rows("exchange ~0 ms"),
             *slow.rows(f"exchange {slow_name}"),
+            *repeated.rows(f"3 revoke-alls 3.3 s apart, exchange {slow_name}"),
             [
                 "revoke-all just after another process renewed",
                 *["", ""],
@@ -298,6 +356,18 @@ class Storm(Scenario):
                 f"<= {STORM_WAITER_COMMANDS_GOAL:g}",
                 fmt(fast.waiter_commands, 1),
                 fast.waiter_commands <= STORM_WAITER_COMMANDS_GOAL,
+            ),
+            Goal(
+                "3 revoke-alls 3.3 s apart: exchanges per revoke-all, failed calls",
+                "1, 0",
+                f"{max(per_revoke):g}, {repeated_failed}",
+                max(per_revoke) == 1 and repeated_failed == 0,
+            ),
+            Goal(
+                f"3 revoke-alls 3.3 s apart: p99 over the floor, exchange {slow_name}",
+                f"<= {REPEATED_OVERHEAD_GOAL:g} ms",
+                fmt(repeated.overhead_p99, 1),
+                repeated.overhead_p99 <= REPEATED_OVERHEAD_GOAL,
             ),
             Goal(
                 "storm just after a renewal elsewhere: failed calls",

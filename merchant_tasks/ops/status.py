@@ -12,7 +12,7 @@ from merchant_tasks.settings import Settings
 from merchant_tasks.store.exchange_rate import ExchangeRate
 from merchant_tasks.store.reading import AccountReading, read_many, read_one
 from merchant_tasks.store.token_store import TokenStore, paused
-from merchant_tasks.token import TokenState
+from merchant_tasks.token import API_PREFIX, TokenState
 
 HOUR = 3600.0
 DAY = 86400.0
@@ -54,11 +54,19 @@ class AccountStatus:
     # the token endpoint host's fleet-wide exchange rate: host, rate and cap (per second),
     # permits in the bucket, and its counts (store.exchange_rate.RateState)
     exchange_rate: dict[str, Any] | None = None
+    # the paths the API refuses the token on (its record's routes, renewal.life.judge): each
+    # with the seconds before a new token is tried there, 0 for a permission it lacks
+    refused_paths: dict[str, float] = field(default_factory=dict)
 
     @property
     def healthy(self) -> bool:
-        """A token is usable outside the mandatory window and no breaker is open."""
-        return self.state in (AccountState.FRESH, AccountState.ADVISORY) and self.breaker is None
+        """A token is usable outside the mandatory window, no breaker is open and the API
+        refuses it on no path."""
+        return (
+            self.state in (AccountState.FRESH, AccountState.ADVISORY)
+            and self.breaker is None
+            and not self.refused_paths
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,7 +137,13 @@ def status_of(
     if token is None:
         return AccountStatus(state=AccountState.MISSING, **common)
     state = token.state(now, settings.renew_before, settings.renew_mandatory)
+    refused = {
+        f"{API_PREFIX}{route}": round(max(0.0, until - now), 3) if until else 0.0
+        for route, until in token.routes
+        if not until or until > now
+    }
     return AccountStatus(
+        refused_paths=refused,
         state=AccountState(state),
         generation=token.generation,
         fingerprint=token.fingerprint,
@@ -155,6 +169,9 @@ def format_status(status: AccountStatus) -> str:
         f"  exchanges   {status.exchanges_last_hour} in the last hour, "
         f"{status.exchanges_last_day} in the last day"
     )
+    for path, left in status.refused_paths.items():
+        why = f"held back {left:.0f} s more" if left else "a permission the merchant lacks"
+        lines.append(f"  refused on  {path} (HTTP 401: {why})")
     if status.breaker is not None:
         b = status.breaker
         lines.append(

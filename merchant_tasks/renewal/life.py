@@ -5,7 +5,7 @@ HTTP. Its flows are generators, as httpx's ``Auth.auth_flow`` is: each yields th
 step as a value (send this Redis command; make one exchange attempt; sleep; wait for an
 announcement; lead or join this process's renewal) and is sent what that step gave back
 (or has the step's error thrown in). A driver carries the steps out: the blocking one
-(``renewal.manager``: redis-py, requests, threads) and the asyncio one (``renewal.aio``:
+(``renewal.manager``: redis-py, requests, threads) and the asyncio one (``renewal.async_manager``:
 redis.asyncio, httpx, tasks) drive the same flows, so no rule is written twice. Redis
 commands are values too (``store.token_store.TokenCommands``).
 
@@ -88,6 +88,7 @@ from merchant_tasks.store.token_store import (
     opening_counter,
 )
 from merchant_tasks.token import (
+    API_PREFIX,
     BreakerKind,
     CounterName,
     IssuedToken,
@@ -327,7 +328,6 @@ def refused_backoff(in_a_row: int) -> float:
 
 
 _ID_SEGMENT = re.compile(r"[a-z][a-z_-]*")  # a resource's name; anything else is an id
-API_PREFIX = "/open-api/v1/"
 
 
 def route_of(path: str) -> str:
@@ -740,9 +740,26 @@ class TokenLife:
         its error, with no Redis command."""
         hold = stale.route_hold(route) if route and not stale.refused else None
         if hold == 0:
-            raise PathForbidden.on(route)
+            raise PathForbidden.on(route, accepted_elsewhere=stale.accepted)
         if hold is not None and now < hold:
             raise _held(route, hold - now)
+
+    def _look_command(
+        self, stale: Token, holding: str, route: str, count: bool, mark: bool
+    ) -> Redis[tuple[Token | None, int]]:
+        """The round trip of ``_look_after_401``, holding the lock as ``holding``."""
+        return Redis(
+            self.ask.look_after_401(
+                stale.generation,
+                holding,
+                self.lock_prefix,
+                self.limits.lease,
+                self.limits.wait,
+                route=route,
+                count=count,
+                mark=mark,
+            )
+        )
 
     def _look_after_401(
         self, stale: Token, route: str, new_401: bool
@@ -753,18 +770,7 @@ class TokenLife:
         heard = yield HEARD
         holding = self._holding()
         try:
-            current, outcome = yield Redis(
-                self.ask.look_after_401(
-                    stale.generation,
-                    holding,
-                    self.lock_prefix,
-                    self.limits.lease,
-                    self.limits.wait,
-                    route=route,
-                    count=new_401,
-                    mark=new_401,
-                )
-            )
+            current, outcome = yield self._look_command(stale, holding, route, new_401, new_401)
         except StoreUnavailable:
             if new_401:  # the refusal is not recorded: this process holds it meanwhile
                 older = {g for g in self._unrecorded if g < stale.generation}
@@ -777,17 +783,7 @@ class TokenLife:
             if verdict in ROUTE_VERDICTS and not current.refused:
                 return (yield from self._route_judged(current, route, verdict, moment))
             # the token's fault after all: mark it refused, try the lock (counted already)
-            current, outcome = yield Redis(
-                self.ask.look_after_401(
-                    stale.generation,
-                    holding,
-                    self.lock_prefix,
-                    self.limits.lease,
-                    self.limits.wait,
-                    count=False,
-                    mark=True,
-                )
-            )
+            current, outcome = yield self._look_command(stale, holding, "", count=False, mark=True)
             moment = yield CLOCK
         locked = outcome == 1
         handed = False
@@ -833,7 +829,7 @@ class TokenLife:
         if record is not None:
             self.keep(record, moment.mono)
         if verdict == Verdict.FORBIDDEN:
-            return RouteVerdict(PathForbidden.on(route))
+            return RouteVerdict(PathForbidden.on(route, accepted_elsewhere=current.accepted))
         return RouteVerdict(_held(route, until - moment.now))
 
     def _token_verdict(self, refused: Token, now: float) -> Flow[None]:
@@ -1321,10 +1317,10 @@ def _held(route: str, left: float) -> PathForbidden:
     """The error of a call to a route held back for ``left`` seconds more."""
     left = max(0.0, left)
     return PathForbidden(
-        f"the API refused 2 tokens in a row on route {route} (HTTP 401), and none of the "
-        "account's calls has succeeded with them since: the merchant may lack a permission "
-        f"for this route, or the key is wrong. Calls to it fail for {left:.0f} s, then a new "
-        "token is tried; calls to other routes go on. " + LIKELY_CAUSES,
+        f"the API refused 2 tokens in a row on {API_PREFIX}{route} (HTTP 401), and no call "
+        "of the account has succeeded with them yet: the merchant may lack a permission for "
+        f"this path, or the key is wrong. Calls to it fail for {left:.0f} s, then a new token "
+        "is tried; calls to other paths go on. " + LIKELY_CAUSES,
         status=401,
         retry_after=left,
     )

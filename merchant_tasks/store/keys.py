@@ -1,7 +1,7 @@
 """One account's Redis commands, under the token store and its records
 (``store.token_store``): every key name made from the account's namespace (``AccountKeys``), every
 command a value (``Command``: what is sent, and how its reply reads) that redis-py
-(``AccountRedis.send``) or redis.asyncio (``store.aio``) sends, every Redis error typed
+(``AccountRedis.send``) or redis.asyncio (``store.async_store``) sends, every Redis error typed
 (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed value read as absent
 and logged once. docs/design.md, "Seams".
 """
@@ -91,7 +91,7 @@ class Command(Generic[T]):
     ``execute_command`` takes them), and how its reply reads (``parse``; ``absent`` when
     ``key`` holds nothing, or something corrupt or of the wrong type). The renewal's flows
     yield these and a driver sends them, blocking (``AccountRedis.send``) or asyncio
-    (``store.aio``): one command, written once, for both."""
+    (``store.async_store``): one command, written once, for both."""
 
     args: tuple[Any, ...]
     parse: Callable[[Any], T]
@@ -167,12 +167,14 @@ class Replies:
             )
 
 
-class AccountRedis(Replies):
-    """One account's Redis commands sent with redis-py: every error typed
-    (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed value read as
-    absent and logged once."""
+ClientT = TypeVar("ClientT")
 
-    def __init__(self, client: StoreClient, keys: AccountKeys) -> None:
+
+class ClientReplies(Replies, Generic[ClientT]):
+    """The replies of one account's commands sent with ``client`` (redis-py's:
+    ``AccountRedis``; redis.asyncio's: ``store.async_store.AsyncAccountRedis``)."""
+
+    def __init__(self, client: ClientT, keys: AccountKeys) -> None:
         super().__init__(keys)
         self.client = client
 
@@ -180,6 +182,12 @@ class AccountRedis(Replies):
     def address(self) -> str:
         """host:port of the client in use, for error messages (never a password)."""
         return redis_address(self.client)
+
+
+class AccountRedis(ClientReplies[StoreClient]):
+    """One account's Redis commands sent with redis-py: every error typed
+    (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed value read as
+    absent and logged once."""
 
     def send(self, command: Command[T]) -> T:
         """Send ``command`` and read its reply (see ``Command``)."""

@@ -32,6 +32,7 @@ AsyncStoreClient: TypeAlias = "redis.asyncio.Redis | redis.asyncio.cluster.Redis
 
 SOCKET_CONNECT_TIMEOUT = 2.0  # a dead Redis (or sentinel) fails a call fast...
 SOCKET_TIMEOUT = 5.0  # ... and so does one that accepted the connection and hangs
+ASYNC_POOL_SIZE = 100  # an asyncio client's connections to one Redis (redis.asyncio's cap)
 HEALTH_CHECK_INTERVAL = 30  # seconds idle before a pooled connection is pinged on reuse
 DEFAULT_SENTINEL_MASTER = "mymaster"  # Redis's own example name, and Celery's docs'
 SENTINEL_PORT = 26379  # the port Redis assigns to Sentinel
@@ -211,6 +212,16 @@ def _client_from_url(
         )
     if cluster:
         return cluster_class.from_url(url, **timeouts)
+    if module is redis.asyncio:  # an event loop's burst of tasks waits for a connection
+        # (up to SOCKET_TIMEOUT) instead of failing with MaxConnectionsError past the pool
+        pool = module.BlockingConnectionPool.from_url(
+            url,
+            max_connections=ASYNC_POOL_SIZE,
+            timeout=SOCKET_TIMEOUT,
+            health_check_interval=HEALTH_CHECK_INTERVAL,
+            **timeouts,
+        )
+        return module.Redis.from_pool(pool)
     return module.Redis.from_url(url, health_check_interval=HEALTH_CHECK_INTERVAL, **timeouts)
 
 

@@ -174,7 +174,7 @@ def test_a_fresh_accounts_first_call_to_a_forbidden_path_opens_no_fleet_wide_pau
     have, the path's calls get ``PathForbidden`` naming the missing permission alone."""
     merchant_sandbox.app.configure({"forbidden_paths": [REPORTS]})
     first = merchant_worker.call("GET", REPORTS)
-    with pytest.raises(PathForbidden, match="2 tokens in a row on route reports"):
+    with pytest.raises(PathForbidden, match="2 tokens in a row on /open-api/v1/reports"):
         first.get(timeout=30)
     pings = [merchant_worker.call("GET", PING) for _ in range(20)]
     assert [ping.get(timeout=30) for ping in pings] == [{"ok": True}] * 20

@@ -61,6 +61,10 @@ SCENARIO_KEYS = {
         "storm_after_renewal_exchanges_per_round",
         "storm_after_renewal_unauthorized",
         "storm_after_renewal_failed_calls",
+        "storm_repeated_exchanges_per_revoke",
+        "storm_repeated_p99_ms",
+        "storm_repeated_overhead_p99_ms",
+        "storm_repeated_failed_calls",
     ],
     "hot path": [
         "hot_path_ratio",

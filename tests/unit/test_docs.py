@@ -3,6 +3,7 @@ lands, and the pages that describe the emulator and the plugin name all they ser
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from pathlib import Path
@@ -65,3 +66,107 @@ def test_the_testing_page_names_every_fixture_of_the_plugin() -> None:
     assert len(fixtures) >= 10
     for name in fixtures:
         assert f"`{name}`" in page, name
+
+
+DESIGN = ROOT / "docs" / "design.md"
+PACKAGE = ROOT / "merchant_tasks"
+
+
+def _headings(page: Path) -> list[str]:
+    return [line.lstrip("#").strip() for line in page.read_text().splitlines() if line[:1] == "#"]
+
+
+def test_every_section_of_design_md_the_code_cites_exists() -> None:
+    """A docstring or comment that cites ``docs/design.md, "Section"`` names a heading of
+    the page (a citation may shorten it: it must begin one)."""
+    headings = _headings(DESIGN)
+    cited = re.compile(r'design\.md(?:\'s)?,?\s+(?:#\s*)?"([^"]+)"')
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = " ".join(path.read_text().split())  # a citation may wrap across lines
+        for section in cited.findall(text):
+            if not any(h.startswith(section.strip(" .,")) for h in headings):
+                missing.append(f"{path.relative_to(ROOT)}: {section!r}")
+    assert not missing, f"sections cited but not in docs/design.md: {missing}"
+
+
+def _owner_rows() -> list[str]:
+    lines = DESIGN.read_text().splitlines()
+    start = lines.index("### Each rule and its owner")
+    rows = []
+    for line in lines[start + 1 :]:
+        if line.startswith("#"):
+            break
+        if line.startswith("| ") and not line.startswith(("| rule", "|---")):
+            rows.append(line.rsplit("|", 2)[-2])
+    return rows
+
+
+def _resolve(name: str, context: list[object]) -> object:
+    """``name`` as the owners' column writes it: a file (``renewal/life.py``), a dotted
+    name from the package (``token.Token``), or a name of what the row named last."""
+    if name.endswith((".py", "/")):
+        dotted = name.removesuffix("/").removesuffix(".py").replace("/", ".")
+        module = importlib.import_module("merchant_tasks." + dotted)
+        context[:] = [module]
+        return module
+    head, _, rest = name.partition(".")
+    if (rest and (PACKAGE / head).exists()) or (PACKAGE / f"{head}.py").exists():
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                found: object = importlib.import_module("merchant_tasks." + ".".join(parts[:cut]))
+            except ModuleNotFoundError:
+                continue
+            for attribute in parts[cut:]:
+                found = getattr(found, attribute)
+            context[:] = [found, inspect.getmodule(found) or found]
+            return found
+    for owner in list(context):
+        found = owner
+        try:
+            for attribute in name.removesuffix("()").split("."):
+                found = getattr(found, attribute)
+        except AttributeError:
+            continue
+        if inspect.isclass(found):
+            context.insert(0, found)  # the names after it may be its own
+        return found
+    raise AttributeError(f"{name} is not in {context}")
+
+
+@pytest.mark.parametrize("owners", _owner_rows(), ids=lambda row: row.strip()[:40])
+def test_each_owner_design_md_names_is_in_the_code(owners: str) -> None:
+    """docs/design.md's "Each rule and its owner": every module, class, function and
+    constant it names in backticks imports (a rename that forgets the page fails here)."""
+    context: list[object] = []
+    names = re.findall(r"`([A-Za-z_][\w./]*(?:\(\))?)`", owners)
+    assert names
+    for name in names:
+        _resolve(name, context)
+
+
+def test_no_two_modules_of_the_package_share_a_name() -> None:
+    """A name says which module it is, wherever it is read: in a traceback, an import, a
+    search."""
+    seen: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    shared = {stem: paths for stem, paths in seen.items() if len(paths) > 1}
+    assert not shared, shared
+
+
+def test_every_test_the_reliability_page_names_exists() -> None:
+    """docs/reliability.md proves each promise by naming tests: each name is a test file or
+    a test function of the suite (a renamed test takes the page along)."""
+    tests = ROOT / "tests"
+    files = {path.stem for path in tests.rglob("test_*.py")}
+    functions = {
+        name
+        for path in tests.rglob("test_*.py")
+        for name in re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(), re.M)
+    }
+    named = set(re.findall(r"\btest_\w+", (ROOT / "docs" / "reliability.md").read_text()))
+    assert named
+    assert named <= files | functions, sorted(named - files - functions)

@@ -11,31 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any, TypeVar
 
-from merchant_tasks.store.keys import REDIS_ERRORS, AccountKeys, Command, Replies, redis_address
-from merchant_tasks.store.sealing import PLAIN_TEXT, TokenCodec
-from merchant_tasks.store.token_store import RedisClock, TokenCommands
+from merchant_tasks.store.keys import REDIS_ERRORS, AccountKeys, ClientReplies, Command
+from merchant_tasks.store.token_store import AccountStore, RedisClock
 from merchant_tasks.store.topology import AsyncStoreClient
-from merchant_tasks.store.wakeup import LISTEN_TICK, _Subscriber, subscriber_for
+from merchant_tasks.store.wakeup import (
+    LISTEN_TICK,
+    LISTENING_ERRORS,
+    _Subscriber,
+    subscriber_for,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class AsyncAccountRedis(Replies):
+class AsyncAccountRedis(ClientReplies[AsyncStoreClient]):
     """One account's Redis commands sent with redis.asyncio (errors typed and corrupt values
     read as ``Replies`` says, as for the blocking store)."""
-
-    def __init__(self, client: AsyncStoreClient, keys: AccountKeys) -> None:
-        super().__init__(keys)
-        self.client = client
-
-    @property
-    def address(self) -> str:
-        return redis_address(self.client)
 
     async def send(self, command: Command[T]) -> T:
         """Send ``command`` and read its reply (see ``Command``)."""
@@ -46,26 +43,18 @@ class AsyncAccountRedis(Replies):
         return self.reply(command.key, raw, command.parse, command.absent)
 
 
-class AsyncTokenStore:
+class AsyncTokenStore(AccountStore[AsyncStoreClient, AsyncAccountRedis]):
     """One account's token and records for asyncio callers: ``ask`` builds the commands,
     ``send`` awaits them, ``now`` is the store's clock."""
 
-    def __init__(
-        self,
-        client: AsyncStoreClient,
-        namespace: str,
-        codec: TokenCodec = PLAIN_TEXT,
-        account: str = "",
-    ) -> None:
-        self.namespace = namespace
-        self.account = account
-        self.keys = AccountKeys.of(namespace)
-        self.commands = AsyncAccountRedis(client, self.keys)
-        self.ask = TokenCommands(self.commands, namespace, codec, account)
-        self.clock = RedisClock()
+    _timing: asyncio.Future[None] | None = None  # the TIME reading under way
 
-    def __repr__(self) -> str:
-        return f"AsyncTokenStore(namespace={self.namespace!r})"
+    def sender(self, client: AsyncStoreClient, keys: AccountKeys) -> AsyncAccountRedis:
+        return AsyncAccountRedis(client, keys)
+
+    @functools.cached_property
+    def clock(self) -> RedisClock:
+        return RedisClock()
 
     @property
     def redis(self) -> AsyncStoreClient:
@@ -76,16 +65,22 @@ class AsyncTokenStore:
 
     async def now(self, mono: float) -> float:
         """Redis's time at ``mono`` (this process's monotonic clock): TIME read once a
-        minute, the local clock in between (``RedisClock``)."""
+        minute, the local clock in between (``RedisClock``); the tasks that find it due at
+        once share one reading."""
         if self.clock.due(mono):
+            if self._timing is None or self._timing.done():
+                self._timing = asyncio.ensure_future(self._read_time(mono))
             try:
-                remote = await self.send(self.ask.time())
+                await asyncio.shield(self._timing)
             except Exception:
                 with contextlib.suppress(Exception):
                     return self.clock.at(mono)  # a reading from before: still good
                 raise
-            self.clock.read(remote, mono, self.clock.monotonic())
         return self.clock.at(mono)
+
+    async def _read_time(self, mono: float) -> None:
+        remote = await self.send(self.ask.time())
+        self.clock.read(remote, mono, self.clock.monotonic())
 
 
 class AsyncRenewalSignal:
@@ -148,12 +143,9 @@ async def _listen(subscriber: _Subscriber) -> None:
             message = await pubsub.get_message(timeout=LISTEN_TICK)
             if message is not None:
                 subscriber.deliver(message)
-    except (*REDIS_ERRORS, OSError, ValueError, AttributeError) as exc:
-        log.info(
-            "renewal announcements lost (%s); waiters poll until resubscribed",
-            type(exc).__name__,
-        )
-        subscriber.stopped()
+    except LISTENING_ERRORS as exc:
+        # unwanted, the pool was closed under it (a client's aclose): nothing to say
+        subscriber.stopped(exc if subscriber.wanted() else None)
     finally:
         if pubsub is not None:
             with contextlib.suppress(*REDIS_ERRORS, OSError):

@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import Any
 
-from tenacity import Retrying, retry_if_exception_type, stop_never, wait_fixed
+from tenacity import Retrying, retry_if_exception_type, stop_never
 
 from merchant_tasks.accounts import AccountClients
 from merchant_tasks.exceptions import MerchantError, StoreUnavailable
@@ -34,10 +34,14 @@ def _warn(state: Any) -> None:
     )
 
 
+def _recheck_interval(_: Any) -> float:
+    return RECHECK_INTERVAL  # read at each wait, not at import: a test's worker shortens it
+
+
 # the start-up check's policy: a store refusing us is named every RECHECK_INTERVAL, forever
 RECHECK_UNTIL_USABLE = Retrying(
     retry=retry_if_exception_type(StoreUnavailable),
-    wait=wait_fixed(RECHECK_INTERVAL),
+    wait=_recheck_interval,
     stop=stop_never,
     before_sleep=_warn,
     reraise=True,

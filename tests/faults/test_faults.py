@@ -48,11 +48,13 @@ from werkzeug.wrappers import Request, Response
 
 from merchant_tasks.accounts import FleetClient, client_for, close_client
 from merchant_tasks.api.client import MerchantClient, new_session
-from merchant_tasks.api.exchange import TokenExchange
+from merchant_tasks.api.exchange import MAX_TOKEN_LIFETIME, TokenExchange
 from merchant_tasks.exceptions import (
     ApiError,
     ConfigurationError,
     CredentialsRejected,
+    MalformedApiResponse,
+    MalformedTokenResponse,
     MerchantError,
     StoreUnavailable,
 )
@@ -226,7 +228,9 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
             server.start()
             loop.phase = "after"
             wait_until(lambda: loop.each_thread_ok_in("after"), "every thread recovered", 30)
-            time.sleep(0.5)
+            wait_until(  # and goes on succeeding
+                lambda: loop.each_thread_ok_in("after", at_least=5), "5 calls each after", 30
+            )
     finally:
         close_client(client)
         server.stop()
@@ -234,6 +238,7 @@ def test_redis_killed_and_restarted_under_load_callers_never_see_an_untyped_erro
     for phase in ("0", "down", "down, token revoked", "after"):
         assert set(loop.of(phase)) <= {"ok", "StoreUnavailable"}, (phase, _runs(loop.of(phase)))
     assert "ok" in loop.of("down")  # the process's copy of the token served calls
+    assert "StoreUnavailable" in loop.of("down, token revoked")  # the calls needed the store
     for n in range(6):
         after = loop.of("after", n)
         assert _only_ok_after_first_ok(after), _runs(after)
@@ -536,7 +541,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
             return token is not None and token.generation > first.generation
 
         wait_until(renewed, "a renewal after the outage", first.expires_at - store.time())
-        time.sleep(0.5)
+        wait_until(lambda: loop.each_thread_ok_in("recovered", at_least=3), "calls after it", 30)
         stop_beat.set()
         beat_thread.join(timeout=30)
 
@@ -813,7 +818,9 @@ def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no
     wait_until(lambda: callers.each_has("rotated"), "calls under the new label", 30)
     _write_atomically(merchant_secret_file, new_secret)
     wait_until(lambda: callers.each_has("rotated", "ok"), "every process recovered", 60)
-    time.sleep(0.3)
+    wait_until(  # and goes on succeeding
+        lambda: callers.each_has("rotated", "ok", at_least=5), "5 calls each after", 30
+    )
     reports = callers.stop()
 
     for report in reports:
@@ -1134,16 +1141,17 @@ def _one_scripted_call(
     key_prefix: str,
     token_body: str,
     api_body: bytes,
-) -> None:
-    """One call through the scripted server: it must return or raise a MerchantError."""
+) -> tuple[Any, MerchantError | None, FleetClient]:
+    """One call through the scripted server: its result, else its MerchantError (nothing
+    else may be raised), and the client (its store closed over: read, not called)."""
     url, script = scripted_api
     script.play([Reply(200, token_body.encode())], [Reply(200, api_body)])
     client = _fuzz_client(url, redis_client, key_prefix)
     try:
         with no_collection_during_the_call():
-            client.request("GET", PING)
-    except MerchantError:
-        pass
+            return client.request("GET", PING), None, client
+    except MerchantError as exc:
+        return None, exc, client
     finally:
         client.session.close()
 
@@ -1152,28 +1160,51 @@ def test_a_token_that_cannot_go_in_a_header_is_a_typed_error(
     scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, merchant_key_prefix: str
 ) -> None:
     """A 2xx token response whose access_token has a character outside latin-1 (found by
-    fuzzing with all of Unicode): a typed error (MalformedTokenResponse), not a crash."""
+    fuzzing with all of Unicode): a typed error (MalformedTokenResponse), not a crash, and
+    nothing stored."""
     body = json.dumps({"access_token": "tok\u20ac", "expires_in": 60})
-    _one_scripted_call(scripted_api, redis_client, merchant_key_prefix, body, b"{}")
+    _, error, client = _one_scripted_call(
+        scripted_api, redis_client, merchant_key_prefix, body, b"{}"
+    )
+    assert isinstance(error, MalformedTokenResponse), repr(error)
+    assert client.manager.store.load() is None
 
 
-def test_an_absurd_token_lifetime_is_a_typed_error_or_is_capped(
-    scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, merchant_key_prefix: str
+def test_an_absurd_token_lifetime_is_capped_with_a_warning(
+    scripted_api: tuple[str, ScriptedApi],
+    redis_client: redis.Redis,
+    merchant_key_prefix: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A 2xx token response with expires_in 1e15 (found by fuzzing unbounded numbers): the
-    call succeeds with a capped lifetime or fails with a MerchantError, nothing else."""
+    call succeeds with the token's lifetime capped to MAX_TOKEN_LIFETIME, and a warning says
+    so."""
     body = json.dumps({"access_token": "tok", "expires_in": 1e15})
-    _one_scripted_call(scripted_api, redis_client, merchant_key_prefix, body, b"{}")
+    with caplog.at_level(logging.WARNING, logger="merchant_tasks.api.exchange"):
+        result, error, client = _one_scripted_call(
+            scripted_api, redis_client, merchant_key_prefix, body, b"{}"
+        )
+    assert error is None, repr(error)
+    assert result == {}
+    token = client.manager.store.load()
+    assert token is not None
+    assert token.expires_at - token.issued_at == pytest.approx(MAX_TOKEN_LIFETIME, abs=1.0)
+    assert any(
+        r.levelno == logging.WARNING and "is beyond" in r.getMessage() for r in caplog.records
+    ), caplog.text
 
 
 def test_a_2xx_business_body_nested_too_deep_is_a_typed_error(
     scripted_api: tuple[str, ScriptedApi], redis_client: redis.Redis, merchant_key_prefix: str
 ) -> None:
-    """A 2xx business answer of 100 000 nested arrays: MalformedApiResponse, not a crash."""
+    """A 2xx business answer of 100 000 nested arrays: MalformedApiResponse with its status
+    (200), not a crash."""
     body = json.dumps({"access_token": "tok", "expires_in": 60})
-    _one_scripted_call(
+    _, error, _ = _one_scripted_call(
         scripted_api, redis_client, merchant_key_prefix, body, b"[" * 100_000 + b"]" * 100_000
     )
+    assert isinstance(error, MalformedApiResponse), repr(error)
+    assert error.status == 200
 
 
 # -- 11. persistent 401 on a fresh token ------------------------------------------------------
@@ -1608,11 +1639,13 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
     is searched the same way when it ends (the ``evidence`` fixture).
     """
     texts: list[str] = []
+    failures: list[str] = []
 
     def attempt(call: Callable[[], object]) -> None:
         try:
             call()
         except MerchantError as exc:
+            failures.append(type(exc).__name__)
             texts.extend([str(exc), repr(exc), "".join(traceback.format_exception(exc))])
 
     attempt(lambda: merchant_client.request("GET", PING))
@@ -1669,6 +1702,15 @@ def test_security_leak_search_finds_no_secret_and_no_token_anywhere(
         "leak search: the sealed token key",
         redis_value(sealed.manager.store.redis, sealed.manager.store.keys.token.encode()),
     )
+    # every error path ran (the unavailable endpoint, three calls with the reset secret, the
+    # 404, the other key), so that their texts are searched too
+    assert len(failures) == 6, failures
+    assert [failures[0], *failures[4:]] == [
+        "TokenEndpointUnavailable",
+        "ApiError",
+        "TokenUnreadable",
+    ]
+    assert set(failures[1:4]) <= {"CredentialsRejected", "TokenRejected"}, failures
     assert any("MERCHANT_TOKEN_KEY_FILE" in text for text in texts)
     evidence.add("leak search: this process's errors and reprs", "\n".join(texts))
     evidence.add("leak search: DEBUG log so far", "\n".join(debug_logs.lines))

@@ -280,15 +280,16 @@ def test_pages_from_an_endpoint_that_never_issued_a_token_are_a_wrong_base_url_a
 # -- no decision on the host's clock -----------------------------------------------------------
 
 
-@pytest.mark.long
 def test_a_retry_after_date_pauses_hosts_minutes_off_for_what_the_server_asked(
     merchant_settings: Settings, merchant_sandbox: MerchantSandbox, callers: Callers
 ) -> None:
-    """The token endpoint allows one exchange per 10 s and says when by date (Retry-After
+    """The token endpoint allows one exchange per 5 s and says when by date (Retry-After
     as an HTTP date); one host's clock is 600 s behind, another's 90 s ahead. After a
     revoke-all, the fleet waits what the server asked (read against its own Date), not 600 s,
     and sends no exchange into the window it was told of: at most 2 answered 429."""
-    merchant_sandbox.app.configure({"rate_limit": 1, "rate_window": 10.0, "retry_after_date": True})
+    # a window of seconds is enough against clocks minutes off (it was 10 s: a wait, not
+    # the scenario)
+    merchant_sandbox.app.configure({"rate_limit": 1, "rate_window": 5.0, "retry_after_date": True})
     env = child_env(merchant_settings)
     callers.start(env, [{"FAULT_CLOCK_OFFSET": "-600"}, {"FAULT_CLOCK_OFFSET": "90"}])
     callers.go()
@@ -308,7 +309,7 @@ def test_a_retry_after_date_pauses_hosts_minutes_off_for_what_the_server_asked(
         f"\nRetry-After as a date, hosts -600 s and +90 s: recovered {recovered:.1f} s after "
         f"the revoke-all; exchanges {exchanges}; {dict(outcomes_of(reports, 'revoked'))}"
     )
-    assert exchanges["rate_limited"] <= 2
+    assert 1 <= exchanges["rate_limited"] <= 2  # the server did ask the fleet to wait
     assert outcomes_of(reports, "revoked")["ok"] > 0
     assert set(outcomes_of(reports, "revoked")) <= {"ok", "ExchangeRateLimited", "TokenRejected"}
 

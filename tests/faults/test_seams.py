@@ -92,7 +92,7 @@ def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
     admin = redis.Redis(port=private_redis.port)
     assert client.request("GET", PING) == {"ok": True}
     with Calling(client, threads=8) as calling:
-        time.sleep(0.5)
+        wait_until(lambda: calling.successes_after(0.0) >= 8, "8 calls before the stall", 60.0)
         os.kill(_pid(private_redis), signal.SIGSTOP)
         try:
             merchant_sandbox.app.revoke_all()
@@ -107,7 +107,9 @@ def test_after_a_redis_stall_during_a_revoke_all_callers_recover_at_once(
             timeout=60.0,
         )
         recovered = calling.first_success_after(resumed)
-        time.sleep(1.0)
+        wait_until(  # the calls after the recovery: do they all succeed?
+            lambda: calling.successes_after(resumed) >= 16, "16 calls after the stall", 60.0
+        )
     close_client(client)
     assert recovered is not None
     errors = Counter(outcome for _, outcome in calling.outcomes if outcome != "ok")
@@ -427,7 +429,7 @@ def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_ti
     exchanges = merchant_sandbox.exchanges()["ok"]
     print(f"\nrevocations: {refused} requests got 401, {exchanges} exchanges; {dict(outcomes)}")
     assert set(outcomes) <= {"ok", "TokenRejected"}, outcomes
-    assert refused <= 80
+    assert 0 < refused <= 80  # the revocations were met, each by few requests
     assert exchanges <= 1 + life.FORCED_BURST + 10.0 / life.FORCED_INTERVAL + 1
 
 
@@ -637,8 +639,9 @@ def test_renewals_ending_while_redis_refuses_writes_do_not_stop_the_worker(
     try:
         assert time.monotonic() - arrived_at < held, "the window opened after the exchange"
         failed = "renewal of account default failed"
-        wait_until(lambda: failed in worker.log_text(), "a failed renewal", 60.0)
-        time.sleep(2.0)
+        wait_until(
+            lambda: worker.log_text().count(failed) == 4, "each renewal logged as failed", 60.0
+        )
     finally:
         undo()
     emulator.configure({"token_latency": 0.0})

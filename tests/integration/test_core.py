@@ -314,12 +314,15 @@ def test_the_secret_and_tokens_never_reach_logs_errors_reprs_or_redis(
     merchant_sandbox.app.revoke_all()
     merchant_client.request("POST", "/open-api/v1/echo", json={"x": 1})  # 401 and forced renewal
     merchant_sandbox.app.reset_secret("another-secret-77aa01")
+    failed = 0
     for _ in range(3):
         try:
             merchant_client.request("GET", PING)
         except MerchantError as exc:
+            failed += 1
             texts.append(str(exc))
             texts.append("".join(traceback.format_exception(exc)))
+    assert failed == 3  # the reset secret failed every call: their errors are searched too
     merchant_sandbox.app.config.token_error_rate = 1.0
     texts += [
         repr(merchant_client),

@@ -14,6 +14,7 @@ import pytest
 
 from merchant_tasks.ops.cli import EXIT_CONFIGURATION
 from support.paths import ROOT
+from support.typecheck import mypy_strict
 
 pytestmark = pytest.mark.integration
 
@@ -57,27 +58,18 @@ def test_the_command_and_the_pytest_plugin_are_where_they_were() -> None:
     assert "merchant-tasks" in done.stdout
 
 
-MYPY_TIMEOUT = 300.0  # seconds: mypy reads celery and redis on a busy machine
-
-
 def test_mypy_of_an_application_finds_the_installed_package_and_its_types(
     tmp_path: Path,
 ) -> None:
     """The editable install puts a path in its .pth (no import hook mypy cannot follow)."""
     app = tmp_path / "app.py"
     app.write_text("from merchant_tasks import __version__\nx: int = __version__\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(app)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=MYPY_TIMEOUT,
-        check=False,
-    )
+    done = mypy_strict(app)
     assert 'expression has type "str", variable has type "int"' in done.stdout, done.stdout
     assert "Cannot find implementation or library stub" not in done.stdout
 
 
+CELERY_TIMEOUT = 300.0  # seconds: a worker's start on a busy machine
 HIDE_GEVENT_AND_RUN_CELERY = """
 import sys
 sys.modules["gevent"] = None  # as if the gevent extra were not installed
@@ -94,7 +86,7 @@ def test_a_worker_configured_for_gevent_without_it_says_so_in_one_line(tmp_path:
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=MYPY_TIMEOUT,
+        timeout=CELERY_TIMEOUT,
         check=False,
     )
     assert done.returncode == EXIT_CONFIGURATION, done.stderr

@@ -64,7 +64,6 @@ from merchant_tasks.telemetry import (
 from merchant_tasks.token import BreakerKind, CounterName, IssuedToken, Token
 from support.account import TEST_SECRET
 from support.celery_fleet import CALL_API, PING, READY_TIMEOUT, Fleet
-from support.paths import SUPPORT
 from support.redis_conditions import dead_redis
 from support.traced_worker import SPANS_FILE
 
@@ -457,12 +456,8 @@ def test_one_trace_from_the_enqueue_through_the_worker_to_the_request_and_its_re
 ) -> None:
     spans_file = tmp_path / "worker-spans.jsonl"
     fleet.long_windows()
-    fleet.app_module = "support.traced_worker"
+    fleet.load_app("support.traced_worker")
     fleet.env[SPANS_FILE] = str(spans_file)
-    tests = str(SUPPORT.parent)
-    fleet.env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (tests, os.environ.get("PYTHONPATH", "")) if p
-    )
     fleet.start_worker("traced", concurrency=1)
 
     def worker_spans() -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from merchant_tasks.sandbox.processes import Child, RedisServer, spawn, stop_all
 from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
 from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.worker.app import celery_key_prefix, load_config
+from support.paths import SUPPORT
 
 PING = "/open-api/v1/ping"
 ECHO = "/open-api/v1/echo"
@@ -101,6 +103,14 @@ class Fleet:
         )
         self.env.update(self.settings.to_env())
         self.sandbox.app.configure({"lifetime": lifetime})
+
+    def load_app(self, module: str) -> None:
+        """Children load the app of ``module`` (under tests/, put on their PYTHONPATH)
+        instead of merchant-tasks' own, before any child starts."""
+        assert not self.children, "choose the app before starting processes"
+        self.app_module = module
+        given = os.environ.get("PYTHONPATH", "")
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUPPORT.parent), given) if p)
 
     # -- children ------------------------------------------------------------------------
 

@@ -267,6 +267,11 @@ class Calling:
         with self._lock:
             return min((t for t, o in self.outcomes if o == "ok" and t > moment), default=None)
 
+    def successes_after(self, moment: float) -> int:
+        """How many calls succeeded after ``moment`` (monotonic)."""
+        with self._lock:
+            return sum(o == "ok" and t > moment for t, o in self.outcomes)
+
 
 class CallLoop:
     """Threads calling PING through one client until stopped; every outcome kept with its
@@ -330,8 +335,9 @@ class CallLoop:
             if phase in (None, ph) and thread in (None, n) and started >= since
         ]
 
-    def each_thread_ok_in(self, phase: str) -> bool:
-        return all("ok" in self.of(phase, n) for n in range(len(self._threads)))
+    def each_thread_ok_in(self, phase: str, at_least: int = 1) -> bool:
+        """Whether every thread had ``at_least`` successful calls in ``phase``."""
+        return all(self.of(phase, n).count("ok") >= at_least for n in range(len(self._threads)))
 
     def failures(self, origin: float) -> list[str]:
         """Every failed call: its thread, start (seconds after ``origin``) and outcome."""

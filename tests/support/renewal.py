@@ -5,11 +5,12 @@ token while the caller waits)."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from merchant_tasks.renewal.life import Hold, Limits
+from merchant_tasks.renewal.life import Await, Hold, Limits
 from merchant_tasks.renewal.manager import TokenManager
 from merchant_tasks.store.keys import Command
 from merchant_tasks.store.token_store import TokenStore
@@ -62,6 +63,42 @@ def make_manager(
     }
     fingerprint = options.pop("secret_fingerprint", lambda: "fp")
     return TokenManager(store, exchange, fingerprint, **{**defaults, **options})
+
+
+SHORT_LIMITS = Limits(renewal=1.0, wait=2.0)  # 100 looks at the store instead of 4330: a
+# test that waits the limit out (on an injected sleep) need not spin through the real one
+
+
+def shorten_limits(manager: TokenManager, limits: Limits = SHORT_LIMITS) -> Limits:
+    """Give ``manager`` (and its token's life) ``limits`` instead of the real ones."""
+    manager.limits = manager.life.limits = limits
+    return limits
+
+
+class SiblingWaits:
+    """Counts the threads of ``manager``'s process that have started waiting for a sibling's
+    renewal (``life.Await``), so that a test can let the renewal finish once they all wait."""
+
+    def __init__(self, manager: TokenManager) -> None:
+        self.count = 0
+        self._changed = threading.Condition()
+        fly = manager._fly
+
+        def counting(step: Any) -> Any:
+            if isinstance(step, Await):
+                with self._changed:
+                    self.count += 1
+                    self._changed.notify_all()
+            return fly(step)
+
+        manager._fly = counting  # type: ignore[method-assign]
+
+    def reach(self, threads: int, timeout: float = 10.0) -> None:
+        """Wait until ``threads`` threads wait for a sibling's renewal."""
+        with self._changed:
+            assert self._changed.wait_for(lambda: self.count >= threads, timeout), (
+                f"{self.count} of {threads} threads waited for a sibling's renewal"
+            )
 
 
 def holder_writes_at_poll(

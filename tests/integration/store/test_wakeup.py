@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 
 import pytest
 import redis
@@ -110,7 +109,9 @@ def test_a_process_waiting_for_another_processs_renewal_is_woken_without_polling
 
     def slow_exchange() -> IssuedToken:
         exchanging.set()
-        time.sleep(0.3)
+        wait_until(  # A's exchange ends once B has found the lock held and recorded its wait
+            lambda: store_a.records.counters().get("lock_waits") == 1, "B waiting", 10.0
+        )
         return IssuedToken("tok-renewed-by-a", 3600.0)
 
     sleeps_a: list[float] = []

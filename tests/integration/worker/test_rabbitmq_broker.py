@@ -1,8 +1,10 @@
 """RabbitMQ as Celery's broker, the token store and results on Redis.
 
 RabbitMQ is the machine's (127.0.0.1:5672, guest/guest), shared by every test run: each
-test gets a virtual host of its own (``rabbitmqctl add_vhost``, removed at the end), so
-queues and messages of parallel runs never meet. Redis is a private redis-server per test.
+module (on each xdist worker) gets a virtual host of its own (``rabbitmqctl add_vhost``,
+removed at the end), so queues and messages of parallel runs never meet; its queues are
+purged before each test (each rabbitmqctl command starts an Erlang node: seconds of CPU on
+a busy machine). Redis is a private redis-server per test.
 Workers and beat are real child processes (``Fleet``); the broker URL reaches them through
 CELERY_BROKER_URL, as in production.
 """
@@ -20,10 +22,12 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from kombu import Connection
 
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import RedisServer, wait_until
 from merchant_tasks.worker.app import REDIS_ONLY_TRANSPORT_OPTIONS, RENEWAL_QUEUE, load_config
+from merchant_tasks.worker.routing import CALLS_QUEUE
 from support.celery_fleet import ECHO, LIFETIME, RENEW_INTERVAL, Fleet, kill_the_worker_running
 
 pytestmark = pytest.mark.integration
@@ -47,9 +51,9 @@ def rabbitmqctl(*args: str) -> str:
     return done.stdout
 
 
-@pytest.fixture
-def amqp_url() -> Iterator[str]:
-    """A virtual host of this test's own on the machine's RabbitMQ, deleted afterwards."""
+@pytest.fixture(scope="module")
+def amqp_vhost_url() -> Iterator[str]:
+    """A virtual host of this module's own on the machine's RabbitMQ, deleted afterwards."""
     try:
         socket.create_connection(RABBITMQ, timeout=1.0).close()
     except OSError:
@@ -61,6 +65,19 @@ def amqp_url() -> Iterator[str]:
         yield f"amqp://guest:guest@{RABBITMQ[0]}:{RABBITMQ[1]}/{vhost}"
     finally:
         rabbitmqctl("delete_vhost", vhost)
+
+
+@pytest.fixture
+def amqp_url(amqp_vhost_url: str) -> str:
+    """The module's virtual host, its queues emptied of what an earlier test left."""
+    with Connection(amqp_vhost_url) as connection:
+        channel = connection.default_channel
+        for queue in (CALLS_QUEUE, RENEWAL_QUEUE):
+            try:
+                channel.queue_purge(queue)
+            except connection.channel_errors:  # not declared yet (closes the channel)
+                channel = connection.channel()
+    return amqp_vhost_url
 
 
 class AmqpFleet(Fleet):

@@ -15,6 +15,13 @@ WARNING_DEADLINE = 20.0  # seconds from start: a generous deadline, not a measur
 PASSWORD = "store-pw-never-logged"
 
 
+@pytest.fixture
+def fleet(fleet: Fleet) -> Fleet:
+    """conftest's fleet, its children rechecking the store every second, not every 10 s."""
+    fleet.load_app("support.quick_recheck_worker")
+    return fleet
+
+
 def _warnings(text: str) -> list[str]:
     return [
         line for line in text.splitlines() if "WARNING" in line and "MERCHANT_REDIS_URL" in line

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +20,14 @@ from merchant_tasks.sandbox.processes import wait_until
 from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.token import Token
 from support.clock import ManualClock, Sleeper
-from support.renewal import FakeExchange, hold_lock, holder_writes_at_poll, when_sent
+from support.renewal import (
+    FakeExchange,
+    SiblingWaits,
+    hold_lock,
+    holder_writes_at_poll,
+    shorten_limits,
+    when_sent,
+)
 from support.tokens import LIFETIME, OTHER_HOLDER, stored
 
 RENEW_MANDATORY = 120.0
@@ -79,6 +85,7 @@ def test_waiting_for_another_process_starts_with_short_polls(
 def test_a_caller_without_a_token_gets_renewal_timeout_when_the_holder_never_writes(
     manager: TokenManager, store: TokenStore, exchange: FakeExchange, sleep: Sleeper
 ) -> None:
+    shorten_limits(manager)  # the rule is the same for any limit; the real one is 4330 looks
     hold_lock(store)
     with pytest.raises(RenewalTimeout, match=OTHER_HOLDER) as caught:
         manager.token()
@@ -94,6 +101,7 @@ def test_a_waiter_outlasts_a_dead_holder_and_the_whole_renewal_of_the_next_one(
     """The caller arrives just after a holder took the lock and died; when that lock
     expires another process takes it first and needs its whole lock TTL. The caller still
     gets that process's token instead of a RenewalTimeout (CI once saw one in fault row 6)."""
+    shorten_limits(manager)  # 90 looks of 100 instead of 4320 of 4330: the same scenario
     hold_lock(store)
     one_lock_ttl = math.ceil(manager.limits.renewal / POLL_INITIAL)
     next_holder = "third-host:7:cafebabe"
@@ -186,7 +194,8 @@ def test_threads_of_one_process_wait_for_its_renewal_in_turn_without_polling_red
     the new token from the process's copy."""
     old = stored(store, clock, left=3600.0)
     copying_manager.accepted(old)  # in use before the revocation
-    exchange.during = lambda: time.sleep(0.2)  # the others arrive while it exchanges
+    waiting = SiblingWaits(copying_manager)
+    exchange.during = lambda: waiting.reach(7)  # the others arrive while it exchanges
     start = threading.Barrier(8)
     got: list[Token] = []
 
@@ -240,16 +249,23 @@ def test_a_401_does_not_wait_behind_a_thread_waiting_for_another_process(
     revoked = stored(store, clock, left=3600.0, value="tok-revoked")
     valid = stored(store, clock, left=3600.0, value="tok-valid")
     hold_lock(store)
-    sleep.on_sleep = lambda polls: time.sleep(0.005)  # A polls in real time
+    proceed = threading.Event()
+
+    def a_polls(polls: int) -> None:
+        if polls == 3:  # A sits in its third wait until B is done (at most 10 s)
+            proceed.wait(10)
+
+    sleep.on_sleep = a_polls
     outcome: list[Token] = []
     waiting = threading.Thread(target=lambda: outcome.append(manager.renew(force=True)))
     waiting.start()
     try:
         wait_until(lambda: len(sleep.waits) >= 3, "thread A polling", 10.0)
         assert manager.renew(stale_token=revoked) == valid
-        assert waiting.is_alive()  # B did not wait for A
+        assert waiting.is_alive()  # B did not wait for A, who still sits in its third wait
     finally:
         newer = stored(store, clock, left=3600.0, value="tok-newer")
+        proceed.set()
         waiting.join(timeout=30)
     assert outcome == [newer]
 
@@ -261,9 +277,10 @@ def test_threads_meeting_a_refusal_in_a_back_off_share_its_token_rejected(
     one asks the store and opens the ``refused`` pause; the others get its TokenRejected
     instead of trying again themselves (no second opening, nothing exchanged)."""
     old = stored(store, clock, left=3600.0, in_a_row=1)
+    waiting = SiblingWaits(copying_manager)
 
     def slow_load(send: Callable[[], Any]) -> Any:
-        time.sleep(0.2)  # the siblings arrive while it decides
+        waiting.reach(7)  # the siblings arrive while it decides
         return send()
 
     when_sent(store, store.ask.load_breaker(), slow_load)

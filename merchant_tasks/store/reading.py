@@ -28,6 +28,7 @@ import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
+from merchant_tasks.flows import drive, drive_async
 from merchant_tasks.store import scripts
 from merchant_tasks.store.exchange_rate import ExchangeRate, RateState
 from merchant_tasks.store.keys import Command, Replies, redis_address, unavailable_as_error
@@ -100,17 +101,15 @@ def read_stored(
     readings: dict[str, AccountReading] = {}
     rates: dict[str, RateState] = {}
     for client, group in _by_client(accounts).items():
-        flow = _reading_flow(group, windows, clustered=isinstance(client, RedisCluster))
-        trip = next(flow)
-        while True:
+
+        def send(trip: Any, client: StoreClient = client) -> Any:
             with unavailable_as_error(redis_address(client)):
-                replies = _send(client, trip)
-            try:
-                trip = flow.send(replies)
-            except StopIteration as done:
-                readings.update(done.value[0])
-                rates.update(done.value[1])
-                break
+                return _send(client, trip)
+
+        clustered = isinstance(client, RedisCluster)
+        found = drive(_reading_flow(group, windows, clustered=clustered), send)
+        readings.update(found[0])
+        rates.update(found[1])
     return readings, rates
 
 
@@ -121,17 +120,15 @@ async def async_read_stored(
     readings: dict[str, AccountReading] = {}
     rates: dict[str, RateState] = {}
     for client, group in _by_client(accounts).items():
-        flow = _reading_flow(group, windows, clustered=isinstance(client, AsyncRedisCluster))
-        trip = next(flow)
-        while True:
+
+        async def send(trip: Any, client: AsyncStoreClient = client) -> Any:
             with unavailable_as_error(redis_address(client)):
-                replies = await _async_send(client, trip)
-            try:
-                trip = flow.send(replies)
-            except StopIteration as done:
-                readings.update(done.value[0])
-                rates.update(done.value[1])
-                break
+                return await _async_send(client, trip)
+
+        clustered = isinstance(client, AsyncRedisCluster)
+        found = await drive_async(_reading_flow(group, windows, clustered=clustered), send)
+        readings.update(found[0])
+        rates.update(found[1])
     return readings, rates
 
 

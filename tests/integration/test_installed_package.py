@@ -14,6 +14,7 @@ import pytest
 
 from merchant_tasks.ops.cli import EXIT_CONFIGURATION
 from support.paths import ROOT
+from support.programs import run_python
 
 pytestmark = pytest.mark.integration
 
@@ -46,11 +47,10 @@ def test_the_command_and_the_pytest_plugin_are_where_they_were() -> None:
         assert hasattr(plugin, fixture), fixture
     module, _, function = project["scripts"]["merchant-tasks"].partition(":")
     command = getattr(__import__(module, fromlist=[function]), function)
-    done = subprocess.run(
-        [sys.executable, "-c", f"import {module}; {module}.{function}()", "--version"],
-        capture_output=True,
-        text=True,
-        check=False,
+    done = run_python(
+        "-c",
+        f"import {module}; {module}.{function}()",
+        "--version",
     )
     assert callable(command)
     assert done.returncode == 0, done.stderr[-500:]
@@ -66,13 +66,8 @@ def test_mypy_of_an_application_finds_the_installed_package_and_its_types(
     """The editable install puts a path in its .pth (no import hook mypy cannot follow)."""
     app = tmp_path / "app.py"
     app.write_text("from merchant_tasks import __version__\nx: int = __version__\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(app)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=MYPY_TIMEOUT,
-        check=False,
+    done = run_python(
+        "-m", "mypy", "--strict", "--no-incremental", str(app), cwd=tmp_path, timeout=MYPY_TIMEOUT
     )
     assert 'expression has type "str", variable has type "int"' in done.stdout, done.stdout
     assert "Cannot find implementation or library stub" not in done.stdout
@@ -89,14 +84,7 @@ main()
 
 def test_a_worker_configured_for_gevent_without_it_says_so_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "celeryconfig.py").write_text('worker_pool = "gevent"\n')
-    done = subprocess.run(
-        [sys.executable, "-c", HIDE_GEVENT_AND_RUN_CELERY],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=MYPY_TIMEOUT,
-        check=False,
-    )
+    done = run_python("-c", HIDE_GEVENT_AND_RUN_CELERY, cwd=tmp_path, timeout=MYPY_TIMEOUT)
     assert done.returncode == EXIT_CONFIGURATION, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert done.stderr.strip().splitlines() == [

@@ -13,8 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -63,8 +61,10 @@ from merchant_tasks.telemetry import (
 )
 from merchant_tasks.token import BreakerKind, CounterName, IssuedToken, Token
 from support.account import TEST_SECRET
+from support.at_once import at_once
 from support.celery_fleet import CALL_API, PING, READY_TIMEOUT, Fleet
 from support.paths import SUPPORT
+from support.programs import run_python
 from support.redis_conditions import dead_redis
 from support.traced_worker import SPANS_FILE
 
@@ -202,15 +202,7 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
 
     client.manager.life._replacement = counted  # type: ignore[method-assign]
     client.manager.exchange = after_every_refusal
-    start = threading.Barrier(THREADS)
-
-    def call(_: int) -> Any:
-        start.wait()
-        return client.request("GET", PING)
-
-    with ThreadPoolExecutor(THREADS) as pool:
-        results = list(pool.map(call, range(THREADS)))
-
+    results = at_once(THREADS, lambda _: client.request("GET", PING))
     assert results == [{"ok": True}] * THREADS
     assert merchant_sandbox.exchanges()["ok"] == 2  # the first token, then one for the storm
     (renewal,) = traced.spans(RENEWAL_SPAN)
@@ -441,14 +433,7 @@ print("no-op")
 @pytest.mark.parametrize("process", ["without an SDK", "without the API"])
 def test_a_process_that_traces_nothing_gets_the_shared_no_op(process: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    run = subprocess.run(
-        [sys.executable, "-c", NO_OP_CHECK, process],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    run = run_python("-c", NO_OP_CHECK, process, timeout=120, env=env)
     assert run.stdout.strip() == "no-op", run.stderr
 
 

@@ -4,8 +4,6 @@ awaitable send that leaves the event loop serving."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ from merchant_tasks.sandbox.processes import free_port
 from merchant_tasks.tasks import call_api
 from merchant_tasks.worker import install as install_module
 from merchant_tasks.worker.task_bodies import CALL_API
+from support.programs import run_python
 
 MYPY_TIMEOUT = 300.0  # seconds: mypy without a cache, on a busy machine
 TICK = 0.01  # seconds between two ticks of the event loop's other task
@@ -46,13 +45,8 @@ def shop_app(monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
 
 def test_a_misspelt_argument_of_call_api_fails_the_users_mypy(tmp_path: Path) -> None:
     (tmp_path / "shop.py").write_text(MISSPELT, encoding="utf-8")
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "shop.py"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=MYPY_TIMEOUT,
-        check=False,
+    done = run_python(
+        "-m", "mypy", "--strict", "--no-incremental", "shop.py", cwd=tmp_path, timeout=MYPY_TIMEOUT
     )
     assert 'Unexpected keyword argument "idempotency_kee" for "delay"' in done.stdout, done.stdout
     assert 'Unexpected keyword argument "acount"' in done.stdout, done.stdout

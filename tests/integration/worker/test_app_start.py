@@ -18,6 +18,7 @@ from merchant_tasks.sandbox.processes import RedisServer, redis_answers, spawn
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.worker.app import load_config
 from support.paths import ROOT
+from support.programs import run_python
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_celeryconfig")]
 
@@ -31,14 +32,15 @@ def _clean_env(**variables: str) -> dict[str, str]:
 
 
 def _celery(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "merchant_tasks", *args],
+    return run_python(
+        "-m",
+        "celery",
+        "-A",
+        "merchant_tasks",
+        *args,
         env=env,
         cwd=tmp_path,  # no celeryconfig.py here
-        capture_output=True,
-        text=True,
         timeout=START_TIMEOUT,
-        check=False,
     )
 
 
@@ -64,14 +66,12 @@ def test_a_library_import_with_a_bad_setting_raises_the_configuration_error(
         "try:\n    import merchant_tasks.worker.app\n"
         "except ConfigurationError as exc:\n    print('raised:', exc)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
+    done = run_python(
+        "-c",
+        code,
         env=_clean_env(MERCHANT_RENEW_INTERVAL="abc"),
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=START_TIMEOUT,
-        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("raised: MERCHANT_RENEW_INTERVAL must be a number")
@@ -103,15 +103,7 @@ def test_a_worker_without_any_account_stops_at_start_with_the_configuration_mess
 
 def test_started_from_the_repository_root_the_app_reads_the_top_level_celeryconfig() -> None:
     code = "import sys, merchant_tasks.worker.app; print(sys.modules['celeryconfig'].__file__)"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=_clean_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=START_TIMEOUT,
-        check=False,
-    )
+    done = run_python("-c", code, env=_clean_env(), cwd=ROOT, timeout=START_TIMEOUT)
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()) == ROOT / "celeryconfig.py"
 

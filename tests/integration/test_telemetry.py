@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from merchant_tasks.exceptions import CredentialsRejected
 from merchant_tasks.flows import Flow
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import wait_until
-from merchant_tasks.settings import FleetSettings, Secret, Settings
+from merchant_tasks.settings import Secret, Settings
 from merchant_tasks.store.token_store import BreakerRecord
 from merchant_tasks.telemetry import (
     ACCOUNT,
@@ -349,21 +349,11 @@ def parent_id(span: ReadableSpan) -> int:
 
 
 def test_refused_credentials_show_on_the_spans_and_meters_by_type_only(
-    traced: Telemetry,
-    merchant_sandbox: MerchantSandbox,
-    merchant_redis_url: str,
-    merchant_key_prefix: str,
-    redis_client: redis.Redis,
-    tmp_path: Path,
+    traced: Telemetry, merchant_settings: Settings, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     wrong = tmp_path / "wrong-secret"
     wrong.write_text(WRONG_SECRET + "\n")
-    settings = Settings(
-        api_key=merchant_sandbox.api_key,
-        secret=Secret(path=wrong),
-        base_url=merchant_sandbox.url,
-        fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
-    )
+    settings = replace(merchant_settings, secret=Secret(path=wrong))
     client = client_for(settings, redis_client=redis_client, name="wrong")
 
     with pytest.raises(CredentialsRejected):

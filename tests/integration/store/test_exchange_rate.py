@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from random import Random
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import redis
@@ -110,14 +110,33 @@ def control(merchant_redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture
+def sleeps() -> list[float]:
+    """The sleeps of the test's bucket, recorded, not slept."""
+    return []
+
+
+class RateAt(Protocol):
+    def __call__(self, cap: float, monotonic: Callable[[], float] = time.monotonic) -> Permits: ...
+
+
+@pytest.fixture
+def rate_at(control: redis.Redis, merchant_key_prefix: str, sleeps: list[float]) -> RateAt:
+    """The test's bucket of host ``h:1`` at ``cap`` exchanges a second, its sleeps in ``sleeps``."""
+
+    def rate(cap: float, monotonic: Callable[[], float] = time.monotonic) -> Permits:
+        return rate_on(control, merchant_key_prefix, cap, sleeps, monotonic)
+
+    return rate
+
+
 # -- the bucket, in Redis time ------------------------------------------------------------
 
 
 def test_a_quiet_host_answers_at_once_then_callers_wait_for_a_reserved_permit(
-    control: redis.Redis, merchant_key_prefix: str
+    rate_at: RateAt, sleeps: list[float]
 ) -> None:
-    sleeps: list[float] = []
-    rate = rate_on(control, merchant_key_prefix, 1.0, sleeps)
+    rate = rate_at(1.0)
     rate.take(Priority.CALLER)
     rate.take(Priority.CALLER)
     assert sleeps == []  # the burst
@@ -130,12 +149,11 @@ def test_a_quiet_host_answers_at_once_then_callers_wait_for_a_reserved_permit(
 
 
 def test_a_permit_granted_at_once_counts_no_wait_however_busy_the_process(
-    control: redis.Redis, merchant_key_prefix: str
+    rate_at: RateAt, sleeps: list[float]
 ) -> None:
     """The process's own delay before it asks (a loaded machine) is no wait for a permit."""
     ticks = iter(range(0, 1000, 5))  # each reading of the clock 5 s after the last
-    sleeps: list[float] = []
-    rate = rate_on(control, merchant_key_prefix, 1.0, sleeps, lambda: float(next(ticks)))
+    rate = rate_at(1.0, lambda: float(next(ticks)))
     rate.take(Priority.BACKGROUND)  # a full bucket of 2: one may go
     rate.take(Priority.CALLER)
     counts = rate.state().counts
@@ -145,10 +163,9 @@ def test_a_permit_granted_at_once_counts_no_wait_however_busy_the_process(
 
 
 def test_beat_never_takes_the_permits_kept_for_callers(
-    control: redis.Redis, merchant_key_prefix: str
+    rate_at: RateAt, sleeps: list[float]
 ) -> None:
-    sleeps: list[float] = []
-    rate = rate_on(control, merchant_key_prefix, 0.1, sleeps)  # one permit per 10 s
+    rate = rate_at(0.1)  # one permit per 10 s
     rate.take(Priority.BACKGROUND)  # a full bucket of 2: one may go
     with pytest.raises(ExchangesThrottled) as raised:
         rate.take(Priority.BACKGROUND)  # the last one is the callers'
@@ -161,10 +178,9 @@ def test_beat_never_takes_the_permits_kept_for_callers(
 
 
 def test_a_caller_past_its_wait_is_refused_at_once_with_the_endpoint_unavailable_error(
-    control: redis.Redis, merchant_key_prefix: str
+    rate_at: RateAt, sleeps: list[float]
 ) -> None:
-    sleeps: list[float] = []
-    rate = rate_on(control, merchant_key_prefix, 0.1, sleeps)
+    rate = rate_at(0.1)
     rate.take(Priority.CALLER)
     rate.take(Priority.CALLER)
     with pytest.raises(TokenEndpointUnavailable) as raised:  # ExchangesThrottled is one
@@ -178,9 +194,9 @@ def test_a_caller_past_its_wait_is_refused_at_once_with_the_endpoint_unavailable
 
 
 def test_a_429_halves_the_rate_once_then_it_grows_back_step_by_step(
-    control: redis.Redis, merchant_key_prefix: str
+    control: redis.Redis, rate_at: RateAt
 ) -> None:
-    rate = rate_on(control, merchant_key_prefix, 10.0, [])
+    rate = rate_at(10.0)
     rate.rate_limited()
     rate.rate_limited()  # an answer to an exchange sent before the halving
     assert rate.state().rate == 5.0
@@ -196,8 +212,8 @@ def test_a_429_halves_the_rate_once_then_it_grows_back_step_by_step(
     assert control.hget(rate.key, "cut_rate") == b""
 
 
-def test_halvings_stop_at_the_floor(control: redis.Redis, merchant_key_prefix: str) -> None:
-    rate = rate_on(control, merchant_key_prefix, 1.0, [])
+def test_halvings_stop_at_the_floor(control: redis.Redis, rate_at: RateAt) -> None:
+    rate = rate_at(1.0)
     for _ in range(10):
         # as if each 429 came after the spacing, during the hold
         halved_ago(control, rate.key, exchange_rate.HALVING_SPACING + 1)
@@ -206,9 +222,9 @@ def test_halvings_stop_at_the_floor(control: redis.Redis, merchant_key_prefix: s
 
 
 def test_garbage_in_the_rate_key_reads_as_a_fresh_bucket(
-    control: redis.Redis, merchant_key_prefix: str
+    control: redis.Redis, rate_at: RateAt
 ) -> None:
-    rate = rate_on(control, merchant_key_prefix, 2.0, [])
+    rate = rate_at(2.0)
     control.set(rate.key, "not a hash")
     rate.take(Priority.CALLER)
     control.hset(rate.key, mapping={"tokens": "x", "at": "y", "cut_rate": "z", "cut_at": "1"})

@@ -25,6 +25,13 @@ from support.account import TEST_SECRET
 from support.accounts_files import two_accounts_of_one_key, write_file
 
 
+def entry(name: str, secret_file: Path, **keys: str) -> str:
+    """The ``[accounts.<name>]`` table of an accounts file: ``keys`` as strings, and the
+    secret as a file."""
+    lines = [f"[accounts.{name}]", *(f'{key} = "{value}"' for key, value in keys.items())]
+    return "\n".join([*lines, f'api_secret_file = "{secret_file}"']) + "\n"
+
+
 @pytest.fixture
 def accounts_toml(tmp_path: Path) -> Callable[[str], dict[str, str]]:
     """The environment of an accounts file (TOML) of the given text."""
@@ -234,17 +241,14 @@ def test_a_sandbox_and_a_production_account_may_not_share_a_server(
     accounts_toml: Callable[[str], dict[str, str]], merchant_secret_file: Path
 ) -> None:
     env = accounts_toml(
-        f"""
-[accounts.live]
-environment = "production"
-base_url = "https://api.example.test"
-api_key = "live"
-api_secret_file = "{merchant_secret_file}"
-[accounts.test]
-base_url = "https://api.example.test/"
-api_key = "test"
-api_secret_file = "{merchant_secret_file}"
-"""
+        entry(
+            "live",
+            merchant_secret_file,
+            environment="production",
+            base_url="https://api.example.test",
+            api_key="live",
+        )
+        + entry("test", merchant_secret_file, base_url="https://api.example.test/", api_key="test")
     )
     with pytest.raises(ConfigurationError, match="must never reach the other"):
         load_accounts(env)
@@ -281,15 +285,8 @@ def test_client_from_env_with_several_accounts_and_no_default_asks_to_name_one(
     accounts_toml: Callable[[str], dict[str, str]], merchant_secret_file: Path
 ) -> None:
     env = accounts_toml(
-        f"""
-[accounts.eu]
-api_key = "eu"
-api_secret_file = "{merchant_secret_file}"
-[accounts.us]
-api_key = "us"
-api_secret_file = "{merchant_secret_file}"
-base_url = "http://127.0.0.1:10"
-"""
+        entry("eu", merchant_secret_file, api_key="eu")
+        + entry("us", merchant_secret_file, api_key="us", base_url="http://127.0.0.1:10")
     )
     with pytest.raises(ConfigurationError, match=r"several accounts .*eu, us.*name one"):
         client_from_env(env)
@@ -347,7 +344,7 @@ def test_a_source_function_adds_accounts_checked_like_the_file_and_the_variables
 ) -> None:
     accounts_file = write_file(
         tmp_path / "accounts.toml",
-        f'[accounts.file-shop]\napi_key = "file-key"\napi_secret_file = "{merchant_secret_file}"\n',
+        entry("file-shop", merchant_secret_file, api_key="file-key"),
     )
     accounts = load_accounts(
         {
@@ -392,7 +389,7 @@ def test_an_account_defined_by_two_sources_is_an_error(
 ) -> None:
     accounts_file = write_file(
         tmp_path / "accounts.toml",
-        f'[accounts.db-shop]\napi_key = "other"\napi_secret_file = "{merchant_secret_file}"\n',
+        entry("db-shop", merchant_secret_file, api_key="other"),
     )
     with pytest.raises(ConfigurationError, match="account 'db-shop' is also defined"):
         load_accounts(
@@ -407,8 +404,7 @@ def test_loading_a_thousand_accounts_builds_no_client(
     accounts_toml: Callable[[str], dict[str, str]], merchant_secret_file: Path
 ) -> None:
     entries = "".join(
-        f'[accounts.shop-{n}]\napi_key = "key-{n}"\napi_secret_file = "{merchant_secret_file}"\n'
-        for n in range(1000)
+        entry(f"shop-{n}", merchant_secret_file, api_key=f"key-{n}") for n in range(1000)
     )
     fleet = AccountClients.from_env(accounts_toml(entries))
     assert len(fleet.accounts) == 1000

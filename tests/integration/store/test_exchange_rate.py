@@ -242,14 +242,19 @@ def test_without_redis_no_permit_is_given(merchant_key_prefix: str) -> None:
 # -- with the emulator ----------------------------------------------------------------------
 
 
-def test_a_429_on_one_account_halves_the_rate_every_account_of_the_host_sees(
-    merchant_settings: Settings, merchant_sandbox: Any, redis_client: redis.Redis
-) -> None:
-    merchant_sandbox.app.configure({"rate_limit": 1, "rate_window": 60.0})
-    client = client_for(merchant_settings)
+def a_429_from_the_host(settings: Settings, sandbox: Any) -> None:
+    """The emulator grants one exchange a minute: a forced renewal gets it, the next a 429."""
+    sandbox.app.configure({"rate_limit": 1, "rate_window": 60.0})
+    client = client_for(settings)
     client.manager.renew(force=True)
     with pytest.raises(ExchangeRateLimited):
         client.manager.renew(force=True)
+
+
+def test_a_429_on_one_account_halves_the_rate_every_account_of_the_host_sees(
+    merchant_settings: Settings, merchant_sandbox: Any, redis_client: redis.Redis
+) -> None:
+    a_429_from_the_host(merchant_settings, merchant_sandbox)
     other_store = TokenStore(redis_client, f"{merchant_settings.fleet.key_prefix}:sandbox:other")
     seen_elsewhere = exchange_rate_for(merchant_settings, other_store.commands).state()
     assert seen_elsewhere.rate == merchant_settings.fleet.max_exchanges_per_second / 2
@@ -408,11 +413,7 @@ def test_callers_go_before_beat(
 def test_status_and_metrics_show_the_hosts_rate_and_permits_waited_for(
     merchant_settings: Settings, merchant_sandbox: Any, merchant_env: dict[str, str]
 ) -> None:
-    merchant_sandbox.app.configure({"rate_limit": 1, "rate_window": 60.0})
-    client = client_for(merchant_settings)
-    client.manager.renew(force=True)
-    with pytest.raises(ExchangeRateLimited):
-        client.manager.renew(force=True)
+    a_429_from_the_host(merchant_settings, merchant_sandbox)
     result = CliRunner().invoke(main, ["status", "--json"])
     (account,) = json.loads(result.stdout)["accounts"]
     host = merchant_settings.origin.split("://")[1]

@@ -340,17 +340,15 @@ def source_module(
 
 
 def test_a_source_function_adds_accounts_checked_like_the_file_and_the_variables(
-    source_module: str, merchant_secret_file: Path, tmp_path: Path
+    source_module: str,
+    merchant_secret_file: Path,
+    accounts_toml: Callable[[str], dict[str, str]],
 ) -> None:
-    accounts_file = write_file(
-        tmp_path / "accounts.toml",
-        entry("file-shop", merchant_secret_file, api_key="file-key"),
-    )
     accounts = load_accounts(
         {
             "MERCHANT_API_KEY": "k1",
             "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
-            "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
+            **accounts_toml(entry("file-shop", merchant_secret_file, api_key="file-key")),
             "MERCHANT_ACCOUNTS_SOURCE": f"{source_module}:accounts",
             "MERCHANT_RENEW_BEFORE": "300",
         }
@@ -385,19 +383,12 @@ def test_a_bad_source_is_an_error_naming_the_variable_and_never_the_platforms_me
 
 
 def test_an_account_defined_by_two_sources_is_an_error(
-    source_module: str, merchant_secret_file: Path, tmp_path: Path
+    source_module: str, merchant_secret_file: Path, accounts_toml: Callable[[str], dict[str, str]]
 ) -> None:
-    accounts_file = write_file(
-        tmp_path / "accounts.toml",
-        entry("db-shop", merchant_secret_file, api_key="other"),
-    )
+    env = accounts_toml(entry("db-shop", merchant_secret_file, api_key="other"))
+    env["MERCHANT_ACCOUNTS_SOURCE"] = f"{source_module}:accounts"
     with pytest.raises(ConfigurationError, match="account 'db-shop' is also defined"):
-        load_accounts(
-            {
-                "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
-                "MERCHANT_ACCOUNTS_SOURCE": f"{source_module}:accounts",
-            }
-        )
+        load_accounts(env)
 
 
 def test_loading_a_thousand_accounts_builds_no_client(

@@ -42,6 +42,7 @@ from merchant_tasks.store.exchange_rate import ExchangeRate, Priority
 from merchant_tasks.store.keys import AccountKeys, AccountRedis
 from merchant_tasks.store.token_store import TokenCommands, TokenStore
 from merchant_tasks.token import RenewalPolicy
+from support.clock import Sleeper
 from support.paths import SUPPORT
 from support.redis_conditions import dead_redis
 
@@ -103,22 +104,17 @@ def halved_ago(control: redis.Redis, key: str, seconds: float) -> None:
     control.hset(key, "cut_at", now_ms - int(seconds * 1000))
 
 
-@pytest.fixture
-def sleeps() -> list[float]:
-    """The sleeps of the test's bucket, recorded, not slept."""
-    return []
-
-
 class RateAt(Protocol):
     def __call__(self, cap: float, monotonic: Callable[[], float] = time.monotonic) -> Permits: ...
 
 
 @pytest.fixture
-def rate_at(redis_client: redis.Redis, merchant_key_prefix: str, sleeps: list[float]) -> RateAt:
-    """The test's bucket of host ``h:1`` at ``cap`` exchanges a second, its sleeps in ``sleeps``."""
+def rate_at(redis_client: redis.Redis, merchant_key_prefix: str, sleep: Sleeper) -> RateAt:
+    """The test's bucket of host ``h:1`` at ``cap`` exchanges a second; ``sleep`` records
+    its waits."""
 
     def rate(cap: float, monotonic: Callable[[], float] = time.monotonic) -> Permits:
-        return rate_on(redis_client, merchant_key_prefix, cap, sleeps, monotonic)
+        return rate_on(redis_client, merchant_key_prefix, cap, sleep.waits, monotonic)
 
     return rate
 
@@ -134,20 +130,20 @@ def take_the_burst(rate: Permits) -> Permits:
 
 
 def test_a_quiet_host_answers_at_once_then_callers_wait_for_a_reserved_permit(
-    rate_at: RateAt, sleeps: list[float]
+    rate_at: RateAt, sleep: Sleeper
 ) -> None:
     rate = take_the_burst(rate_at(1.0))
-    assert sleeps == []  # the burst
+    assert sleep.waits == []  # the burst
     rate.take(Priority.CALLER)
-    assert len(sleeps) == 1
-    assert 0.5 < sleeps[0] <= 1.0
+    assert len(sleep.waits) == 1
+    assert 0.5 < sleep.waits[0] <= 1.0
     counts = rate.state().counts
     assert counts["granted_caller"] == 3
     assert counts["waited"] == 1
 
 
 def test_a_permit_granted_at_once_counts_no_wait_however_busy_the_process(
-    rate_at: RateAt, sleeps: list[float]
+    rate_at: RateAt, sleep: Sleeper
 ) -> None:
     """The process's own delay before it asks (a loaded machine) is no wait for a permit."""
     ticks = iter(range(0, 1000, 5))  # each reading of the clock 5 s after the last
@@ -157,12 +153,10 @@ def test_a_permit_granted_at_once_counts_no_wait_however_busy_the_process(
     counts = rate.state().counts
     assert counts["granted_caller"] == counts["granted_background"] == 1
     assert counts.get("waited", 0) == 0
-    assert sleeps == []
+    assert sleep.waits == []
 
 
-def test_beat_never_takes_the_permits_kept_for_callers(
-    rate_at: RateAt, sleeps: list[float]
-) -> None:
+def test_beat_never_takes_the_permits_kept_for_callers(rate_at: RateAt, sleep: Sleeper) -> None:
     rate = rate_at(0.1)  # one permit per 10 s
     rate.take(Priority.BACKGROUND)  # a full bucket of 2: one may go
     with pytest.raises(ExchangesThrottled) as raised:
@@ -170,13 +164,13 @@ def test_beat_never_takes_the_permits_kept_for_callers(
     assert raised.value.retry_after is not None
     assert raised.value.retry_after > 5
     rate.take(Priority.CALLER)  # ... and a caller gets it at once
-    assert sleeps == []
+    assert sleep.waits == []
     counts = rate.state().counts
     assert (counts["granted_background"], counts["granted_caller"], counts["gave_up"]) == (1, 1, 1)
 
 
 def test_a_caller_past_its_wait_is_refused_at_once_with_the_endpoint_unavailable_error(
-    rate_at: RateAt, sleeps: list[float]
+    rate_at: RateAt, sleep: Sleeper
 ) -> None:
     rate = take_the_burst(rate_at(0.1))
     with pytest.raises(TokenEndpointUnavailable) as raised:  # ExchangesThrottled is one
@@ -185,7 +179,7 @@ def test_a_caller_past_its_wait_is_refused_at_once_with_the_endpoint_unavailable
     assert "MERCHANT_MAX_EXCHANGES_PER_SECOND=0.1" in str(raised.value)
     assert raised.value.retryable
     assert raised.value.retry_after is not None
-    assert sleeps == []  # refused without waiting for what it could not get
+    assert sleep.waits == []  # refused without waiting for what it could not get
     assert rate.state().counts["gave_up"] == 1
 
 

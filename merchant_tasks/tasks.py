@@ -15,14 +15,19 @@ event loop.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
+import threading
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar
 
 from celery import current_app
 from celery.local import Proxy
 from celery.result import AsyncResult
 
+from merchant_tasks.exceptions import BrokerUnavailable
 from merchant_tasks.settings import FleetSettings
 from merchant_tasks.worker.install import sending_app
 from merchant_tasks.worker.sending import send
@@ -30,6 +35,25 @@ from merchant_tasks.worker.task_bodies import CALL_API, RENEW_ACCOUNT, RENEW_TOK
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+ENQUEUE_THREADS = 32  # sends from async code waiting on the broker at once, in a process
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "merchant_tasks_enqueue_deadline", default=None
+)
+_threads: list[ThreadPoolExecutor] = []
+_threads_made = threading.Lock()
+
+
+def _enqueue_threads() -> ThreadPoolExecutor:
+    """The threads ``delay_async`` sends on: the package's own, so that sends waiting on a
+    broker that is away take none of the event loop's default executor, which the
+    application's own work shares (and the loop's threads none of these)."""
+    with _threads_made:
+        if not _threads:
+            _threads.append(
+                ThreadPoolExecutor(ENQUEUE_THREADS, thread_name_prefix="merchant-enqueue")
+            )
+        return _threads[0]
 
 
 def installed_task(name: str) -> Any:
@@ -48,14 +72,34 @@ def _task(name: str) -> Any:
 
 
 def _in_a_thread(blocking: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
-    """``blocking`` as a coroutine function that runs it in a worker thread, so that an
-    event loop goes on serving while it waits."""
+    """``blocking`` (a send) as a coroutine function that runs it on the enqueue threads,
+    so that an event loop goes on serving while it waits; the wait for a free thread counts
+    against MERCHANT_ENQUEUE_TIMEOUT, as the send does."""
 
     @functools.wraps(blocking)
     async def in_a_thread(*args: P.args, **kwargs: P.kwargs) -> R:
-        return await asyncio.to_thread(blocking, *args, **kwargs)
+        called = time.monotonic()
+        context = contextvars.copy_context()
+        context.run(_deadline.set, called + FleetSettings.from_env().enqueue_timeout)
+        send_it = functools.partial(context.run, blocking, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(_enqueue_threads(), send_it)
 
     return in_a_thread
+
+
+def _time_left(timeout: float) -> float:
+    """The bound of a send: ``timeout``, or what is left of an async caller's."""
+    deadline = _deadline.get()
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise BrokerUnavailable(
+            f"no enqueue thread came free within {timeout:g} s: {ENQUEUE_THREADS} sends "
+            "were already waiting on the broker. Send the call again later, with the same "
+            "idempotency key (check broker_url, MERCHANT_REDIS_URL by default)"
+        )
+    return left
 
 
 class CallApi:
@@ -105,8 +149,9 @@ class CallApi:
     ) -> AsyncResult:
         """Celery's ``apply_async`` of the task (``countdown``, ``task_id``, ...), bounded
         as ``delay``."""
-        timeout = FleetSettings.from_env().enqueue_timeout
-        return send(installed_task(CALL_API), args or (), kwargs or {}, options, timeout)
+        task = installed_task(CALL_API)
+        timeout = _time_left(FleetSettings.from_env().enqueue_timeout)
+        return send(task, args or (), kwargs or {}, options, timeout)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task's body here, in this process, as Celery's tasks do when called."""

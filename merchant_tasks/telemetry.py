@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from merchant_tasks.extras import package_version
 
@@ -41,6 +41,7 @@ try:
 except ImportError:  # the otel extra is not installed
     _trace = None  # type: ignore[assignment]
     _metrics = None  # type: ignore[assignment]
+    _metrics_state = None  # type: ignore[assignment]
 
 # The API keeps each global provider in a module variable, None until the application sets
 # one: reading it is the hot path's one global read (``get_tracer_provider()`` also looks
@@ -232,23 +233,52 @@ def renewal_traceparent() -> str:
     return renewal.traceparent() if renewal is not None and renewal.recording() else ""
 
 
-_cached_tracer: tuple[object, Any] | None = None
+class _Provided(Generic[T]):
+    """What this scope makes of a global provider (its tracer, its instruments), made once
+    per provider; None when nothing records: the otel extra missing, no provider set (the
+    API's ``state.slot`` is None and no environment variable names one), or the API's
+    no-op or proxy (``provider`` returns None)."""
+
+    def __init__(
+        self,
+        state: Any,
+        slot: str,
+        by_env: bool,
+        provider: Callable[[], Any],
+        make: Callable[[Any], T],
+    ) -> None:
+        self._state, self._slot, self._by_env = state, slot, by_env
+        self._provider, self._make = provider, make
+        self._cached: tuple[object, T] | None = None
+
+    def __call__(self) -> T | None:
+        if self._state is None:
+            return None
+        if getattr(self._state, self._slot, True) is None and not self._by_env:
+            return None
+        provider = self._provider()
+        if provider is None:
+            return None
+        cached = self._cached
+        if cached is None or cached[0] is not provider:
+            cached = self._cached = (provider, self._make(provider))
+        return cached[1]
 
 
-def _tracer() -> Any:
-    """This scope's tracer from the configured provider, or None when nothing records."""
-    global _cached_tracer
-    if _trace is None:
-        return None
-    if getattr(_trace, "_TRACER_PROVIDER", True) is None and not _TRACER_BY_ENV:
-        return None
+def _tracer_provider() -> Any:
     provider = _trace.get_tracer_provider()
     if isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
         return None
-    cached = _cached_tracer
-    if cached is None or cached[0] is not provider:
-        cached = _cached_tracer = (provider, provider.get_tracer(SCOPE, package_version()))
-    return cached[1]
+    return provider
+
+
+_tracer: _Provided[Any] = _Provided(
+    _trace,
+    "_TRACER_PROVIDER",
+    _TRACER_BY_ENV,
+    _tracer_provider,
+    lambda provider: provider.get_tracer(SCOPE, package_version()),
+)
 
 
 def _remote_context(traceparent: str) -> Any:
@@ -332,29 +362,27 @@ class _Instruments:
         )
 
 
-_cached_instruments: tuple[object, _Instruments] | None = None
 # the breaker gauge's readings by account: the store (held weakly) and how to read it
 _breakers: dict[str, tuple[weakref.ref[Any], Callable[[Any], Iterable[tuple[str, int]]]]] = {}
 
 
-def _instruments() -> _Instruments | None:
-    """The instruments of the configured meter provider, or None when nothing records."""
-    global _cached_instruments
-    if _metrics is None:
-        return None
-    if getattr(_metrics_state, "_METER_PROVIDER", True) is None and not _METER_BY_ENV:
-        return None
+def _meter_provider() -> Any:
     provider = _metrics.get_meter_provider()
     # the API's proxy (no SDK set yet) is private: told apart by its class name
     if isinstance(provider, _metrics.NoOpMeterProvider) or type(provider).__name__ == (
         "_ProxyMeterProvider"
     ):
         return None
-    cached = _cached_instruments
-    if cached is None or cached[0] is not provider:
-        meter = provider.get_meter(SCOPE, package_version())
-        cached = _cached_instruments = (provider, _Instruments(meter))
-    return cached[1]
+    return provider
+
+
+_instruments: _Provided[_Instruments] = _Provided(
+    _metrics_state,
+    "_METER_PROVIDER",
+    _METER_BY_ENV,
+    _meter_provider,
+    lambda provider: _Instruments(provider.get_meter(SCOPE, package_version())),
+)
 
 
 def count_renewal(account: str, reason: str, outcome: str) -> None:

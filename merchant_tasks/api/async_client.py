@@ -10,11 +10,12 @@ send loop (``api.calls``) and its token source's steps with the asyncio driver
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from merchant_tasks import telemetry
 from merchant_tasks.api.calls import (
     IDEMPOTENCY_HEADER,
     Call,
@@ -23,7 +24,6 @@ from merchant_tasks.api.calls import (
     TokenFlows,
     TransportFailure,
     call,
-    host_of,
 )
 from merchant_tasks.api.exchange import (
     ERROR_BODY_LIMIT,
@@ -31,7 +31,6 @@ from merchant_tasks.api.exchange import (
     Answer,
     ExchangeRequest,
 )
-from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.extras import require
 from merchant_tasks.flows import Flow, Sleep, drive_async
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, TOKEN_LIFETIME, Secret
@@ -42,6 +41,21 @@ require("asyncio", "the asyncio client (merchant_tasks.api.async_client)")
 import httpx  # noqa: E402
 
 POOL_SIZE = 100  # connections kept per host: an event loop's concurrent calls share them
+SECRET_READERS = 2  # threads that read secret files, the package's own: never queued behind
+# the event loop's default executor (the application's work, sends waiting on a broker)
+_readers: list[ThreadPoolExecutor] = []
+_readers_made = threading.Lock()
+
+
+async def reveal(secret: Secret) -> str:
+    """``secret``'s value, read off the event loop (it may come from a file, re-read at
+    each use so that a rotation needs no restart)."""
+    with _readers_made:
+        if not _readers:
+            _readers.append(
+                ThreadPoolExecutor(SECRET_READERS, thread_name_prefix="merchant-secret")
+            )
+    return await asyncio.get_running_loop().run_in_executor(_readers[0], secret.reveal)
 
 
 class AsyncTokenExchange(ExchangeRequest):
@@ -69,22 +83,14 @@ class AsyncTokenExchange(ExchangeRequest):
         )
 
     async def __call__(self) -> IssuedToken:
-        """Make one exchange, in its own span; raise a ``TokenExchangeError`` subclass (or
-        ``WrongBaseUrl``) on any failure."""
-        with telemetry.exchange_span(self.server) as span:
-            try:
-                issued = await self._exchange()
-            except MerchantError as exc:
-                if exc.status is not None:
-                    span.set(telemetry.HTTP_STATUS, exc.status)
-                raise
-            span.set(telemetry.HTTP_STATUS, issued.status)
-            return issued
+        """``TokenExchange.__call__``, awaited."""
+        with self.recorded() as issued:
+            return issued(await self._exchange())
 
     async def credentials(self) -> str:
         """The secret, read off the event loop (it may come from a file, re-read at each
         exchange so that a rotation needs no restart)."""
-        return await asyncio.to_thread(self.secret.reveal)
+        return await reveal(self.secret)
 
     async def _exchange(self) -> IssuedToken:
         secret = await self.credentials()
@@ -160,16 +166,8 @@ class AsyncMerchantClient:
         ``Idempotency-Key`` (a call carrying one may be sent again, whatever its method)."""
         if idempotency_key is not None:
             headers = {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
-        checked = Call.checked(method, path, json, params, headers)
-        with telemetry.request_span(checked.method, path, self.account) as span:
-            the_call = Call(checked.method, path, json, params, headers, span)
-            try:
-                answer = await self.run(call(self._flows, the_call, self.secret), the_call)
-            except Exception as exc:
-                telemetry.count_call(self.account, type(exc).__name__)
-                raise
-            telemetry.count_call(self.account, "ok")
-            return answer
+        with Call(method, path, json, params, headers).recorded(self.account) as the_call:
+            return await self.run(call(self._flows, the_call, self.secret), the_call)
 
     async def run(self, flow: Flow[Any], the_call: Call) -> Any:
         """Drive ``flow``: ``Send`` with httpx, the rest with the token source's driver."""
@@ -180,7 +178,7 @@ class AsyncMerchantClient:
             if isinstance(step, Sleep):
                 return await asyncio.sleep(step.seconds)
             if isinstance(step, Reveal):  # off the event loop: it may read a file
-                return await asyncio.to_thread(self.secret.reveal) if self.secret else None
+                return await reveal(self.secret) if self.secret else None
             return await self.manager.perform(step)
 
         return await drive_async(flow, perform)
@@ -195,19 +193,11 @@ class AsyncMerchantClient:
                 headers=the_call.signed_headers(token),
             )
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise TransportFailure(
-                f"connection to {host_of(self.base_url)} failed: {type(exc).__name__}",
-                never_sent=True,
-            ) from None
+            raise TransportFailure.connecting(self.base_url, exc, never_sent=True) from None
         except httpx.TimeoutException:
-            raise TransportFailure(
-                f"timed out waiting for {host_of(self.base_url)}", never_sent=False
-            ) from None
+            raise TransportFailure.timed_out(self.base_url) from None
         except httpx.TransportError as exc:
-            raise TransportFailure(
-                f"connection to {host_of(self.base_url)} failed: {type(exc).__name__}",
-                never_sent=False,
-            ) from None
+            raise TransportFailure.connecting(self.base_url, exc, never_sent=False) from None
 
     async def aclose(self) -> None:
         """Close the HTTP client (its pooled connections) and what the token source runs

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 from urllib.parse import quote, unquote, urlsplit
 
@@ -101,6 +102,18 @@ class TransportFailure(Exception):
         super().__init__(reason)
         self.reason, self.never_sent = reason, never_sent
 
+    @classmethod
+    def connecting(cls, url: str, exc: Exception, *, never_sent: bool) -> TransportFailure:
+        """The connection to ``url``'s host failed with ``exc``."""
+        return cls(
+            f"connection to {host_of(url)} failed: {type(exc).__name__}", never_sent=never_sent
+        )
+
+    @classmethod
+    def timed_out(cls, url: str) -> TransportFailure:
+        """No answer from ``url``'s host in time (the request may have been processed)."""
+        return cls(f"timed out waiting for {host_of(url)}", never_sent=False)
+
 
 class Answer(Protocol):
     """What the flow reads of an HTTP answer: a ``requests.Response`` or an
@@ -169,20 +182,21 @@ class Call:
     headers: Mapping[str, str] | None = None
     span: telemetry.Recorder = telemetry.NO_SPAN  # its ``merchant_tasks.request`` span
 
-    @classmethod
-    def checked(
-        cls,
-        method: str,
-        path: str,
-        json: Any = None,
-        params: Mapping[str, Any] | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> Call:
+    @contextmanager
+    def recorded(self, account: str) -> Iterator[Call]:
         """The call, once its path and headers are checked (ValueError naming what is
-        wrong: a path outside the API, a header carrying credentials)."""
-        check_path(path)
-        check_headers(headers)
-        return cls(method.upper(), path, json, params, headers)
+        wrong: a path outside the API, a header carrying credentials), in its
+        ``merchant_tasks.request`` span; its outcome counted for ``account``."""
+        check_path(self.path)
+        check_headers(self.headers)
+        method = self.method.upper()
+        with telemetry.request_span(method, self.path, account) as span:
+            try:
+                yield replace(self, method=method, span=span)
+            except Exception as exc:
+                telemetry.count_call(account, type(exc).__name__)
+                raise
+            telemetry.count_call(account, "ok")
 
     @property
     def resendable(self) -> bool:

@@ -17,7 +17,6 @@ import requests
 from requests.adapters import HTTPAdapter
 from urllib3.exceptions import NewConnectionError
 
-from merchant_tasks import telemetry
 from merchant_tasks.api.calls import (
     CALL_ATTEMPTS,
     CALL_RETRY_BUDGET,
@@ -33,7 +32,6 @@ from merchant_tasks.api.calls import (
     TokenSource,
     TransportFailure,
     call,
-    host_of,
 )
 from merchant_tasks.flows import Clock, Flow, Moment, Sleep, drive
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, Secret
@@ -124,16 +122,8 @@ class MerchantClient(Generic[SourceT]):
             ApiError: any other error status.
             TokenExchangeError, StoreUnavailable: no token could be had.
         """
-        checked = Call.checked(method, path, json, params, headers)
-        with telemetry.request_span(checked.method, path, self.account) as span:
-            the_call = Call(checked.method, path, json, params, headers, span)
-            try:
-                answer = self.run(call(self._flows, the_call, self.secret), the_call)
-            except Exception as exc:
-                telemetry.count_call(self.account, type(exc).__name__)
-                raise
-            telemetry.count_call(self.account, "ok")
-            return answer
+        with Call(method, path, json, params, headers).recorded(self.account) as the_call:
+            return self.run(call(self._flows, the_call, self.secret), the_call)
 
     def run(self, flow: Flow[Any], the_call: Call) -> Any:
         """Drive ``flow``: ``Send`` with requests, sleeps with this client's ``sleep``, the
@@ -163,14 +153,9 @@ class MerchantClient(Generic[SourceT]):
             )
         except requests.ConnectionError as exc:
             never_sent = isinstance(exc, requests.ConnectTimeout) or _connection_refused(exc)
-            raise TransportFailure(
-                f"connection to {host_of(self.base_url)} failed: {type(exc).__name__}",
-                never_sent=never_sent,
-            ) from None
+            raise TransportFailure.connecting(self.base_url, exc, never_sent=never_sent) from None
         except requests.Timeout:
-            raise TransportFailure(
-                f"timed out waiting for {host_of(self.base_url)}", never_sent=False
-            ) from None
+            raise TransportFailure.timed_out(self.base_url) from None
 
 
 class _Blocking:

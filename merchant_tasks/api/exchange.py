@@ -16,7 +16,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -146,6 +146,23 @@ class ExchangeRequest:
         )
         return classify(answer, self.default_lifetime, secret=secret, url=self.url)
 
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[Callable[[IssuedToken], IssuedToken]]:
+        """One exchange's span: the HTTP status of the token it gives (through what this
+        yields) or of the error that ends it is set on it."""
+        with telemetry.exchange_span(self.server) as span:
+
+            def issued(token: IssuedToken) -> IssuedToken:
+                span.set(telemetry.HTTP_STATUS, token.status)
+                return token
+
+            try:
+                yield issued
+            except MerchantError as exc:
+                if exc.status is not None:
+                    span.set(telemetry.HTTP_STATUS, exc.status)
+                raise
+
     def unavailable(self, reason: str) -> TokenEndpointUnavailable:
         """The error of an exchange that broke off, for ``reason``."""
         return TokenEndpointUnavailable(f"token endpoint {self.url} {reason}")
@@ -183,15 +200,8 @@ class TokenExchange(ExchangeRequest):
     def __call__(self) -> IssuedToken:
         """Make one exchange, in its own span; raise a ``TokenExchangeError`` subclass (or
         ``WrongBaseUrl``) on any failure."""
-        with telemetry.exchange_span(self.server) as span:
-            try:
-                issued = self._exchange()
-            except MerchantError as exc:
-                if exc.status is not None:
-                    span.set(telemetry.HTTP_STATUS, exc.status)
-                raise
-            span.set(telemetry.HTTP_STATUS, issued.status)
-            return issued
+        with self.recorded() as issued:
+            return issued(self._exchange())
 
     def _exchange(self) -> IssuedToken:
         secret = self.secret.reveal()

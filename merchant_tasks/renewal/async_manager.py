@@ -22,22 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from merchant_tasks.flows import Clock, Flow, Moment, Redis, Sleep, drive_async
-from merchant_tasks.renewal.life import (
-    LOCAL_COPY_TTL,
-    POLL_MAX,
-    TIMED_OUT,
-    Await,
-    Credentials,
-    Exchange,
-    Fly,
-    Heard,
-    Hold,
-    Land,
-    Limits,
-    Listen,
-    TokenLife,
-    Unhold,
-)
+from merchant_tasks.renewal import life
 from merchant_tasks.renewal.manager import process_owner
 from merchant_tasks.store.async_store import AsyncRenewalSignal, AsyncTokenStore
 from merchant_tasks.store.exchange_rate import ExchangeRate
@@ -71,18 +56,18 @@ class AsyncTokenManager:
         rate: ExchangeRate | None = None,
         endpoint: str = "",
         rng: random.Random | None = None,
-        local_copy_ttl: float = LOCAL_COPY_TTL,
+        local_copy_ttl: float = life.LOCAL_COPY_TTL,
         wake_ups: bool = True,
-        limits: Limits | None = None,
+        limits: life.Limits | None = None,
     ) -> None:
         self.store = store
         self.exchange = exchange
         self.credentials = credentials  # the fingerprint of the credentials in use
         self.signal = AsyncRenewalSignal(store) if wake_ups else None
-        self.life = TokenLife(
+        self.life = life.TokenLife(
             store.ask,
             RenewalPolicy(renew_before, renew_mandatory),
-            limits or Limits.for_exchange(exchange_timeout),
+            limits or life.Limits.for_exchange(exchange_timeout),
             rate=rate,
             endpoint=endpoint,
             rng=rng,
@@ -96,15 +81,15 @@ class AsyncTokenManager:
             Redis: lambda step: self.store.send(step.command),
             Clock: lambda _: self.moment(),
             Sleep: lambda step: asyncio.sleep(step.seconds),
-            Exchange: lambda _: self.exchange(),
-            Credentials: lambda _: self.credentials(),
-            Heard: self._heard,
-            Listen: self._listen,
-            Fly: self._fly,
-            Await: self._await,
-            Land: self._land,
-            Hold: self._hold,
-            Unhold: self._unhold,
+            life.Exchange: lambda _: self.exchange(),
+            life.Credentials: lambda _: self.credentials(),
+            life.Heard: self._heard,
+            life.Listen: self._listen,
+            life.Fly: self._fly,
+            life.Await: self._await,
+            life.Land: self._land,
+            life.Hold: self._hold,
+            life.Unhold: self._unhold,
         }
 
     def __repr__(self) -> str:
@@ -161,19 +146,19 @@ class AsyncTokenManager:
         and clock steps)."""
         return await self._steps[type(step)](step)
 
-    async def _heard(self, _: Heard) -> int:
+    async def _heard(self, _: life.Heard) -> int:
         if self.signal is None:
             return 0
         self.signal.start()
         return self.signal.heard
 
-    async def _listen(self, step: Listen) -> None:
+    async def _listen(self, step: life.Listen) -> None:
         if self.signal is not None and self.signal.listening:
-            await self.signal.wait(step.heard, POLL_MAX)
+            await self.signal.wait(step.heard, life.POLL_MAX)
         else:
             await asyncio.sleep(step.poll)
 
-    async def _fly(self, step: Fly) -> _Flight:
+    async def _fly(self, step: life.Fly) -> _Flight:
         flight = self.life.flight
         if isinstance(flight, _Flight) and not flight.landing.done():
             return _Flight(flight.replacing, False, flight.landing)
@@ -181,25 +166,25 @@ class AsyncTokenManager:
         self.life.flight = seat
         return seat
 
-    async def _await(self, step: Await) -> Any:
+    async def _await(self, step: life.Await) -> Any:
         assert isinstance(step.flight, _Flight)
         with contextlib.suppress(TimeoutError):
             return await asyncio.wait_for(asyncio.shield(step.flight.landing), step.timeout)
-        return TIMED_OUT
+        return life.TIMED_OUT
 
-    async def _land(self, step: Land) -> None:
+    async def _land(self, step: life.Land) -> None:
         assert isinstance(step.flight, _Flight)
         if self.life.flight is step.flight:
             self.life.flight = None
         if not step.flight.landing.done():
             step.flight.landing.set_result(step.outcome)
 
-    async def _hold(self, step: Hold) -> None:
+    async def _hold(self, step: life.Hold) -> None:
         """Keep the holding alive beside the renewal: a task runs the heartbeat flow."""
         heartbeat = drive_async(self.life.heartbeat(step.value), self.perform)
         self._beating[step.value] = asyncio.get_running_loop().create_task(heartbeat)
 
-    async def _unhold(self, step: Unhold) -> None:
+    async def _unhold(self, step: life.Unhold) -> None:
         task = self._beating.pop(step.value, None)
         if task is not None:
             task.cancel()

@@ -744,6 +744,23 @@ class TokenLife:
         if hold is not None and now < hold:
             raise _held(route, hold - now)
 
+    def _look_command(
+        self, stale: Token, holding: str, route: str, count: bool, mark: bool
+    ) -> Redis[tuple[Token | None, int]]:
+        """The round trip of ``_look_after_401``, holding the lock as ``holding``."""
+        return Redis(
+            self.ask.look_after_401(
+                stale.generation,
+                holding,
+                self.lock_prefix,
+                self.limits.lease,
+                self.limits.wait,
+                route=route,
+                count=count,
+                mark=mark,
+            )
+        )
+
     def _look_after_401(
         self, stale: Token, route: str, new_401: bool
     ) -> Flow[Token | RouteVerdict]:
@@ -753,18 +770,7 @@ class TokenLife:
         heard = yield HEARD
         holding = self._holding()
         try:
-            current, outcome = yield Redis(
-                self.ask.look_after_401(
-                    stale.generation,
-                    holding,
-                    self.lock_prefix,
-                    self.limits.lease,
-                    self.limits.wait,
-                    route=route,
-                    count=new_401,
-                    mark=new_401,
-                )
-            )
+            current, outcome = yield self._look_command(stale, holding, route, new_401, new_401)
         except StoreUnavailable:
             if new_401:  # the refusal is not recorded: this process holds it meanwhile
                 older = {g for g in self._unrecorded if g < stale.generation}
@@ -777,17 +783,7 @@ class TokenLife:
             if verdict in ROUTE_VERDICTS and not current.refused:
                 return (yield from self._route_judged(current, route, verdict, moment))
             # the token's fault after all: mark it refused, try the lock (counted already)
-            current, outcome = yield Redis(
-                self.ask.look_after_401(
-                    stale.generation,
-                    holding,
-                    self.lock_prefix,
-                    self.limits.lease,
-                    self.limits.wait,
-                    count=False,
-                    mark=True,
-                )
-            )
+            current, outcome = yield self._look_command(stale, holding, "", count=False, mark=True)
             moment = yield CLOCK
         locked = outcome == 1
         handed = False

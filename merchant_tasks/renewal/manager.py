@@ -30,23 +30,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from merchant_tasks.flows import Clock, Flow, Moment, Redis, Sleep, drive
-from merchant_tasks.renewal.life import (
-    LOCAL_COPY_TTL,
-    POLL_MAX,
-    TIMED_OUT,
-    Await,
-    Credentials,
-    Exchange,
-    Fly,
-    Heard,
-    Hold,
-    Land,
-    Limits,
-    Listen,
-    Purpose,
-    TokenLife,
-    Unhold,
-)
+from merchant_tasks.renewal import life
 from merchant_tasks.store.exchange_rate import ExchangeRate
 from merchant_tasks.store.token_store import RedisClock, TokenStore
 from merchant_tasks.store.wakeup import RenewalSignal
@@ -101,12 +85,12 @@ class TokenManager:
         clock: Clock_ | None = None,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
-        local_copy_ttl: float = LOCAL_COPY_TTL,
+        local_copy_ttl: float = life.LOCAL_COPY_TTL,
         monotonic: Clock_ = time.monotonic,
         wake_ups: bool = True,
         rate: ExchangeRate | None = None,
         endpoint: str = "",
-        limits: Limits | None = None,
+        limits: life.Limits | None = None,
         owns_redis: bool = False,
     ) -> None:
         self.store = store
@@ -119,8 +103,8 @@ class TokenManager:
         self.sleep = sleep
         self.signal = RenewalSignal(store) if wake_ups else None
         self.rate = rate
-        self.limits = limits or Limits.for_exchange(exchange_timeout)
-        self.life = TokenLife(
+        self.limits = limits or life.Limits.for_exchange(exchange_timeout)
+        self.life = life.TokenLife(
             store.ask,
             RenewalPolicy(renew_before, renew_mandatory),
             self.limits,
@@ -180,9 +164,9 @@ class TokenManager:
             return self.refused(stale_token)
         if force:
             self.store.load()  # the stored token's generation counts if the counter was evicted
-            purpose = Purpose(RenewalReason.MANUAL, seen=self.store.generation())
+            purpose = life.Purpose(RenewalReason.MANUAL, seen=self.store.generation())
         else:
-            purpose = Purpose(RenewalReason.SCHEDULED)
+            purpose = life.Purpose(RenewalReason.SCHEDULED)
         return self.run(self.life.renewal(purpose))
 
     # -- the driver ----------------------------------------------------------------------
@@ -205,38 +189,38 @@ class TokenManager:
             return self._moment()
         if kind is Sleep:
             return (sleep or self.sleep)(step.seconds)
-        if kind is Exchange:
+        if kind is life.Exchange:
             return self.exchange()
-        if kind is Credentials:
+        if kind is life.Credentials:
             return self.secret_fingerprint()
         return self._coordinate(step)
 
     def _coordinate(self, step: Any) -> Any:
         """The steps between this process's threads, and with other processes' renewals."""
-        if isinstance(step, Heard):
+        if isinstance(step, life.Heard):
             if self.signal is None:
                 return 0
             self.signal.start()  # from now on, this process hears of renewals elsewhere
             return self.signal.heard
-        if isinstance(step, Listen):
+        if isinstance(step, life.Listen):
             if self.signal is not None and self.signal.listening:
-                return self.signal.wait(step.heard, POLL_MAX)
+                return self.signal.wait(step.heard, life.POLL_MAX)
             return self.sleep(step.poll)
-        if isinstance(step, Fly | Await | Land):
+        if isinstance(step, life.Fly | life.Await | life.Land):
             return self._fly(step)
-        if isinstance(step, Hold):
+        if isinstance(step, life.Hold):
             return self._hold(step.value)
-        if isinstance(step, Unhold):
+        if isinstance(step, life.Unhold):
             stop = self._heartbeats.pop(step.value, None)
             if stop is not None:
                 stop.set()
             return None
         raise TypeError(f"not a step: {step!r}")
 
-    def _fly(self, step: Fly | Await | Land) -> Any:
+    def _fly(self, step: life.Fly | life.Await | life.Land) -> Any:
         """This process's renewal of the account: one thread leads, the others wait for
         its outcome."""
-        if isinstance(step, Fly):
+        if isinstance(step, life.Fly):
             with self._fly_lock:
                 flight = self.life.flight
                 if isinstance(flight, _Seat):
@@ -246,8 +230,8 @@ class TokenManager:
                 return seat
         assert isinstance(step.flight, _Seat)
         flight = step.flight.flight
-        if isinstance(step, Await):
-            return flight.outcome if flight.landed.wait(step.timeout) else TIMED_OUT
+        if isinstance(step, life.Await):
+            return flight.outcome if flight.landed.wait(step.timeout) else life.TIMED_OUT
         with self._fly_lock:
             if self.life.flight is flight:
                 self.life.flight = None
@@ -257,7 +241,7 @@ class TokenManager:
 
     def _hold(self, holding: str) -> None:
         """Keep ``holding`` alive beside the renewal: a thread runs the heartbeat flow until
-        ``Unhold``."""
+        ``life.Unhold``."""
         stop = self._heartbeats[holding] = threading.Event()
 
         def rest(seconds: float) -> None:

@@ -11,31 +11,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any, TypeVar
 
-from merchant_tasks.store.keys import REDIS_ERRORS, AccountKeys, Command, Replies, redis_address
-from merchant_tasks.store.sealing import PLAIN_TEXT, TokenCodec
-from merchant_tasks.store.token_store import RedisClock, TokenCommands
+from merchant_tasks.store.keys import REDIS_ERRORS, AccountKeys, ClientReplies, Command
+from merchant_tasks.store.token_store import AccountStore, RedisClock
 from merchant_tasks.store.topology import AsyncStoreClient
-from merchant_tasks.store.wakeup import LISTEN_TICK, _Subscriber, subscriber_for
+from merchant_tasks.store.wakeup import (
+    LISTEN_TICK,
+    LISTENING_ERRORS,
+    _Subscriber,
+    subscriber_for,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class AsyncAccountRedis(Replies):
+class AsyncAccountRedis(ClientReplies[AsyncStoreClient]):
     """One account's Redis commands sent with redis.asyncio (errors typed and corrupt values
     read as ``Replies`` says, as for the blocking store)."""
-
-    def __init__(self, client: AsyncStoreClient, keys: AccountKeys) -> None:
-        super().__init__(keys)
-        self.client = client
-
-    @property
-    def address(self) -> str:
-        return redis_address(self.client)
 
     async def send(self, command: Command[T]) -> T:
         """Send ``command`` and read its reply (see ``Command``)."""
@@ -46,27 +43,18 @@ class AsyncAccountRedis(Replies):
         return self.reply(command.key, raw, command.parse, command.absent)
 
 
-class AsyncTokenStore:
+class AsyncTokenStore(AccountStore[AsyncStoreClient, AsyncAccountRedis]):
     """One account's token and records for asyncio callers: ``ask`` builds the commands,
     ``send`` awaits them, ``now`` is the store's clock."""
 
-    def __init__(
-        self,
-        client: AsyncStoreClient,
-        namespace: str,
-        codec: TokenCodec = PLAIN_TEXT,
-        account: str = "",
-    ) -> None:
-        self.namespace = namespace
-        self.account = account
-        self.keys = AccountKeys.of(namespace)
-        self.commands = AsyncAccountRedis(client, self.keys)
-        self.ask = TokenCommands(self.commands, namespace, codec, account)
-        self.clock = RedisClock()
-        self._timing: asyncio.Future[None] | None = None  # the TIME reading under way
+    _timing: asyncio.Future[None] | None = None  # the TIME reading under way
 
-    def __repr__(self) -> str:
-        return f"AsyncTokenStore(namespace={self.namespace!r})"
+    def sender(self, client: AsyncStoreClient, keys: AccountKeys) -> AsyncAccountRedis:
+        return AsyncAccountRedis(client, keys)
+
+    @functools.cached_property
+    def clock(self) -> RedisClock:
+        return RedisClock()
 
     @property
     def redis(self) -> AsyncStoreClient:
@@ -155,13 +143,9 @@ async def _listen(subscriber: _Subscriber) -> None:
             message = await pubsub.get_message(timeout=LISTEN_TICK)
             if message is not None:
                 subscriber.deliver(message)
-    except (*REDIS_ERRORS, OSError, ValueError, AttributeError) as exc:
-        if subscriber.wanted():  # else the pool was closed under it: a client's aclose
-            log.info(
-                "renewal announcements lost (%s); waiters poll until resubscribed",
-                type(exc).__name__,
-            )
-        subscriber.stopped()
+    except LISTENING_ERRORS as exc:
+        # unwanted, the pool was closed under it (a client's aclose): nothing to say
+        subscriber.stopped(exc if subscriber.wanted() else None)
     finally:
         if pubsub is not None:
             with contextlib.suppress(*REDIS_ERRORS, OSError):

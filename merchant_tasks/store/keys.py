@@ -167,12 +167,14 @@ class Replies:
             )
 
 
-class AccountRedis(Replies):
-    """One account's Redis commands sent with redis-py: every error typed
-    (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed value read as
-    absent and logged once."""
+ClientT = TypeVar("ClientT")
 
-    def __init__(self, client: StoreClient, keys: AccountKeys) -> None:
+
+class ClientReplies(Replies, Generic[ClientT]):
+    """The replies of one account's commands sent with ``client`` (redis-py's:
+    ``AccountRedis``; redis.asyncio's: ``store.async_store.AsyncAccountRedis``)."""
+
+    def __init__(self, client: ClientT, keys: AccountKeys) -> None:
         super().__init__(keys)
         self.client = client
 
@@ -180,6 +182,12 @@ class AccountRedis(Replies):
     def address(self) -> str:
         """host:port of the client in use, for error messages (never a password)."""
         return redis_address(self.client)
+
+
+class AccountRedis(ClientReplies[StoreClient]):
+    """One account's Redis commands sent with redis-py: every error typed
+    (``StoreUnavailable`` naming the cause), every corrupt or wrong-typed value read as
+    absent and logged once."""
 
     def send(self, command: Command[T]) -> T:
         """Send ``command`` and read its reply (see ``Command``)."""

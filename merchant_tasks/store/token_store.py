@@ -45,6 +45,7 @@ hot path costs one GET and no TIME. See docs/design.md, "Keys".
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -52,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from redis.client import PubSub
 from redis.cluster import RedisCluster
@@ -84,6 +85,8 @@ from merchant_tasks.token import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+ClientT = TypeVar("ClientT")
+SenderT = TypeVar("SenderT", bound=Replies)
 
 EXCHANGE_LOG_SPAN = 86400.0  # exchange times kept for `status` (last hour, last day)
 # upper bounds (seconds) of the fleet-wide histograms: an exchange takes ~0.1-1 s, a wait
@@ -634,17 +637,14 @@ class RedisClock:
         return self.at(mono)
 
 
-class TokenStore:
-    """One account's token, generation, acceptance and renewal lock; ``records`` holds its
-    breaker, counters and completion records. Each method sends the command of the same
-    name of ``ask`` (``TokenCommands``, what the renewal's flows yield) and returns its
-    reply. Beat's check, completions, wake-ups, status and metrics reach Redis through it."""
-
-    namespace_for = staticmethod(AccountKeys.namespace_for)
+class AccountStore(Generic[ClientT, SenderT]):
+    """One account's store, blocking (``TokenStore``) or asyncio (``store.async_store``'s
+    ``AsyncTokenStore``): its keys, its commands (``ask``) and what sends them
+    (``commands``, made by ``sender`` over the client)."""
 
     def __init__(
         self,
-        client: StoreClient,
+        client: ClientT,
         namespace: str,
         codec: TokenCodec = PLAIN_TEXT,
         account: str = "",
@@ -653,12 +653,31 @@ class TokenStore:
         self.account = account  # the account's name (``accounts``), in telemetry
         self.keys = AccountKeys.of(namespace)
         self.codec = codec
-        self.commands = AccountRedis(client, self.keys)
+        self.commands = self.sender(client, self.keys)
         self.ask = TokenCommands(self.commands, namespace, codec, account)
-        self.records = AccountRecords(self.commands, self.ask)
+
+    def sender(self, client: ClientT, keys: AccountKeys) -> SenderT:
+        """What sends the account's commands with ``client``."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"TokenStore(namespace={self.namespace!r})"
+        return f"{type(self).__name__}(namespace={self.namespace!r})"
+
+
+class TokenStore(AccountStore[StoreClient, AccountRedis]):
+    """One account's token, generation, acceptance and renewal lock; ``records`` holds its
+    breaker, counters and completion records. Each method sends the command of the same
+    name of ``ask`` (``TokenCommands``, what the renewal's flows yield) and returns its
+    reply. Beat's check, completions, wake-ups, status and metrics reach Redis through it."""
+
+    namespace_for = staticmethod(AccountKeys.namespace_for)
+
+    def sender(self, client: StoreClient, keys: AccountKeys) -> AccountRedis:
+        return AccountRedis(client, keys)
+
+    @functools.cached_property
+    def records(self) -> AccountRecords:
+        return AccountRecords(self.commands, self.ask)
 
     @property
     def redis(self) -> StoreClient:
@@ -681,30 +700,6 @@ class TokenStore:
 
     def parse_token(self, raw: bytes | None) -> Token | None:
         return self.ask.parse_token(raw)
-
-    def look_after_401(
-        self,
-        refused_generation: int,
-        lock_value: str | None,
-        owner_prefix: str,
-        lease: float,
-        wait_limit: float,
-        *,
-        route: str = "",
-        count: bool = True,
-        mark: bool | None = None,
-    ) -> tuple[Token | None, int]:
-        command = self.ask.look_after_401(
-            refused_generation,
-            lock_value,
-            owner_prefix,
-            lease,
-            wait_limit,
-            route=route,
-            count=count,
-            mark=mark,
-        )
-        return self.send(command)
 
     def generation(self) -> int:
         return self.send(self.ask.generation())

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 LISTEN_TICK = 0.5  # seconds the subscriber blocks on its socket before it takes up a newly
 # used account's channel, or ends because no account of the process needs it any more
+LISTENING_ERRORS = (*REDIS_ERRORS, OSError, ValueError, AttributeError)  # what ends a
+# subscriber's listening, thread or task alike: waiters poll until it resubscribes
 RESUBSCRIBE_AFTER = 1.0  # after a dropped subscription, try again at most once a second
 
 
@@ -179,19 +181,21 @@ class _Subscriber:
                 message: dict[str, Any] | None = pubsub.get_message(timeout=LISTEN_TICK)
                 if message is not None:
                     self.deliver(message)  # holds no signal across ticks: they may end
-        except (*REDIS_ERRORS, OSError, ValueError, AttributeError) as exc:
-            log.info(
-                "renewal announcements lost (%s); waiters poll until resubscribed",
-                type(exc).__name__,
-            )
-            self.stopped()
+        except LISTENING_ERRORS as exc:
+            self.stopped(exc)
         finally:
             if pubsub is not None:
                 with contextlib.suppress(*REDIS_ERRORS, OSError):
                     pubsub.close()
 
     def stopped(self, exc: BaseException | None = None) -> None:
-        """The listening ended (the subscription dropped: waiters poll meanwhile)."""
+        """The listening ended (the subscription dropped: waiters poll meanwhile); on
+        ``exc``, said."""
+        if exc is not None:
+            log.info(
+                "renewal announcements lost (%s); waiters poll until resubscribed",
+                type(exc).__name__,
+            )
         with self._lock:
             self.thread = None
             self._confirmed.clear()

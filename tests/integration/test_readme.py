@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -15,12 +14,13 @@ import pytest
 
 from merchant_tasks.sandbox.processes import Child, RedisServer, free_port, spawn
 from merchant_tasks.settings import SANDBOX_DEFAULT_BASE_URL, SANDBOX_DEFAULT_PORT
+from support.doc_blocks import fenced_blocks
 from support.paths import README
 
 pytestmark = pytest.mark.integration
 
 
-USING_IT = re.compile(r"<!-- using-it -->\n```(\w+)\n(.*?)```", re.S)  # README's "Using it"
+USING_IT = "using-it"  # the marker of README's "Using it" blocks
 README_PATH_TIMEOUT = 180.0  # seconds for a worker to start and one call on a loaded machine
 
 
@@ -46,9 +46,9 @@ def test_a_newcomer_following_using_it_line_by_line_gets_one_successful_call(
     said = "`MERCHANT_ENVIRONMENT=sandbox` points at the local\nemulator, `http://127.0.0.1:8480`"
     assert said in text
     assert f"http://127.0.0.1:{SANDBOX_DEFAULT_PORT}" == SANDBOX_DEFAULT_BASE_URL
-    blocks = USING_IT.findall(text)
-    assert [language for language, _ in blocks] == ["sh", "python"]
-    (_, shell), (_, python) = blocks
+    blocks = [block for block in fenced_blocks(text) if block.marker == USING_IT]
+    assert [block.language for block in blocks] == ["sh", "python"]
+    shell, python = (block.code for block in blocks)
     port = free_port()
     bin_dir = str(Path(sys.executable).parent)  # merchant-tasks, celery and python3 as installed
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MERCHANT_", "CELERY_"))}

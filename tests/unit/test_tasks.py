@@ -91,3 +91,52 @@ def test_delay_async_raises_what_delay_raises_and_the_event_loop_serves_meanwhil
     with pytest.raises(BrokerUnavailable):
         asyncio.run(enqueue())
     assert len(ticks) > 10  # the loop was never held for the whole wait
+
+
+def test_async_sends_waiting_for_a_thread_count_it_against_the_bound_and_leave_the_loops_executor(
+    shop_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More async sends than enqueue threads, the broker away (each send takes its whole
+    bound): a send that waited for a thread is given only what is left of its bound, or
+    none (BrokerUnavailable at once), so each ends by its own deadline, not after the sends
+    before it; the loop's default executor serves meanwhile."""
+    import time as clock
+    from concurrent.futures import ThreadPoolExecutor
+
+    from merchant_tasks import tasks
+
+    bound = 0.5
+    monkeypatch.setenv("MERCHANT_ENQUEUE_TIMEOUT", str(bound))
+    monkeypatch.setattr(tasks, "_threads", [ThreadPoolExecutor(2)])
+    ends: list[float] = []  # when each send given to the broker would give up
+
+    def broker_away(task: Any, args: Any, kwargs: Any, options: Any, timeout: float) -> Any:
+        ends.append(clock.monotonic() + timeout)
+        clock.sleep(timeout)
+        raise BrokerUnavailable(f"the broker did not take it within {timeout:g} s")
+
+    monkeypatch.setattr(tasks, "send", broker_away)
+
+    async def scenario() -> tuple[float, list[float], list[str], float]:
+        queued = clock.monotonic()
+
+        async def one() -> tuple[float, str]:
+            try:
+                await call_api.delay_async("GET", "/open-api/v1/ping")
+            except BrokerUnavailable as exc:
+                return clock.monotonic(), str(exc)
+            return clock.monotonic(), "sent"
+
+        sends = [asyncio.create_task(one()) for _ in range(6)]
+        await asyncio.sleep(0)
+        answered = await asyncio.to_thread(clock.monotonic)  # the loop's own executor
+        done = await asyncio.gather(*sends)
+        return queued, [t for t, _ in done], [m for _, m in done], answered
+
+    queued, finished, messages, answered = asyncio.run(scenario())
+    assert all("within" in m or "no enqueue thread came free" in m for m in messages), messages
+    assert any("no enqueue thread came free" in m for m in messages), messages
+    assert len(ends) < 6  # some never reached the broker: their bound had passed
+    slack = 0.05  # the queueing of six sends on the loop, not a machine's speed
+    assert all(end <= queued + bound + slack for end in ends), (queued, ends)
+    assert answered < min(finished)  # the default executor did not wait behind the sends

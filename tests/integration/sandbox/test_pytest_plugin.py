@@ -1,5 +1,5 @@
-"""The pytest plugin, as an application's test suite uses it: examples/shop and
-examples/django_shop, each run by pytest."""
+"""The pytest plugin, as an application's test suite uses it: examples/shop,
+examples/django_shop and examples/fastapi_shop, each run by pytest."""
 
 from __future__ import annotations
 
@@ -102,6 +102,14 @@ def test_the_django_shops_tests_pass_against_its_own_worker_and_beat(
     """examples/django_shop: proj/celery.py with install(app) and autodiscover_tasks(); a
     view charges through ``call_api.delay``; its tests see the payment created once."""
     assert "3 passed" in run_example_suite("django_shop", merchant_redis_url)
+
+
+@pytest.mark.long
+def test_the_fastapi_shops_tests_pass_against_a_real_uvicorn(merchant_redis_url: str) -> None:
+    """examples/fastapi_shop: a FastAPI service on the asyncio client, ``delay_async`` and
+    ``MerchantAuth``, served by uvicorn; every one of its tests passes, none skipped."""
+    assert "20 passed in" in run_example_suite("fastapi_shop", merchant_redis_url)
+    assert not (EXAMPLES / "fastapi_shop" / "conftest.py").exists()
 
 
 def test_the_plugin_is_registered_through_its_entry_point() -> None:

@@ -574,7 +574,8 @@ def _refused_elsewhere(store: TokenStore, token: Token) -> None:
     """Another process met a 401 on ``token``: its record says refused, and that process
     holds the renewal lock for the replacement."""
     holder = f"{OTHER_HOLDER}:1"
-    _, outcome = store.look_after_401(token.generation, holder, f"{OTHER_HOLDER}:", 60.0, 30.0)
+    look = store.ask.look_after_401(token.generation, holder, f"{OTHER_HOLDER}:", 60.0, 30.0)
+    _, outcome = store.send(look)
     assert outcome == 1
     looked = store.load()
     assert looked is not None

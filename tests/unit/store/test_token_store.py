@@ -161,12 +161,17 @@ def test_a_lock_value_without_a_ttl_is_garbage_and_is_taken(
     assert store.take_lock("host-a:1:aa:2", "host-a:1:aa:", 10.0)
 
 
+def _look_after_401(store: TokenStore) -> tuple[Token | None, int]:
+    """Host a's look after a 401 on generation 1 (``TokenCommands.look_after_401``)."""
+    return store.send(store.ask.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0))
+
+
 def test_the_look_after_a_401_counts_it_and_takes_the_lock_when_the_refused_token_is_stored(
     store: TokenStore,
 ) -> None:
     refused = make_token(1)
     assert store.save(refused) == (True, 1)
-    looked, outcome = store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0)
+    looked, outcome = _look_after_401(store)
     assert outcome == 1
     assert looked is not None
     assert looked.refused  # recorded in its own record, by the same command
@@ -182,7 +187,7 @@ def test_the_look_after_a_401_leaves_the_lock_when_a_newer_token_is_stored(
     store.save(make_token(1))
     newer = make_token(2)
     store.save(newer)
-    assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0) == (newer, 0)
+    assert _look_after_401(store) == (newer, 0)
     assert store.lock_holder() is None
 
 
@@ -190,7 +195,7 @@ def test_the_look_after_a_401_counts_a_wait_when_another_holds_the_lock(
     store: TokenStore,
 ) -> None:
     assert store.take_lock("host-b:2:bb:1", "host-b:2:bb:", 10.0)
-    assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0) == (None, -1)
+    assert _look_after_401(store) == (None, -1)
     assert store.lock_holder() == "host-b:2:bb:1"
     assert store.records.counters() == {CounterName.UNAUTHORIZED: 1, CounterName.LOCK_WAITS: 1}
 
@@ -207,7 +212,7 @@ def test_a_noted_wait_is_recorded_by_the_write_that_ends_it(
 ) -> None:
     store.save(make_token(1))
     assert store.take_lock("host-b:2:bb:1", "host-b:2:bb:", 10.0)
-    assert store.look_after_401(1, "host-a:1:aa:1", "host-a:1:aa:", 10.0, 30.0)[1] == -1
+    assert _look_after_401(store)[1] == -1
     assert store.note_wait(1, 30.0)  # a second process, waiting the other way
     assert _lock_waits(store) == (0, 0)  # nothing recorded while they wait
     store.save(make_token(2))
@@ -341,7 +346,7 @@ OPERATIONS: dict[str, Callable[[TokenStore], object]] = {
     "close_breaker": lambda s: s.records.close_breaker(),
     "count": lambda s: s.records.count("x"),
     "counters": lambda s: s.records.counters(),
-    "look_after_401": lambda s: s.look_after_401(1, "o:1", "o:", 1.0, 1.0),
+    "look_after_401": lambda s: s.send(s.ask.look_after_401(1, "o:1", "o:", 1.0, 1.0)),
     "note_wait": lambda s: s.note_wait(1, 1.0),
     "take_lock": lambda s: s.take_lock("o:1", "o:", 1.0),
     "extend_lock": lambda s: s.extend_lock("o:1", 1.0),

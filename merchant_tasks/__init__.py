@@ -10,11 +10,10 @@ says what each holds; the design, its windows, guards and rules are there too.
 
 from __future__ import annotations
 
+import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from merchant_tasks.accounts import AccountClients, FleetClient, client_for, client_from_env
-from merchant_tasks.api.client import MerchantClient, TokenSource
 from merchant_tasks.exceptions import (
     ApiError,
     ApiOutcomeUnknown,
@@ -40,6 +39,12 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.extras import package_version
 from merchant_tasks.settings import Settings
+
+if TYPE_CHECKING:  # what ``__getattr__`` imports when first asked for, typed for mypy users
+    from merchant_tasks.accounts import AccountClients, FleetClient, client_for, client_from_env
+    from merchant_tasks.aio import AsyncAccountClients, MerchantAuth, async_client_from_env
+    from merchant_tasks.api.client import MerchantClient, TokenSource
+    from merchant_tasks.ops.status import account_statuses, async_account_statuses
 
 __version__ = package_version()
 
@@ -74,6 +79,7 @@ __all__ = [
     "WrongBaseUrl",
     "__version__",
     "account_statuses",
+    "async_account_statuses",
     "async_client_from_env",
     "client_for",
     "client_from_env",
@@ -98,25 +104,36 @@ def install(app: Any) -> None:
     install_into(app)
 
 
-_ASYNCIO = ("AsyncAccountClients", "MerchantAuth", "async_client_from_env")  # httpx: the
-# ``asyncio`` extra, imported only by those who use them
+# the names imported when first asked for, and their modules: `status` and beat need
+# neither requests nor the renewal's driver, and a worker loads them with its first client;
+# the asyncio ones need the ``asyncio`` extra (httpx)
+_LAZY = {
+    "AccountClients": "merchant_tasks.accounts",
+    "FleetClient": "merchant_tasks.accounts",
+    "client_for": "merchant_tasks.accounts",
+    "client_from_env": "merchant_tasks.accounts",
+    "MerchantClient": "merchant_tasks.api.client",
+    "TokenSource": "merchant_tasks.api.client",
+    "AsyncAccountClients": "merchant_tasks.aio",
+    "MerchantAuth": "merchant_tasks.aio",
+    "async_client_from_env": "merchant_tasks.aio",
+    "account_statuses": "merchant_tasks.ops.status",
+    "async_account_statuses": "merchant_tasks.ops.status",
+}
 
 
 def __getattr__(name: str) -> object:
-    """``merchant_tasks.app`` is the Celery app, imported only when asked for: ``celery -A
-    merchant_tasks`` looks it up here, and library users who never touch Celery do not pay
-    for importing it. The asyncio client and ``MerchantAuth`` need the ``asyncio`` extra
-    (httpx): they too are imported when asked for, ``MissingExtra`` naming it if absent."""
+    """The names of ``_LAZY``, imported when first asked for (``MissingExtra`` naming the
+    ``asyncio`` extra for the asyncio ones when httpx is absent), and ``merchant_tasks.app``,
+    the Celery app: ``celery -A merchant_tasks`` looks it up here, and library users who
+    never touch Celery do not pay for importing it."""
     if name == "app":
         from merchant_tasks.worker.app import app
 
         return app
-    if name in _ASYNCIO:
-        from merchant_tasks import aio
-
-        return getattr(aio, name)
-    if name == "account_statuses":
-        from merchant_tasks.ops.status import account_statuses
-
-        return account_statuses
-    raise AttributeError(f"module 'merchant_tasks' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'merchant_tasks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # asked once
+    return value

@@ -30,27 +30,34 @@ import json
 import re
 import threading
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
-
-import requests
+from typing import TYPE_CHECKING, Any
 
 from merchant_tasks import telemetry
-from merchant_tasks.api.client import MerchantClient, new_session
-from merchant_tasks.api.exchange import TokenExchange
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.renewal.due import claim_renewals, due_accounts, namespace_of, release_renewal
-from merchant_tasks.renewal.manager import TokenManager
 from merchant_tasks.settings import FleetSettings, Settings, environment, read_variable
 from merchant_tasks.store import topology as redis_topology
 from merchant_tasks.store.exchange_rate import ExchangeRate
 from merchant_tasks.store.keys import AccountKeys, Replies
+from merchant_tasks.store.reading import Client, StoredAccount
 from merchant_tasks.store.sealing import TokenCodec, codec_for
 from merchant_tasks.store.token_store import TokenStore, breaker_states
 from merchant_tasks.store.topology import StoreClient
 from merchant_tasks.token import fingerprint
 from merchant_tasks.variable_files import read_text_file
+
+# requests, the HTTP clients and the renewal's driver are imported when the first client is
+# built (``client_for``): `status`, the exporter and beat's check read Redis only, and a
+# worker serving 10,000 accounts builds the clients of those it calls, not the others'
+if TYPE_CHECKING:
+    import requests
+
+    from merchant_tasks.api.client import MerchantClient
+    from merchant_tasks.renewal.manager import TokenManager
+
+    FleetClient = MerchantClient[TokenManager]  # the client whose token source is the fleet's
 
 DEFAULT_ACCOUNT = "default"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -195,7 +202,14 @@ def _check_one_account_per_token(accounts: Mapping[str, Settings]) -> None:
             )
 
 
-FleetClient = MerchantClient[TokenManager]  # the client whose token source is the fleet's
+def __getattr__(name: str) -> object:
+    """``FleetClient`` at run time (``isinstance``, subscripting), made when asked for."""
+    if name == "FleetClient":
+        from merchant_tasks.api.client import MerchantClient
+        from merchant_tasks.renewal.manager import TokenManager
+
+        return MerchantClient[TokenManager]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def client_for(
@@ -214,6 +228,10 @@ def client_for(
     The exchange always has its own session, whose transport cuts each exchange at its
     deadline.
     """
+    from merchant_tasks.api.client import MerchantClient, new_session
+    from merchant_tasks.api.exchange import TokenExchange
+    from merchant_tasks.renewal.manager import TokenManager
+
     session = session or new_session()
     given_store = store
     store = store or store_for(settings, redis_client or redis_for(settings.fleet), name=name)
@@ -264,6 +282,28 @@ def exchange_rate_for(settings: Settings, commands: Replies) -> ExchangeRate:
     return ExchangeRate(commands, key, host, settings.fleet.max_exchanges_per_second)
 
 
+def stored_accounts(
+    accounts: Mapping[str, Settings],
+    redis_of: Callable[[str], Client],
+    codec_of: Callable[[FleetSettings], TokenCodec],
+) -> dict[str, StoredAccount[Client]]:
+    """Every account as `status` reads it, on the Redis client ``redis_of`` gives for its
+    URL (blocking or asyncio): one ``ExchangeRate`` per token endpoint host and Redis,
+    shared by its accounts, so that status reads each host once."""
+    rates: dict[tuple[str, str, str, float], ExchangeRate] = {}
+    stored: dict[str, StoredAccount[Client]] = {}
+    for name, settings in accounts.items():
+        fleet = settings.fleet
+        replies = Replies(AccountKeys.of(namespace_of(settings)))
+        host = (fleet.redis_url, fleet.key_prefix, settings.origin, fleet.max_exchanges_per_second)
+        rate = rates.get(host)
+        if rate is None:
+            rate = rates[host] = exchange_rate_for(settings, replies)
+        client = redis_of(fleet.redis_url)
+        stored[name] = StoredAccount(name, client, codec_of(fleet), replies, rate)
+    return stored
+
+
 def redis_for(fleet: FleetSettings) -> StoreClient:
     """The token store's client for the fleet's Redis URL and topology."""
     return redis_topology.redis_from_url(
@@ -293,14 +333,14 @@ def client_from_env(environ: Mapping[str, str] | None = None) -> FleetClient:
 
 class AccountClients:
     """This process's clients, one per account, each made on its first use (one HTTP
-    session each; one Redis pool per Redis server). `status` and the exporter use the
-    accounts' stores only, and one exchange rate per host."""
+    session each; one Redis pool per Redis server). `status` and the exporter read the
+    accounts' records (``stored_accounts``) without building a client or a store."""
 
     def __init__(self, accounts: Mapping[str, Settings]) -> None:
         self.accounts = dict(accounts)
         self._clients: dict[str, FleetClient] = {}
         self._stores: dict[str, TokenStore] = {}
-        self._rates: dict[tuple[str, str, str, float], ExchangeRate] = {}
+        self._stored: dict[str, StoredAccount[StoreClient]] | None = None
         self._codecs: dict[tuple[str | None, str | None], TokenCodec] = {}
         self._redis_by_url: dict[str, StoreClient] = {}
         self._lock = threading.Lock()
@@ -325,45 +365,41 @@ class AccountClients:
         with self._lock:
             client = self._clients.get(name)
             if client is None:
-                session: requests.Session = new_session()  # cookies never cross accounts
-                store = self._store(name)
-                client = client_for(settings, store=store, session=session, name=name)
-                self._clients[name] = client
+                store = self._stores[name] = self._store(name)
+                # a session of its own: cookies never cross accounts
+                client = self._clients[name] = client_for(settings, store=store, name=name)
         return client
 
-    def stores_and_rates(self) -> tuple[dict[str, TokenStore], dict[str, ExchangeRate]]:
-        """Every account's store and its host's exchange rate, as `status` and the exporter
-        read them (``ops.status.fleet_statuses``): no client built."""
+    def stored_accounts(self) -> dict[str, StoredAccount[StoreClient]]:
+        """Every account as `status` and the exporter read it (``store.reading``): its
+        keys, Redis client, codec and host's exchange rate, made once; no store or client
+        built."""
         with self._lock:
-            stores = {name: self._store(name) for name in self.accounts}
-            rates = {name: self._rate(name) for name in self.accounts}
-        return stores, rates
+            if self._stored is None:
+                self._stored = stored_accounts(self.accounts, self._redis_for, self._codec)
+            return self._stored
+
+    def each_store(self) -> Iterator[tuple[str, TokenStore]]:
+        """Every account's store in turn, each made when reached and kept by nobody (the
+        start-up check, ``worker.store_check``): 10,000 accounts never hold 10,000 stores."""
+        for name in self.accounts:
+            with self._lock:
+                store = self._stores.get(name) or self._store(name)
+            yield name, store
 
     def _store(self, name: str) -> TokenStore:
-        """``name``'s store, made once (its client uses the same one); the lock is held."""
-        store = self._stores.get(name)
-        if store is None:
-            settings = self.accounts[name]
-            fleet = settings.fleet
-            files = (fleet.token_key_file, fleet.token_key_previous_file)
-            codec = self._codecs.get(files)
-            if codec is None:
-                codec = self._codecs[files] = codec_for(*files)  # reads the key files once
-            client = self._redis_for(fleet.redis_url)
-            store = self._stores[name] = store_for(settings, client, name=name, codec=codec)
-        return store
-
-    def _rate(self, name: str) -> ExchangeRate:
-        """The exchange rate of ``name``'s host on its Redis, one object per host (status
-        reads each once); the lock is held."""
+        """A new store of ``name`` on this process's Redis pool; the lock is held."""
         settings = self.accounts[name]
-        fleet = settings.fleet
-        cap = fleet.max_exchanges_per_second
-        shared = (fleet.redis_url, fleet.key_prefix, settings.origin, cap)
-        rate = self._rates.get(shared)
-        if rate is None:
-            rate = self._rates[shared] = exchange_rate_for(settings, self._store(name).commands)
-        return rate
+        client = self._redis_for(settings.fleet.redis_url)
+        return store_for(settings, client, name=name, codec=self._codec(settings.fleet))
+
+    def _codec(self, fleet: FleetSettings) -> TokenCodec:
+        """The codec of the fleet's key files, read once; the lock is held."""
+        files = (fleet.token_key_file, fleet.token_key_previous_file)
+        codec = self._codecs.get(files)
+        if codec is None:
+            codec = self._codecs[files] = codec_for(*files)
+        return codec
 
     def close(self) -> None:
         """Close the HTTP sessions and Redis connections made so far (a command, a test,
@@ -371,8 +407,9 @@ class AccountClients:
         ones."""
         with self._lock:
             clients, redis_clients = list(self._clients.values()), list(self._redis_by_url.values())
-            for made in (self._clients, self._stores, self._rates, self._redis_by_url):
+            for made in (self._clients, self._stores, self._redis_by_url):
                 made.clear()
+            self._stored = None
         for client in clients:
             client.close()  # its session; its manager stops listening (the pool is ours)
         for redis_client in redis_clients:

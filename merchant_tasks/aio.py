@@ -18,14 +18,16 @@ from merchant_tasks.accounts import (
     default_name,
     exchange_rate_for,
     load_accounts,
+    stored_accounts,
 )
 from merchant_tasks.api.async_client import AsyncMerchantClient, AsyncTokenExchange
 from merchant_tasks.api.auth import MerchantAuth
 from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.renewal.async_manager import AsyncTokenManager
 from merchant_tasks.renewal.due import namespace_of
-from merchant_tasks.settings import Settings
+from merchant_tasks.settings import FleetSettings, Settings
 from merchant_tasks.store.async_store import AsyncTokenStore
+from merchant_tasks.store.reading import StoredAccount
 from merchant_tasks.store.sealing import TokenCodec, codec_for
 from merchant_tasks.store.topology import AsyncStoreClient, async_redis_from_url
 from merchant_tasks.token import fingerprint
@@ -81,6 +83,7 @@ class AsyncAccountClients:
         self._clients: dict[str, AsyncMerchantClient] = {}
         self._redis_by_url: dict[str, AsyncStoreClient] = {}
         self._codecs: dict[tuple[str | None, str | None], TokenCodec] = {}
+        self._stored: dict[str, StoredAccount[AsyncStoreClient]] | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> AsyncAccountClients:
@@ -98,19 +101,35 @@ class AsyncAccountClients:
                 f"unknown account {name!r}; configured: {', '.join(sorted(self.accounts))}"
             )
         fleet = settings.fleet
-        files = (fleet.token_key_file, fleet.token_key_previous_file)
-        codec = self._codecs.get(files) or self._codecs.setdefault(files, codec_for(*files))
-        redis_client = self._redis_by_url.get(fleet.redis_url)
+        redis_client = self.redis_for(fleet.redis_url)
+        client = async_client_for(settings, redis_client, name=name, codec=self._codec(fleet))
+        self._clients[name] = client
+        return client
+
+    def stored_accounts(self) -> dict[str, StoredAccount[AsyncStoreClient]]:
+        """Every account as ``ops.status.async_account_statuses`` reads it, on this
+        process's pools (see ``AccountClients.stored_accounts``); made once."""
+        if self._stored is None:
+            self._stored = stored_accounts(self.accounts, self.redis_for, self._codec)
+        return self._stored
+
+    def redis_for(self, url: str) -> AsyncStoreClient:
+        """This process's Redis client (one pool) for ``url``, shared by its accounts."""
+        redis_client = self._redis_by_url.get(url)
         if redis_client is None:
-            redis_client = self._redis_by_url[fleet.redis_url] = async_redis_from_url(
-                fleet.redis_url,
+            # the accounts of one URL share the topology variables (MERCHANT_REDIS_*)
+            fleet = next(s.fleet for s in self.accounts.values() if s.fleet.redis_url == url)
+            redis_client = self._redis_by_url[url] = async_redis_from_url(
+                url,
                 sentinel_master=fleet.redis_sentinel_master,
                 sentinel_password=fleet.redis_sentinel_password,
                 cluster=fleet.redis_cluster,
             )
-        client = async_client_for(settings, redis_client, name=name, codec=codec)
-        self._clients[name] = client
-        return client
+        return redis_client
+
+    def _codec(self, fleet: FleetSettings) -> TokenCodec:
+        files = (fleet.token_key_file, fleet.token_key_previous_file)
+        return self._codecs.get(files) or self._codecs.setdefault(files, codec_for(*files))
 
     def auth(self, account: str | None = None) -> MerchantAuth:
         """``MerchantAuth`` for one's own ``httpx.AsyncClient``, as ``account``."""
@@ -122,6 +141,7 @@ class AsyncAccountClients:
         clients, pools = list(self._clients.values()), list(self._redis_by_url.values())
         self._clients.clear()
         self._redis_by_url.clear()
+        self._stored = None
         for client in clients:
             await client.aclose()
         for pool in pools:

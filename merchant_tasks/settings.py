@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import os
@@ -556,6 +557,7 @@ def api_base_url(parts: SplitResult) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+@functools.lru_cache(maxsize=1024)  # accounts share a few base URLs: 10,000 ask for it
 def origin(url: str) -> str:
     """The URL's origin as a server sees it: scheme, lower-case host without a trailing
     dot, effective port; never a user or password."""

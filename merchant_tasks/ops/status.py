@@ -1,18 +1,31 @@
-"""What an operator asks about an account, read from the fleet's Redis (never a token)."""
+"""What an operator asks about an account, read from the fleet's Redis (never a token).
+
+``account_statuses`` (blocking) and ``async_account_statuses`` (asyncio) read every
+account of a fleet in a few round trips per Redis server (``store.reading``); a health
+endpoint calls them in-process (docs/operations.md, "A health endpoint").
+"""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from merchant_tasks.accounts import AccountClients
 from merchant_tasks.settings import Settings
-from merchant_tasks.store.exchange_rate import ExchangeRate
-from merchant_tasks.store.reading import AccountReading, read_many, read_one
+from merchant_tasks.store.exchange_rate import ExchangeRate, RateState
+from merchant_tasks.store.reading import (
+    AccountReading,
+    async_read_stored,
+    read_one,
+    read_stored,
+)
 from merchant_tasks.store.token_store import TokenStore, paused
 from merchant_tasks.token import API_PREFIX, TokenState
+
+if TYPE_CHECKING:  # the asyncio clients need httpx: imported by their users only
+    from merchant_tasks.accounts import AccountClients
+    from merchant_tasks.aio import AsyncAccountClients
 
 HOUR = 3600.0
 DAY = 86400.0
@@ -27,6 +40,9 @@ class AccountState(enum.StrEnum):
     MANDATORY = TokenState.MANDATORY.value
     EXPIRED = TokenState.EXPIRED.value
     MISSING = "missing"
+
+
+_SHOWN = {TokenState(state.value): state for state in AccountState if state != "missing"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,22 @@ class AccountStatus:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Equal to ``dataclasses.asdict(self)``, without its recursive deep copy (60 times
+        faster: `status --json` of 10,000 accounts makes 10,000). Its dicts are copies, as
+        asdict's are: the fields' values are immutable or dicts of plain values (and
+        ``exchange_rate``'s ``counts``, copied too)."""
+        made = dict(self.__dict__)  # the fields, in their order
+        made["counters"] = dict(self.counters)
+        made["histograms"] = dict(self.histograms)
+        made["refused_paths"] = dict(self.refused_paths)
+        if self.breaker is not None:
+            made["breaker"] = dict(self.breaker)
+        if self.exchange_rate is not None:
+            made["exchange_rate"] = {
+                **self.exchange_rate,
+                "counts": dict(self.exchange_rate["counts"]),
+            }
+        return made
 
 
 def account_status(
@@ -81,27 +112,31 @@ def account_status(
 
 
 def account_statuses(fleet: AccountClients) -> dict[str, AccountStatus]:
-    """Every account's status in ``fleet``: a few round trips per Redis server, whatever the
-    number of accounts, and no client built."""
-    stores, rates = fleet.stores_and_rates()
-    return fleet_statuses(fleet.accounts, stores, rates)
+    """Every account's status in ``fleet``, by name: a few round trips per Redis server
+    whatever the number of accounts (1 + one per 2,000 accounts), no client or store
+    built. Raises StoreUnavailable when a Redis cannot be read."""
+    readings, rates = read_stored(fleet.stored_accounts().values(), WINDOWS)
+    return _statuses(fleet.accounts, readings, rates)
 
 
-def fleet_statuses(
+async def async_account_statuses(fleet: AsyncAccountClients) -> dict[str, AccountStatus]:
+    """``account_statuses`` for asyncio callers: the same reading, sent with redis.asyncio
+    on the fleet's pools, without blocking the event loop."""
+    readings, rates = await async_read_stored(fleet.stored_accounts().values(), WINDOWS)
+    return _statuses(fleet.accounts, readings, rates)
+
+
+def _statuses(
     accounts: Mapping[str, Settings],
-    stores: Mapping[str, TokenStore],
-    rates: Mapping[str, ExchangeRate],
+    readings: Mapping[str, AccountReading],
+    rates: Mapping[str, RateState],
 ) -> dict[str, AccountStatus]:
-    """Every account's status, read in a few round trips per Redis server
-    (``store.reading.read_many``), each host's exchange rate read once (accounts sharing a
-    host share one ``ExchangeRate`` in ``rates``)."""
-    readings = read_many(stores, WINDOWS)
-    states: dict[int, dict[str, Any]] = {}
-    for rate in rates.values():
-        if id(rate) not in states:
-            states[id(rate)] = asdict(rate.state())
+    shown: dict[int, dict[str, Any]] = {}  # each host's state as a dict once, shared
+    for state in rates.values():
+        if id(state) not in shown:
+            shown[id(state)] = asdict(state)
     return {
-        name: status_of(name, settings, readings[name], states[id(rates[name])])
+        name: status_of(name, settings, readings[name], shown[id(rates[name])])
         for name, settings in accounts.items()
     }
 
@@ -144,7 +179,7 @@ def status_of(
     }
     return AccountStatus(
         refused_paths=refused,
-        state=AccountState(state),
+        state=_SHOWN[state],
         generation=token.generation,
         fingerprint=token.fingerprint,
         issued_at=token.issued_at,

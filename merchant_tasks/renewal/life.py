@@ -377,8 +377,8 @@ def pause_for(
 def paused_error(record: BreakerRecord, left: float) -> MerchantError:
     """What callers get while ``record``'s pause lasts, ``left`` seconds more."""
     message = f"token exchanges paused for {left:.0f} s more: {record.detail}"
-    if record.kind == BreakerKind.REJECTED:
-        return CredentialsRejected(message)
+    if record.kind == BreakerKind.REJECTED:  # the pause's end: other credentials end it sooner
+        return CredentialsRejected(message, retry_after=left)
     if record.kind == BreakerKind.RATE_LIMITED:
         return ExchangeRateLimited(message, retry_after=left)
     if record.kind in (BreakerKind.REVOKED, BreakerKind.REFUSED):

@@ -117,12 +117,19 @@ class ExchangeRate:
     def state(self) -> RateState:
         """The rate now and the counts (for `status` and metrics)."""
         redis = self._blocking()
-        answer = redis.send(self._command("peek"))
-        raw: dict[bytes, bytes] = redis.read(
-            self.key, lambda: redis.client.hgetall(self.key), dict, {}
-        )
-        counted = ("granted_caller", "granted_background", "waited", "waited_ms", "gave_up")
-        counts = {name: _integer(raw.get(name.encode())) for name in (*counted, "cuts")}
+        return self.state_of(redis.send(self.peek()), redis.send(self.counts()))
+
+    def peek(self) -> Command[PermitAnswer]:
+        """The rate and the bucket now, no permit taken (``state``; `status` sends it in
+        its first round trip, ``store.reading``)."""
+        return self._command("peek")
+
+    def counts(self) -> Command[dict[str, int]]:
+        """The host's counts since its key was made (``RateState.counts``)."""
+        return Command(("HGETALL", self.key), _counts, self.key, _counts({}))
+
+    def state_of(self, answer: PermitAnswer, counts: dict[str, int]) -> RateState:
+        """The state that ``peek`` and ``counts`` read."""
         return RateState(self.host, answer.rate, self.cap, answer.permits, counts)
 
     def _blocking(self) -> AccountRedis:
@@ -152,6 +159,13 @@ class ExchangeRate:
 def _answer(reply: list[Any]) -> PermitAnswer:
     result, wait_ms, rate, permits = reply
     return PermitAnswer(int(result), int(wait_ms) / 1000, float(rate), float(permits))
+
+
+_COUNTED = ("granted_caller", "granted_background", "waited", "waited_ms", "gave_up", "cuts")
+
+
+def _counts(raw: dict[bytes, bytes]) -> dict[str, int]:
+    return {name: _integer(raw.get(name.encode())) for name in _COUNTED}
 
 
 def _integer(raw: bytes | None) -> int:

@@ -3,29 +3,53 @@ or thousands at once in a few round trips.
 
 One account's reading is eight commands (TIME, the token, the breaker, the exchange log
 twice, the lock, the counters and the histograms). `status` and every scrape read all the
-configured accounts, so ``read_many`` sends the same commands pipelined instead:
-STATUS_BATCH accounts a pipeline, the accounts of one Redis client sharing its pipelines,
-after one TIME. 10,000 accounts on one server then cost 11 round trips, not 80,000, and
-need no client (HTTP session, manager) built: their stores only. The replies are parsed
-by the same code as one account's reads, so a corrupt or wrong-typed value reads as
-absent (logged once) here too.
+configured accounts, so ``read_stored`` reads them per Redis client in 1 + ⌈N / PIPELINE_ACCOUNTS⌉
+round trips: TIME and each token endpoint host's exchange rate first, then one pipeline per
+PIPELINE_ACCOUNTS accounts, one script (``scripts.READ_ACCOUNTS``) per READ_BATCH of them
+answering one JSON string. 10,000 accounts on one server cost 6 round trips, not 80,000,
+and need no ``TokenStore`` built: a ``StoredAccount`` each (namespace, client, codec, and
+the ``Replies`` that report its corrupt values once). Every reply reads as the account's
+own store reads it (``token_store.stored_token``, ``stored_numbers``, ``Replies.reply``):
+a corrupt or wrong-typed value as absent, logged once.
+
+The reading is a flow (``_reading_flow``): it yields each round trip's commands and takes
+their replies, so the blocking driver (``read_stored``) and the asyncio one
+(``async_read_stored``) send the same commands and read them with the same code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from redis.client import Pipeline
-from redis.cluster import ClusterPipeline
+import redis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
 
-from merchant_tasks.store.keys import AccountKeys, unavailable_as_error
-from merchant_tasks.store.token_store import BreakerRecord, TokenStore
+from merchant_tasks.store import scripts
+from merchant_tasks.store.exchange_rate import ExchangeRate, RateState
+from merchant_tasks.store.keys import Command, Replies, redis_address, unavailable_as_error
+from merchant_tasks.store.sealing import TokenCodec
+from merchant_tasks.store.token_store import (
+    BreakerRecord,
+    TokenStore,
+    stored_numbers,
+    stored_token,
+)
+from merchant_tasks.store.topology import AsyncStoreClient, StoreClient
 from merchant_tasks.token import Token
 
-STATUS_BATCH = 1000  # accounts per pipeline (7,000 commands): the round trips stay few
-# (11 for 10,000 accounts) while one batch's replies stay a few MB
+READ_BATCH = 100  # accounts one script reads (600 keys): its JSON is a few tens of kB,
+# and a script holds the server only for about a millisecond
+PIPELINE_ACCOUNTS = 2000  # accounts a pipeline reads (20 scripts): 10,000 accounts in
+# 1 + 5 round trips, one pipeline's replies about 1 MB
+
+Client = TypeVar("Client", StoreClient, AsyncStoreClient)
+T = TypeVar("T")
+Trip = list[Command[Any]]  # the commands of one round trip
+Readings = tuple[dict[str, "AccountReading"], dict[str, RateState]]
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,19 @@ class AccountReading:
     lock_holder: str | None
     counters: dict[str, int]
     histograms: dict[str, int]
+
+
+@dataclass(frozen=True)
+class StoredAccount(Generic[Client]):
+    """What reading one account needs, without its ``TokenStore``: where its keys are
+    (``replies.keys``), its Redis client, how its token is kept at rest, and its host's
+    exchange rate (one object per host, shared by its accounts)."""
+
+    name: str
+    client: Client
+    codec: TokenCodec
+    replies: Replies  # reads its replies as its store does: corrupt values logged once
+    rate: ExchangeRate
 
 
 def read_one(store: TokenStore, windows: Sequence[float]) -> AccountReading:
@@ -55,67 +92,165 @@ def read_one(store: TokenStore, windows: Sequence[float]) -> AccountReading:
     )
 
 
-def read_many(
-    stores: Mapping[str, TokenStore], windows: Sequence[float]
-) -> dict[str, AccountReading]:
-    """Every account's reading by name: one TIME and one pipeline per STATUS_BATCH
-    accounts for each Redis client the stores use. Raises StoreUnavailable if one cannot
-    be read."""
-    by_client: dict[int, list[str]] = {}
-    for name, store in stores.items():
-        by_client.setdefault(id(store.redis), []).append(name)
+def read_stored(
+    accounts: Iterable[StoredAccount[StoreClient]], windows: Sequence[float]
+) -> Readings:
+    """Every account's reading and its host's rate state, by name, blocking. Raises
+    StoreUnavailable if a Redis cannot be read."""
     readings: dict[str, AccountReading] = {}
-    for names in by_client.values():
-        readings.update(_read_on_server({name: stores[name] for name in names}, windows))
-    return {name: readings[name] for name in stores}
+    rates: dict[str, RateState] = {}
+    for client, group in _by_client(accounts).items():
+        flow = _reading_flow(group, windows, clustered=isinstance(client, RedisCluster))
+        trip = next(flow)
+        while True:
+            with unavailable_as_error(redis_address(client)):
+                replies = _send(client, trip)
+            try:
+                trip = flow.send(replies)
+            except StopIteration as done:
+                readings.update(done.value[0])
+                rates.update(done.value[1])
+                break
+    return readings, rates
 
 
-def _read_on_server(
-    stores: Mapping[str, TokenStore], windows: Sequence[float]
-) -> dict[str, AccountReading]:
-    first = next(iter(stores.values()))
-    client = first.redis
-    now = first.time()  # one clock for all: every account's windows end at the same moment
-    names = list(stores)
+async def async_read_stored(
+    accounts: Iterable[StoredAccount[AsyncStoreClient]], windows: Sequence[float]
+) -> Readings:
+    """``read_stored`` with redis.asyncio clients."""
     readings: dict[str, AccountReading] = {}
-    for start in range(0, len(names), STATUS_BATCH):
-        batch = names[start : start + STATUS_BATCH]
-        pipe = client.pipeline(transaction=False)
-        for name in batch:
-            _queue(pipe, stores[name].keys, now, windows)
-        with unavailable_as_error(first.commands.address):
-            replies = pipe.execute(raise_on_error=False)
-        per_account = len(replies) // len(batch)
-        for i, name in enumerate(batch):
-            mine = replies[i * per_account : (i + 1) * per_account]
-            readings[name] = _reading(stores[name], now, mine)
-    return readings
+    rates: dict[str, RateState] = {}
+    for client, group in _by_client(accounts).items():
+        flow = _reading_flow(group, windows, clustered=isinstance(client, AsyncRedisCluster))
+        trip = next(flow)
+        while True:
+            with unavailable_as_error(redis_address(client)):
+                replies = await _async_send(client, trip)
+            try:
+                trip = flow.send(replies)
+            except StopIteration as done:
+                readings.update(done.value[0])
+                rates.update(done.value[1])
+                break
+    return readings, rates
 
 
-def _queue(
-    pipe: Pipeline | ClusterPipeline, keys: AccountKeys, now: float, windows: Sequence[float]
-) -> None:
-    """One account's commands, in the order ``_reading`` takes their replies."""
-    pipe.get(keys.token)
-    pipe.get(keys.breaker)
-    pipe.get(keys.lock)
-    pipe.hgetall(keys.counters)
-    pipe.hgetall(keys.histograms)
-    for window in windows:
-        pipe.zcount(keys.exchange_log, now - window, "+inf")
+def _by_client(
+    accounts: Iterable[StoredAccount[Client]],
+) -> dict[Client, list[StoredAccount[Client]]]:
+    by_client: dict[Client, list[StoredAccount[Client]]] = {}
+    for account in accounts:
+        by_client.setdefault(account.client, []).append(account)
+    return by_client
 
 
-def _reading(store: TokenStore, now: float, replies: list[Any]) -> AccountReading:
-    token, breaker, lock, counters, histograms, *exchanges = replies
-    keys, reply = store.keys, store.commands.reply
+def _reading_flow(
+    accounts: Sequence[StoredAccount[Any]], windows: Sequence[float], *, clustered: bool
+) -> Generator[Trip, list[Any], Readings]:
+    """The accounts of one Redis client: TIME and each host's rate in the first round trip
+    (one clock for all: every account's windows end at the same moment), then their records,
+    PIPELINE_ACCOUNTS a round trip; on a Redis Cluster one account a script (a script's keys
+    must share a slot, and an account's do)."""
+    hosts = list({id(account.rate): account.rate for account in accounts}.values())
+    first: Trip = [Command.plain("TIME", parse=_seconds)]
+    for rate in hosts:
+        first += [rate.peek(), rate.counts()]
+    replies = yield first
+    reporter = accounts[0].replies
+    now = reporter.reply("", replies[0], first[0].parse, 0.0)
+    states: dict[int, RateState] = {}
+    for n, rate in enumerate(hosts):
+        peek, counts = first[1 + 2 * n : 3 + 2 * n]
+        answer = rate.commands.reply(rate.key, replies[1 + 2 * n], peek.parse, peek.absent)
+        counted = rate.commands.reply(rate.key, replies[2 + 2 * n], counts.parse, counts.absent)
+        states[id(rate)] = rate.state_of(answer, counted)
+    starts = [repr(now - window) for window in windows]
+    per_script = 1 if clustered else READ_BATCH
+    readings: dict[str, AccountReading] = {}
+    for start in range(0, len(accounts), PIPELINE_ACCOUNTS):
+        batch = accounts[start : start + PIPELINE_ACCOUNTS]
+        groups = [batch[i : i + per_script] for i in range(0, len(batch), per_script)]
+        trip = [_read_accounts(group, starts) for group in groups]
+        replies = yield trip
+        for group, command, raw in zip(groups, trip, replies, strict=True):
+            rows = group[0].replies.reply(command.key, raw, command.parse, command.absent)
+            for account, row in zip(group, rows, strict=True):
+                readings[account.name] = _reading(account, now, row)
+    return readings, {account.name: states[id(account.rate)] for account in accounts}
+
+
+def _read_accounts(group: Sequence[StoredAccount[Any]], starts: list[str]) -> Command[list[Any]]:
+    keys: list[str] = []
+    for account in group:
+        k = account.replies.keys
+        keys += (k.token, k.breaker, k.lock, k.counters, k.histograms, k.exchange_log)
+    return Command.script(scripts.READ_ACCOUNTS, keys, starts, _rows)
+
+
+def _rows(raw: bytes) -> list[Any]:
+    # surrogateescape: a value's bytes that are not UTF-8 come back as they were stored
+    rows: list[Any] = json.loads(raw.decode("utf-8", "surrogateescape"))
+    return rows
+
+
+def _read(replies: Replies, key: str, item: Any, parse: Callable[[Any], T], absent: T) -> T:
+    """``Replies.reply`` of one command's reply as the script encoded it (most keys of most
+    accounts hold nothing: they read as absent at once)."""
+    if item is False or item == {}:  # nothing, or an empty hash
+        return absent
+    if isinstance(item, str):
+        raw: Any = item.encode("utf-8", "surrogateescape")
+    elif isinstance(item, list):  # a hash, flat
+        fields = [part.encode("utf-8", "surrogateescape") for part in item]
+        raw = dict(zip(fields[::2], fields[1::2], strict=True))
+    elif isinstance(item, dict):  # an error
+        raw = redis.ResponseError(item["err"])
+    else:  # a count
+        raw = item
+    return replies.reply(key, raw, parse, absent)
+
+
+def _reading(account: StoredAccount[Any], now: float, row: list[Any]) -> AccountReading:
+    token, breaker, lock, counters, histograms, *exchanges = row
+    replies = account.replies
+    keys = replies.keys
+    raw_token = _read(replies, keys.token, token, bytes, None)
     return AccountReading(
         now=now,
-        token=store.parse_token(reply(keys.token, token, bytes, None)),
-        breaker=reply(keys.breaker, breaker, BreakerRecord.from_json, None),
-        exchanges=tuple(reply(keys.exchange_log, count, int, 0) for count in exchanges),
-        lock_holder=reply(keys.lock, lock, bytes.decode, None),
-        counters=store.records.numbers(keys.counters, reply(keys.counters, counters, dict, {})),
-        histograms=store.records.numbers(
-            keys.histograms, reply(keys.histograms, histograms, dict, {})
+        token=None if raw_token is None else stored_token(raw_token, account.codec, replies),
+        breaker=_read(replies, keys.breaker, breaker, BreakerRecord.from_json, None),
+        exchanges=tuple(_read(replies, keys.exchange_log, n, int, 0) for n in exchanges),
+        lock_holder=_read(replies, keys.lock, lock, bytes.decode, None),
+        counters=stored_numbers(
+            keys.counters, _read(replies, keys.counters, counters, dict, {}), replies
+        ),
+        histograms=stored_numbers(
+            keys.histograms, _read(replies, keys.histograms, histograms, dict, {}), replies
         ),
     )
+
+
+def _seconds(reply: tuple[int, int]) -> float:
+    seconds, micros = reply
+    return int(seconds) + int(micros) / 1e6
+
+
+def _send(client: StoreClient, trip: Trip) -> list[Any]:
+    """One round trip (a Cluster answers TIME apart: its pipelines refuse it)."""
+    clustered = isinstance(client, RedisCluster)
+    pipe = client.pipeline(transaction=False)
+    sent = [command for command in trip if not (clustered and command.args[0] == "TIME")]
+    for command in sent:
+        pipe.execute_command(*command.args)
+    clock = [client.time()] if len(sent) < len(trip) else []
+    return [*clock, *pipe.execute(raise_on_error=False)]
+
+
+async def _async_send(client: AsyncStoreClient, trip: Trip) -> list[Any]:
+    clustered = isinstance(client, AsyncRedisCluster)
+    pipe = client.pipeline(transaction=False)
+    sent = [command for command in trip if not (clustered and command.args[0] == "TIME")]
+    for command in sent:
+        pipe.execute_command(*command.args)
+    clock = [await client.time()] if len(sent) < len(trip) else []
+    return [*clock, *await pipe.execute(raise_on_error=False)]

@@ -239,12 +239,10 @@ class TokenCommands:
         if parsed is not None and parsed[0] == raw:
             token = parsed[1]
         else:
-            try:
-                token = Token.from_json(raw)
-                token = replace(token, value=self.codec.open(token.value, self.namespace))
-            except CORRUPT as exc:  # (a value in clear where a key seals them is a ValueError)
-                self.replies.corrupt(self.keys.token, type(exc).__name__)
+            opened = stored_token(raw, self.codec, self.replies)
+            if opened is None:
                 return None
+            token = opened
             with self._parsed_lock:
                 self._parsed = (raw, token)
         if token.generation < self._seen_generation:
@@ -484,15 +482,7 @@ class TokenCommands:
         return Command(("HGETALL", key), lambda raw: self.numbers(key, raw), key, {})
 
     def numbers(self, key: str, raw: Mapping[bytes, bytes]) -> dict[str, int]:
-        """The fields of hash ``key`` as read (``raw``), as integers; a field that is not
-        one is left out (logged once)."""
-        numbers = {}
-        for field, value in raw.items():
-            try:
-                numbers[field.decode()] = int(value)
-            except ValueError:
-                self.replies.corrupt(key, f"field {field.decode(errors='replace')[:64]!r}")
-        return numbers
+        return stored_numbers(key, raw, self.replies)
 
     def observe(self, name: str, seconds: float) -> Command[Any]:
         """Add one duration to the fleet-wide histogram ``name`` (see ``Histogram``)."""
@@ -515,6 +505,31 @@ class TokenCommands:
 def _completion(raw: bytes) -> dict[str, Any]:
     record = json.loads(raw)
     return {"result": record["result"]}
+
+
+def stored_token(raw: bytes, codec: TokenCodec, replies: Replies) -> Token | None:
+    """The token a read of its key found (``raw``), opened with ``codec``; None when it is
+    corrupt (logged once by ``replies``). ``TokenCommands.parse_token`` and `status`'s
+    reading of many accounts (``store.reading``) both read a token through this."""
+    try:
+        token = Token.from_json(raw)
+        value = codec.open(token.value, replies.keys.namespace)
+        return token if value == token.value else replace(token, value=value)
+    except CORRUPT as exc:  # (a value in clear where a key seals them is a ValueError)
+        replies.corrupt(replies.keys.token, type(exc).__name__)
+        return None
+
+
+def stored_numbers(key: str, raw: Mapping[bytes, bytes], replies: Replies) -> dict[str, int]:
+    """The fields of hash ``key`` as read (``raw``), as integers; a field that is not one
+    is left out (logged once by ``replies``)."""
+    numbers = {}
+    for field, value in raw.items():
+        try:
+            numbers[field.decode()] = int(value)
+        except ValueError:
+            replies.corrupt(key, f"field {field.decode(errors='replace')[:64]!r}")
+    return numbers
 
 
 class AccountRecords:

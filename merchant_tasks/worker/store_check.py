@@ -52,7 +52,7 @@ def check_stores(recheck: Retrying = RECHECK_UNTIL_USABLE) -> None:
         log.debug("no token store to check: %s", exc)
         return
     with fleet:  # its connections closed once checked, not kept for the worker's life
-        for name, store in fleet.stores_and_rates()[0].items():
+        for name, store in fleet.each_store():  # one store at a time, none kept
             _check_until_usable(name, store, recheck)
 
 

@@ -20,15 +20,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Reject
 from celery.signals import worker_process_init
 from celery.utils.time import get_exponential_backoff_interval
 from kombu.exceptions import OperationalError
 
-from merchant_tasks.accounts import AccountClients, FleetClient
-from merchant_tasks.api.calls import IDEMPOTENCY_HEADER
+from merchant_tasks.accounts import AccountClients
 from merchant_tasks.exceptions import (
     CredentialsRejected,
     MerchantError,
@@ -48,6 +47,10 @@ from merchant_tasks.worker.completions import (
 )
 from merchant_tasks.worker.fleet import foreign_renewal, refuse_foreign_call
 from merchant_tasks.worker.routing import RENEWAL_QUEUE, VISIBILITY_TIMEOUT
+
+if TYPE_CHECKING:  # the HTTP client is imported with an account's first client, in the
+    # child that serves it: a worker's main process never builds one
+    from merchant_tasks.accounts import FleetClient
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +226,8 @@ def _call_once(
         if earlier is not None:
             return earlier.result
         if idempotency_key is not None:
+            from merchant_tasks.api.calls import IDEMPOTENCY_HEADER
+
             headers = {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
         result = api.request(method, path, json=json, params=params, headers=headers)
     except PathForbidden:

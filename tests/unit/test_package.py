@@ -12,6 +12,7 @@ import grimp
 import pytest
 
 import merchant_tasks
+from support.paths import ROOT
 
 PACKAGE = Path(merchant_tasks.__file__).parent
 FOLDERS = ("store", "renewal", "api", "worker", "ops", "sandbox")
@@ -167,3 +168,24 @@ def test_the_redis_key_names_do_not_move(field: str, key: str) -> None:
 
     keys = AccountKeys.of(AccountKeys.namespace_for("p", "sandbox", "k", hash_tag=False))
     assert getattr(keys, field) == key
+
+
+def test_the_unit_tests_mirror_the_package() -> None:
+    """docs/testing.md: ``tests/unit/<folder>/test_<module>[_<topic>].py`` tests
+    ``merchant_tasks/<folder>/<module>.py`` (``tests/unit/test_<module>...`` a top-level
+    one), so the tests of a rule are found from its module. ``ops/`` also holds the tests of
+    the deploy files (``deploy/``), which are no module; the top, the repository's docs,
+    bench, package shape and build."""
+    unit = ROOT / "tests" / "unit"
+    astray = []
+    for test in unit.rglob("test_*.py"):
+        folder = test.parent.relative_to(unit)
+        modules = {path.stem for path in (ROOT / "merchant_tasks" / folder).glob("*.py")}
+        if folder == Path("."):  # and the repository's own: its docs, bench, shape, build
+            modules |= {"docs", "bench", "package", "distribution"}
+        if folder == Path("ops"):
+            modules |= {"alert", "dashboard", "deploy"}
+        name = test.stem.removeprefix("test_")
+        if not any(name == m or name.startswith(f"{m}_") for m in modules):
+            astray.append(str(test.relative_to(ROOT)))
+    assert not astray, f"unit tests with no module of their name: {astray}"

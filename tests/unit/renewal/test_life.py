@@ -234,7 +234,9 @@ def test_the_jitter_halves_a_pause_at_most() -> None:
     ],
 )
 def test_what_callers_get_during_a_pause(kind: BreakerKind, error: type[Exception]) -> None:
-    assert type(paused_error(BreakerRecord(kind, NOW + 5), 5.0)) is error
+    got = paused_error(BreakerRecord(kind, NOW + 5), 5.0)
+    assert type(got) is error
+    assert got.retry_after == 5.0  # when the pause ends at the latest, for every kind
 
 
 @pytest.mark.parametrize(("in_a_row", "pause"), [(1, 60.0), (2, 120.0), (3, 240.0), (10, 1800.0)])

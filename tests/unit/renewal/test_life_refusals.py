@@ -1,6 +1,7 @@
-"""Refusals and the breaker (renewal/refusals.py) through a TokenManager on fakeredis with an
-injected clock, sleep and exchange: what a 401 means and the renewal after it, the
-fleet-wide pauses on exchanges and their half-open probe."""
+"""Refusals and the breaker (renewal/life.py's flows after a 401 and an exchange failing)
+through a TokenManager on fakeredis with an injected clock, sleep and exchange: what a 401
+means and the renewal after it, the fleet-wide pauses on exchanges and their half-open
+probe."""
 
 from __future__ import annotations
 

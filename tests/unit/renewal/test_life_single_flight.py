@@ -1,6 +1,7 @@
-"""Single flight and this process's copy of the token (renewal/lock.py), through a
-TokenManager on fakeredis with an injected clock, sleep and exchange: one renewal for the
-fleet while the others wait, threads of one process in turn, the copy trusted a second."""
+"""Single flight and this process's copy of the token (renewal/life.py's flows: the fleet
+lock, a process's flight, the copy), through a TokenManager on fakeredis with an injected
+clock, sleep and exchange: one renewal for the fleet while the others wait, threads of one
+process in turn, the copy trusted a second."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import redis
@@ -67,34 +68,25 @@ def authlib_session(
     return session
 
 
+@dataclass
 class SharedNoLockClient:
     """A token cache in Redis shared by every process, with no lock and no compare-and-swap."""
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str,
-        secret: str,
-        store: redis.Redis,
-        key: str,
-        advisory: float,
-        timeout: tuple[float, float],
-    ) -> None:
-        self.base_url = base_url
-        self.api_key = api_key
-        self.secret = secret
-        self.store = store
-        self.key = key
-        self.advisory_ms = advisory * 1000
-        self.timeout = timeout
-        self.session = _pool(requests.Session())
+    base_url: str
+    api_key: str
+    secret: str = field(repr=False)
+    store: redis.Redis
+    key: str
+    advisory: float  # seconds: a token with less left is exchanged
+    timeout: tuple[float, float]
+    session: requests.Session = field(default_factory=lambda: _pool(requests.Session()))
 
     def token(self) -> str:
         pipe = self.store.pipeline(transaction=False)
         pipe.get(self.key)
         pipe.pttl(self.key)
         value, ttl_ms = cast(tuple[bytes | None, int], tuple(pipe.execute()))
-        if value is None or ttl_ms < self.advisory_ms:
+        if value is None or ttl_ms < self.advisory * 1000:
             return self.exchange()
         return value.decode()
 

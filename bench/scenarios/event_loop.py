@@ -131,6 +131,9 @@ class EventLoop(Scenario):
         def goal(name: str, target: str, key: str, met: Callable[[Any], bool]) -> Goal:
             return Goal(name, target, str(found[key]), met(found[key]))
 
+        def at_most(name: str, key: str, bound: float, unit: str = "") -> Goal:
+            return goal(name, f"<= {bound:g}{unit}", key, lambda v: v <= bound)
+
         return [
             goal(
                 "asyncio hot path calls/s, ours / bare httpx",
@@ -138,42 +141,31 @@ class EventLoop(Scenario):
                 "async_hot_path_ratio",
                 lambda v: v >= ASYNC_HOT_PATH_GOAL,
             ),
-            goal(
+            at_most(
                 f"Redis commands per await, {self.awaits} on one renewal",
-                f"<= {AWAIT_COMMANDS_GOAL:g}",
                 "async_awaits_redis_commands_each",
-                lambda v: v <= AWAIT_COMMANDS_GOAL,
+                AWAIT_COMMANDS_GOAL,
             ),
-            goal(
+            at_most(
                 "event loop lag p99 through a revoke-all",
-                f"<= {LAG_P99_GOAL:g} ms",
                 "async_loop_lag_p99_ms",
-                lambda v: v <= LAG_P99_GOAL,
+                LAG_P99_GOAL,
+                " ms",
             ),
-            goal(
+            at_most(
                 "event loop lag max through a revoke-all",
-                f"<= {LAG_MAX_GOAL:g} ms",
                 "async_loop_lag_max_ms",
-                lambda v: v <= LAG_MAX_GOAL,
+                LAG_MAX_GOAL,
+                " ms",
             ),
-            goal(
-                "threads in the asyncio process",
-                f"<= {THREADS_GOAL}",
-                "async_loop_threads_max",
-                lambda v: v <= THREADS_GOAL,
-            ),
+            at_most("threads in the asyncio process", "async_loop_threads_max", THREADS_GOAL),
             goal(
                 "failed calls through a revoke-all (asyncio)",
                 "0",
                 "async_loop_calls_failed",
                 lambda v: v == 0,
             ),
-            goal(
-                "exchanges through a revoke-all (asyncio)",
-                "<= 2",
-                "async_loop_exchanges",
-                lambda v: v <= 2,
-            ),
+            at_most("exchanges through a revoke-all (asyncio)", "async_loop_exchanges", 2),
         ]
 
     async def _measure(self, bench: Bench) -> dict[str, Any]:

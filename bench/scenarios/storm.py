@@ -11,6 +11,7 @@ import math
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -66,6 +67,41 @@ class StormRound:
     exchange_seconds: list[float]
     waiter_commands: list[int]  # Redis commands of each process that did not exchange
 
+    @classmethod
+    def counted(
+        cls,
+        calm_and_stormy: tuple[list[float], list[float]],
+        counters: tuple[Mapping[str, Any], Mapping[str, Any]],
+        errors: Counter[str],
+        exchange_seconds: list[float],
+        waiter_commands: list[int],
+    ) -> StormRound:
+        """A round's figures, with the emulator's counters read before and after its storm."""
+        delta = counter_delta(*counters)
+        return cls(
+            *calm_and_stormy,
+            delta["exchanges.ok"],
+            delta["calls.unauthorized"],
+            errors,
+            exchange_seconds,
+            waiter_commands,
+        )
+
+
+def first_tokens_then_calm_calls(clients: list[FleetClient]) -> tuple[list[float], Counter[str]]:
+    """Each client's first token (a new account each round), then 64 calls with no storm."""
+    for client in clients:
+        client.request("GET", PING)
+    time.sleep(STORM_SETTLE)  # so each client hears of renewals
+    return concurrent_calls(clients, STORM_CALLERS)
+
+
+def close_clients(clients: Iterable[FleetClient | None]) -> None:
+    for client in clients:
+        if client is not None:
+            client.session.close()
+            client.manager.store.redis.close()
+
 
 def storm_round(bench: Bench, renewed_elsewhere: bool) -> StormRound:
     """STORM_PROCESSES clients (as processes), a first token, 64 calm calls over them all,
@@ -79,10 +115,7 @@ def storm_round(bench: Bench, renewed_elsewhere: bool) -> StormRound:
     clients = [p.client for p in processes]
     other: FleetClient | None = None
     try:
-        for client in clients:
-            client.request("GET", PING)  # the first token; a new account each round
-        time.sleep(STORM_SETTLE)
-        calm, errors = concurrent_calls(clients, STORM_CALLERS)
+        calm, errors = first_tokens_then_calm_calls(clients)
         if renewed_elsewhere:
             other = bench.client(prefix)
             other.manager.renew(force=True)
@@ -93,12 +126,8 @@ def storm_round(bench: Bench, renewed_elsewhere: bool) -> StormRound:
         stormy, failed = concurrent_calls(clients, STORM_CALLERS)
         after = bench.control.counters()
     finally:
-        for each in [*clients, other]:
-            if each is not None:
-                each.session.close()
-                each.manager.store.redis.close()
+        close_clients([*clients, other])
     errors.update(failed)
-    delta = counter_delta(before, after)
     exchange_seconds: list[float] = []
     waiter_commands: list[int] = []
     for process, commands, exchanged in zip(
@@ -107,14 +136,8 @@ def storm_round(bench: Bench, renewed_elsewhere: bool) -> StormRound:
         exchange_seconds += process.exchanges[exchanged:]
         if len(process.exchanges) == exchanged:
             waiter_commands.append(sum((process.commands - commands).values()))
-    return StormRound(
-        calm,
-        stormy,
-        delta["exchanges.ok"],
-        delta["calls.unauthorized"],
-        errors,
-        exchange_seconds,
-        waiter_commands,
+    return StormRound.counted(
+        (calm, stormy), (before, after), errors, exchange_seconds, waiter_commands
     )
 
 
@@ -128,10 +151,7 @@ def repeated_round(bench: Bench) -> StormRound:
     clients = [p.client for p in processes]
     stormy: list[float] = []
     try:
-        for client in clients:
-            client.request("GET", PING)
-        time.sleep(STORM_SETTLE)
-        calm, errors = concurrent_calls(clients, STORM_CALLERS)
+        calm, errors = first_tokens_then_calm_calls(clients)
         before = bench.control.counters()
         exchanged = sum(len(p.exchanges) for p in processes)
         began = time.monotonic()
@@ -143,20 +163,9 @@ def repeated_round(bench: Bench) -> StormRound:
             errors.update(failed)
         after = bench.control.counters()
     finally:
-        for client in clients:
-            client.session.close()
-            client.manager.store.redis.close()
-    delta = counter_delta(before, after)
+        close_clients(clients)
     exchange_seconds = [x for p in processes for x in p.exchanges][exchanged:]
-    return StormRound(
-        calm,
-        stormy,
-        delta["exchanges.ok"],
-        delta["calls.unauthorized"],
-        errors,
-        exchange_seconds,
-        [],
-    )
+    return StormRound.counted((calm, stormy), (before, after), errors, exchange_seconds, [])
 
 
 @dataclass

@@ -10,7 +10,6 @@ import sys
 import threading
 import traceback
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +36,15 @@ from merchant_tasks.sandbox.processes import spawn, wait_all_ready, wait_until
 from merchant_tasks.settings import FleetSettings, Secret, Settings
 from merchant_tasks.token import IssuedToken
 from support.account import TEST_API_KEY, TEST_SECRET
+from support.at_once import at_once
 from support.paths import SUPPORT
+from support.routes import PING
 from support.strategies import json_documents
 
 pytestmark = pytest.mark.integration
 
 STORM_THREADS = 64
 STORM_PROCESSES = 8
-PING = "/open-api/v1/ping"
 
 
 def test_exchanges_once_and_calls_through_the_emulator(
@@ -63,15 +63,7 @@ def test_threads_hitting_a_revoke_all_at_once_make_exactly_one_exchange(
 ) -> None:
     merchant_client.request("GET", PING)
     merchant_sandbox.app.revoke_all()
-    start = threading.Barrier(STORM_THREADS)
-
-    def call(_: int) -> Any:
-        start.wait()
-        return merchant_client.request("GET", PING)
-
-    with ThreadPoolExecutor(STORM_THREADS) as pool:
-        results = list(pool.map(call, range(STORM_THREADS)))
-
+    results = at_once(STORM_THREADS, lambda _: merchant_client.request("GET", PING))
     assert results == [{"ok": True}] * STORM_THREADS
     assert merchant_sandbox.exchanges()["ok"] == 2  # the first token, then one for the whole storm
     print(

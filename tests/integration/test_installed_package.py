@@ -14,6 +14,7 @@ import pytest
 
 from merchant_tasks.ops.cli import EXIT_CONFIGURATION
 from support.paths import ROOT
+from support.programs import run_python
 from support.typecheck import mypy_strict
 
 pytestmark = pytest.mark.integration
@@ -47,11 +48,10 @@ def test_the_command_and_the_pytest_plugin_are_where_they_were() -> None:
         assert hasattr(plugin, fixture), fixture
     module, _, function = project["scripts"]["merchant-tasks"].partition(":")
     command = getattr(__import__(module, fromlist=[function]), function)
-    done = subprocess.run(
-        [sys.executable, "-c", f"import {module}; {module}.{function}()", "--version"],
-        capture_output=True,
-        text=True,
-        check=False,
+    done = run_python(
+        "-c",
+        f"import {module}; {module}.{function}()",
+        "--version",
     )
     assert callable(command)
     assert done.returncode == 0, done.stderr[-500:]
@@ -81,14 +81,7 @@ main()
 
 def test_a_worker_configured_for_gevent_without_it_says_so_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "celeryconfig.py").write_text('worker_pool = "gevent"\n')
-    done = subprocess.run(
-        [sys.executable, "-c", HIDE_GEVENT_AND_RUN_CELERY],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=CELERY_TIMEOUT,
-        check=False,
-    )
+    done = run_python("-c", HIDE_GEVENT_AND_RUN_CELERY, cwd=tmp_path, timeout=CELERY_TIMEOUT)
     assert done.returncode == EXIT_CONFIGURATION, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert done.stderr.strip().splitlines() == [

@@ -13,12 +13,10 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,7 @@ from merchant_tasks.exceptions import CredentialsRejected
 from merchant_tasks.flows import Flow
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import wait_until
-from merchant_tasks.settings import FleetSettings, Secret, Settings
+from merchant_tasks.settings import Secret, Settings
 from merchant_tasks.store.token_store import BreakerRecord
 from merchant_tasks.telemetry import (
     ACCOUNT,
@@ -63,7 +61,9 @@ from merchant_tasks.telemetry import (
 )
 from merchant_tasks.token import BreakerKind, CounterName, IssuedToken, Token
 from support.account import TEST_SECRET
+from support.at_once import at_once
 from support.celery_fleet import CALL_API, PING, READY_TIMEOUT, Fleet
+from support.programs import run_python
 from support.redis_conditions import dead_redis
 from support.traced_worker import SPANS_FILE
 
@@ -201,15 +201,7 @@ def test_a_revoke_all_under_8_threads_makes_one_renewal_every_request_reaches(
 
     client.manager.life._replacement = counted  # type: ignore[method-assign]
     client.manager.exchange = after_every_refusal
-    start = threading.Barrier(THREADS)
-
-    def call(_: int) -> Any:
-        start.wait()
-        return client.request("GET", PING)
-
-    with ThreadPoolExecutor(THREADS) as pool:
-        results = list(pool.map(call, range(THREADS)))
-
+    results = at_once(THREADS, lambda _: client.request("GET", PING))
     assert results == [{"ok": True}] * THREADS
     assert merchant_sandbox.exchanges()["ok"] == 2  # the first token, then one for the storm
     (renewal,) = traced.spans(RENEWAL_SPAN)
@@ -356,21 +348,11 @@ def parent_id(span: ReadableSpan) -> int:
 
 
 def test_refused_credentials_show_on_the_spans_and_meters_by_type_only(
-    traced: Telemetry,
-    merchant_sandbox: MerchantSandbox,
-    merchant_redis_url: str,
-    merchant_key_prefix: str,
-    redis_client: redis.Redis,
-    tmp_path: Path,
+    traced: Telemetry, merchant_settings: Settings, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     wrong = tmp_path / "wrong-secret"
     wrong.write_text(WRONG_SECRET + "\n")
-    settings = Settings(
-        api_key=merchant_sandbox.api_key,
-        secret=Secret(path=wrong),
-        base_url=merchant_sandbox.url,
-        fleet=FleetSettings(redis_url=merchant_redis_url, key_prefix=merchant_key_prefix),
-    )
+    settings = replace(merchant_settings, secret=Secret(path=wrong))
     client = client_for(settings, redis_client=redis_client, name="wrong")
 
     with pytest.raises(CredentialsRejected):
@@ -440,14 +422,7 @@ print("no-op")
 @pytest.mark.parametrize("process", ["without an SDK", "without the API"])
 def test_a_process_that_traces_nothing_gets_the_shared_no_op(process: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    run = subprocess.run(
-        [sys.executable, "-c", NO_OP_CHECK, process],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
-    )
+    run = run_python("-c", NO_OP_CHECK, process, timeout=120, env=env)
     assert run.stdout.strip() == "no-op", run.stderr
 
 

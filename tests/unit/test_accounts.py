@@ -6,7 +6,7 @@ import json
 import re
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,21 @@ from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.settings import ACCOUNT_KEYS
 from support.account import TEST_SECRET
 from support.accounts_files import two_accounts_of_one_key, write_file
+
+
+def entry(name: str, secret_file: Path, **keys: str) -> str:
+    """The ``[accounts.<name>]`` table of an accounts file: ``keys`` as strings, and the
+    secret as a file."""
+    lines = [f"[accounts.{name}]", *(f'{key} = "{value}"' for key, value in keys.items())]
+    return "\n".join([*lines, f'api_secret_file = "{secret_file}"']) + "\n"
+
+
+@pytest.fixture
+def accounts_toml(tmp_path: Path) -> Callable[[str], dict[str, str]]:
+    """The environment of an accounts file (TOML) of the given text."""
+    return lambda text: {
+        "MERCHANT_ACCOUNTS_FILE": str(write_file(tmp_path / "accounts.toml", text))
+    }
 
 
 def test_the_single_account_variables_define_the_default_account(
@@ -223,24 +238,20 @@ def test_no_account_at_all_is_an_error() -> None:
 
 
 def test_a_sandbox_and_a_production_account_may_not_share_a_server(
-    tmp_path: Path, merchant_secret_file: Path
+    accounts_toml: Callable[[str], dict[str, str]], merchant_secret_file: Path
 ) -> None:
-    path = write_file(
-        tmp_path / "accounts.toml",
-        f"""
-[accounts.live]
-environment = "production"
-base_url = "https://api.example.test"
-api_key = "live"
-api_secret_file = "{merchant_secret_file}"
-[accounts.test]
-base_url = "https://api.example.test/"
-api_key = "test"
-api_secret_file = "{merchant_secret_file}"
-""",
+    env = accounts_toml(
+        entry(
+            "live",
+            merchant_secret_file,
+            environment="production",
+            base_url="https://api.example.test",
+            api_key="live",
+        )
+        + entry("test", merchant_secret_file, base_url="https://api.example.test/", api_key="test")
     )
     with pytest.raises(ConfigurationError, match="must never reach the other"):
-        load_accounts({"MERCHANT_ACCOUNTS_FILE": str(path)})
+        load_accounts(env)
 
 
 def test_an_unknown_account_is_an_error_listing_the_configured_ones(
@@ -271,22 +282,14 @@ def test_client_from_env_wires_the_only_account_to_its_store_and_server(
 
 
 def test_client_from_env_with_several_accounts_and_no_default_asks_to_name_one(
-    tmp_path: Path, merchant_secret_file: Path
+    accounts_toml: Callable[[str], dict[str, str]], merchant_secret_file: Path
 ) -> None:
-    path = write_file(
-        tmp_path / "accounts.toml",
-        f"""
-[accounts.eu]
-api_key = "eu"
-api_secret_file = "{merchant_secret_file}"
-[accounts.us]
-api_key = "us"
-api_secret_file = "{merchant_secret_file}"
-base_url = "http://127.0.0.1:10"
-""",
+    env = accounts_toml(
+        entry("eu", merchant_secret_file, api_key="eu")
+        + entry("us", merchant_secret_file, api_key="us", base_url="http://127.0.0.1:10")
     )
     with pytest.raises(ConfigurationError, match=r"several accounts .*eu, us.*name one"):
-        client_from_env({"MERCHANT_ACCOUNTS_FILE": str(path)})
+        client_from_env(env)
 
 
 def test_clients_of_one_account_share_what_they_are_given(merchant_secret_file: Path) -> None:
@@ -337,17 +340,15 @@ def source_module(
 
 
 def test_a_source_function_adds_accounts_checked_like_the_file_and_the_variables(
-    source_module: str, merchant_secret_file: Path, tmp_path: Path
+    source_module: str,
+    merchant_secret_file: Path,
+    accounts_toml: Callable[[str], dict[str, str]],
 ) -> None:
-    accounts_file = write_file(
-        tmp_path / "accounts.toml",
-        f'[accounts.file-shop]\napi_key = "file-key"\napi_secret_file = "{merchant_secret_file}"\n',
-    )
     accounts = load_accounts(
         {
             "MERCHANT_API_KEY": "k1",
             "MERCHANT_API_SECRET_FILE": str(merchant_secret_file),
-            "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
+            **accounts_toml(entry("file-shop", merchant_secret_file, api_key="file-key")),
             "MERCHANT_ACCOUNTS_SOURCE": f"{source_module}:accounts",
             "MERCHANT_RENEW_BEFORE": "300",
         }
@@ -382,31 +383,21 @@ def test_a_bad_source_is_an_error_naming_the_variable_and_never_the_platforms_me
 
 
 def test_an_account_defined_by_two_sources_is_an_error(
-    source_module: str, merchant_secret_file: Path, tmp_path: Path
+    source_module: str, merchant_secret_file: Path, accounts_toml: Callable[[str], dict[str, str]]
 ) -> None:
-    accounts_file = write_file(
-        tmp_path / "accounts.toml",
-        f'[accounts.db-shop]\napi_key = "other"\napi_secret_file = "{merchant_secret_file}"\n',
-    )
+    env = accounts_toml(entry("db-shop", merchant_secret_file, api_key="other"))
+    env["MERCHANT_ACCOUNTS_SOURCE"] = f"{source_module}:accounts"
     with pytest.raises(ConfigurationError, match="account 'db-shop' is also defined"):
-        load_accounts(
-            {
-                "MERCHANT_ACCOUNTS_FILE": str(accounts_file),
-                "MERCHANT_ACCOUNTS_SOURCE": f"{source_module}:accounts",
-            }
-        )
+        load_accounts(env)
 
 
 def test_loading_a_thousand_accounts_builds_no_client(
-    tmp_path: Path, merchant_secret_file: Path
+    accounts_toml: Callable[[str], dict[str, str]], merchant_secret_file: Path
 ) -> None:
     entries = "".join(
-        f'[accounts.shop-{n}]\napi_key = "key-{n}"\napi_secret_file = "{merchant_secret_file}"\n'
-        for n in range(1000)
+        entry(f"shop-{n}", merchant_secret_file, api_key=f"key-{n}") for n in range(1000)
     )
-    fleet = AccountClients.from_env(
-        {"MERCHANT_ACCOUNTS_FILE": str(write_file(tmp_path / "accounts.toml", entries))}
-    )
+    fleet = AccountClients.from_env(accounts_toml(entries))
     assert len(fleet.accounts) == 1000
     assert fleet._clients == {}
     assert fleet._redis_by_url == {}

@@ -26,22 +26,16 @@ from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.settings import Settings
 from merchant_tasks.store.async_store import AsyncAccountRedis
 from merchant_tasks.store.wakeup import LISTEN_TICK
+from support.routes import PAYMENTS, PING, REPORTS, exchanges
 
 pytestmark = pytest.mark.integration
 
-PING = "/open-api/v1/ping"
-PAYMENTS = "/open-api/v1/payments"
-REPORTS = "/open-api/v1/reports"
 SECRET = "async-client-secret-4c1f"
 
 
 @pytest.fixture
 def merchant_sandbox_config() -> SandboxConfig:
     return SandboxConfig(api_key="async-key", secret=SECRET, forbidden_paths=[REPORTS])
-
-
-def exchanges(sandbox: MerchantSandbox) -> int:
-    return int(sandbox.app.counters()["exchanges"]["ok"])
 
 
 def test_an_asyncio_client_and_a_blocking_one_share_the_fleets_token(

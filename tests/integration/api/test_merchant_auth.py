@@ -18,11 +18,10 @@ from merchant_tasks.sandbox.emulator import SandboxConfig
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.settings import Settings
 from merchant_tasks.store.topology import async_redis_from_url
+from support.routes import PING, REPORTS, exchanges
 
 pytestmark = pytest.mark.integration
 
-PING = "/open-api/v1/ping"
-REPORTS = "/open-api/v1/reports"
 TOKEN_PATH = "/open-api/v1/auth/access_token"
 SECRET = "merchant-auth-secret-91be"
 
@@ -37,10 +36,6 @@ def blocking(merchant_settings: Settings) -> Iterator[FleetClient]:
     client = client_for(merchant_settings)
     yield client
     close_client(client)
-
-
-def exchanges(sandbox: MerchantSandbox) -> int:
-    return int(sandbox.app.counters()["exchanges"]["ok"])
 
 
 def test_an_httpx_client_signs_with_the_fleets_token_and_resends_once_after_a_revocation(

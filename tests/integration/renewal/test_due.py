@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import redis
@@ -46,6 +46,8 @@ from support.tokens import store_tokens
 pytestmark = pytest.mark.integration
 
 ACCOUNTS = 1000
+Sent = list[tuple[tuple[Any, ...], dict[str, Any]]]  # what renew_token sent: args, options
+Serve = Callable[[dict[str, Settings]], AccountClients]  # makes this worker serve accounts
 
 
 @pytest.fixture
@@ -59,36 +61,40 @@ def counting_redis(merchant_redis_url: str, merchant_key_prefix: str) -> Iterato
     client.close()
 
 
-def _account(
-    key_prefix: str,
-    n: int,
-    redis_url: str,
-    renew_before: float = RENEW_BEFORE,
-    renew_mandatory: float = RENEW_MANDATORY,
-    renew_interval: float = RENEW_INTERVAL,
-) -> Settings:
+def _account(key_prefix: str, n: int, redis_url: str) -> Settings:
     return Settings(
         api_key=f"key-{n}",
         secret=Secret("unused"),
-        renew_before=renew_before,
-        renew_mandatory=renew_mandatory,
+        renew_before=RENEW_BEFORE,
+        renew_mandatory=RENEW_MANDATORY,
         fleet=FleetSettings(
-            redis_url=redis_url, key_prefix=key_prefix, renew_interval=renew_interval
+            redis_url=redis_url, key_prefix=key_prefix, renew_interval=RENEW_INTERVAL
         ),
     )
 
 
-def _fleet(key_prefix: str, redis_url: str, count: int) -> dict[str, Settings]:
-    return {f"shop-{n}": _account(key_prefix, n, redis_url) for n in range(count)}
+class FleetOf(Protocol):
+    def __call__(self, count: int, redis_url: str | None = None) -> dict[str, Settings]: ...
+
+
+@pytest.fixture
+def fleet_of(merchant_key_prefix: str, merchant_redis_url: str) -> FleetOf:
+    """Accounts shop-0, shop-1, ... in this test's namespace, on its Redis unless told."""
+
+    def fleet(count: int, redis_url: str | None = None) -> dict[str, Settings]:
+        url = redis_url or merchant_redis_url
+        return {f"shop-{n}": _account(merchant_key_prefix, n, url) for n in range(count)}
+
+    return fleet
 
 
 # -- the renewal point ---------------------------------------------------------------------
 
 
 def test_each_account_renews_at_its_own_fixed_point_inside_the_advisory_window(
-    merchant_key_prefix: str, merchant_redis_url: str
+    fleet_of: FleetOf,
 ) -> None:
-    accounts = _fleet(merchant_key_prefix, merchant_redis_url, 400)
+    accounts = fleet_of(400)
     points = [renewal_point(s) for s in accounts.values()]
     first = next(iter(accounts.values()))
     lowest = first.renew_mandatory + SPREAD_TICKS * first.fleet.renew_interval
@@ -104,13 +110,12 @@ def test_each_account_renews_at_its_own_fixed_point_inside_the_advisory_window(
 def test_the_point_is_renew_before_when_the_window_leaves_no_room_to_spread(
     merchant_key_prefix: str, merchant_redis_url: str
 ) -> None:
-    narrow = _account(
-        merchant_key_prefix,
-        1,
-        merchant_redis_url,
+    account = _account(merchant_key_prefix, 1, merchant_redis_url)
+    narrow = replace(
+        account,
         renew_before=100,
         renew_mandatory=90,
-        renew_interval=60,
+        fleet=replace(account.fleet, renew_interval=60),
     )
     assert renewal_point(narrow) == 100
 
@@ -119,9 +124,9 @@ def test_the_point_is_renew_before_when_the_window_leaves_no_room_to_spread(
 
 
 def test_a_thousand_accounts_with_nothing_due_cost_one_round_trip(
-    counting_redis: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
+    counting_redis: redis.Redis, fleet_of: FleetOf
 ) -> None:
-    accounts = _fleet(merchant_key_prefix, merchant_redis_url, ACCOUNTS)
+    accounts = fleet_of(ACCOUNTS)
     store_tokens(counting_redis, accounts.values(), left=TOKEN_LIFETIME - 60)
     before = CountingConnection.sent
     assert due_accounts(accounts, lambda url: counting_redis) == []
@@ -129,9 +134,9 @@ def test_a_thousand_accounts_with_nothing_due_cost_one_round_trip(
 
 
 def test_accounts_past_one_read_cost_one_round_trip_and_keep_their_order(
-    counting_redis: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
+    counting_redis: redis.Redis, fleet_of: FleetOf
 ) -> None:
-    accounts = _fleet(merchant_key_prefix, merchant_redis_url, 2 * MGET_CHUNK + 500)  # three MGETs
+    accounts = fleet_of(2 * MGET_CHUNK + 500)  # three MGETs
     names = list(accounts)
     due = {names[1], names[MGET_CHUNK], names[-1]}  # first in a chunk, and the last
     store_tokens(
@@ -143,9 +148,9 @@ def test_accounts_past_one_read_cost_one_round_trip_and_keep_their_order(
 
 
 def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_not(
-    redis_client: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
+    redis_client: redis.Redis, fleet_of: FleetOf
 ) -> None:
-    accounts = _fleet(merchant_key_prefix, merchant_redis_url, 6)
+    accounts = fleet_of(6)
     s = list(accounts.values())
     store_tokens(redis_client, [s[0]], left=TOKEN_LIFETIME - 60)  # fresh
     store_tokens(redis_client, [s[1]], left=renewal_point(s[1]) + 5)  # just before its point
@@ -165,11 +170,11 @@ def test_missing_unreadable_and_past_their_point_tokens_are_due_and_fresh_ones_n
 
 
 def test_tokens_issued_together_fall_due_over_the_window_not_at_once(
-    redis_client: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
+    redis_client: redis.Redis, fleet_of: FleetOf
 ) -> None:
     """After a cold start every token has the same time left: a quarter of the way into
     the spread, about a quarter of the accounts are due; none before it, all after."""
-    accounts = _fleet(merchant_key_prefix, merchant_redis_url, ACCOUNTS)
+    accounts = fleet_of(ACCOUNTS)
     first = next(iter(accounts.values()))
     top = first.renew_before
     bottom = first.renew_mandatory + SPREAD_TICKS * first.fleet.renew_interval
@@ -184,13 +189,16 @@ def test_tokens_issued_together_fall_due_over_the_window_not_at_once(
 
 
 def test_accounts_on_two_redis_servers_cost_one_round_trip_per_server(
-    counting_redis: redis.Redis, merchant_key_prefix: str, merchant_redis_url: str
+    counting_redis: redis.Redis,
+    merchant_key_prefix: str,
+    merchant_redis_url: str,
+    fleet_of: FleetOf,
 ) -> None:
     other_url = merchant_redis_url.rsplit("/", 1)[0] + "/1"
     pool = redis.ConnectionPool.from_url(other_url, connection_class=CountingConnection)
     other = redis.Redis(connection_pool=pool)
     accounts = {
-        **_fleet(merchant_key_prefix, merchant_redis_url, 3),
+        **fleet_of(3),
         **{f"other-{n}": _account(merchant_key_prefix, 100 + n, other_url) for n in range(3)},
     }
     counting_redis.ping()  # connect first: the connection's own handshake is not counted
@@ -202,13 +210,11 @@ def test_accounts_on_two_redis_servers_cost_one_round_trip_per_server(
     other.close()
 
 
-def test_an_unreachable_redis_is_store_unavailable_naming_the_variable(
-    merchant_key_prefix: str,
-) -> None:
+def test_an_unreachable_redis_is_store_unavailable_naming_the_variable(fleet_of: FleetOf) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     client = redis.Redis.from_url(url, socket_connect_timeout=0.5)
     with pytest.raises(StoreUnavailable, match="MERCHANT_REDIS_URL"):
-        due_accounts(_fleet(merchant_key_prefix, url, 2), lambda _: client)
+        due_accounts(fleet_of(2, url), lambda _: client)
     client.close()
 
 
@@ -216,9 +222,9 @@ def test_an_unreachable_redis_is_store_unavailable_naming_the_variable(
 
 
 @pytest.fixture
-def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+def sent(monkeypatch: pytest.MonkeyPatch) -> Sent:
     """What renew_token sends, recorded instead of published."""
-    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    calls: Sent = []
 
     def record(args: tuple[Any, ...], **options: Any) -> None:
         calls.append((args, options))
@@ -228,7 +234,7 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[Any, ...], dict[st
 
 
 @pytest.fixture
-def serve(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, Settings]], AccountClients]:
+def serve(monkeypatch: pytest.MonkeyPatch) -> Serve:
     """Makes this worker serve the given accounts (the clients its tasks use)."""
 
     def install(accounts: dict[str, Settings]) -> AccountClients:
@@ -240,13 +246,9 @@ def serve(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, Settings]], Ac
 
 
 def test_beat_sends_one_renewal_task_per_due_account_on_the_renewal_queue_and_builds_no_client(
-    serve: Callable[[dict[str, Settings]], AccountClients],
-    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
-    redis_client: redis.Redis,
-    merchant_key_prefix: str,
-    merchant_redis_url: str,
+    serve: Serve, sent: Sent, redis_client: redis.Redis, fleet_of: FleetOf
 ) -> None:
-    accounts = _fleet(merchant_key_prefix, merchant_redis_url, ACCOUNTS)
+    accounts = fleet_of(ACCOUNTS)
     store_tokens(redis_client, list(accounts.values())[2:], left=TOKEN_LIFETIME - 60)
     fleet = serve(accounts)
     tasks.renew_token()
@@ -256,13 +258,9 @@ def test_beat_sends_one_renewal_task_per_due_account_on_the_renewal_queue_and_bu
 
 
 def test_beat_sends_an_accounts_renewal_again_only_once_the_pending_one_has_run(
-    serve: Callable[[dict[str, Settings]], AccountClients],
-    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
-    redis_client: redis.Redis,
-    merchant_key_prefix: str,
-    merchant_redis_url: str,
+    serve: Serve, sent: Sent, redis_client: redis.Redis, fleet_of: FleetOf
 ) -> None:
-    accounts = _fleet(merchant_key_prefix, merchant_redis_url, 3)
+    accounts = fleet_of(3)
     fleet = serve(accounts)
     tasks.renew_token()
     assert len(sent) == 3
@@ -277,12 +275,9 @@ def test_beat_sends_an_accounts_renewal_again_only_once_the_pending_one_has_run(
 
 
 def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
-    serve: Callable[[dict[str, Settings]], AccountClients],
-    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
-    merchant_key_prefix: str,
-    caplog: pytest.LogCaptureFixture,
+    serve: Serve, sent: Sent, caplog: pytest.LogCaptureFixture, fleet_of: FleetOf
 ) -> None:
-    serve(_fleet(merchant_key_prefix, f"redis://127.0.0.1:{free_port()}/0", 3))
+    serve(fleet_of(3, f"redis://127.0.0.1:{free_port()}/0"))
     with caplog.at_level(logging.WARNING, logger="merchant_tasks.worker.task_bodies"):
         tasks.renew_token()
     assert sent == []
@@ -290,17 +285,17 @@ def test_beat_with_redis_down_logs_a_warning_and_sends_nothing(
 
 
 def test_with_one_of_two_redis_servers_down_beat_still_renews_the_accounts_of_the_other(
-    serve: Callable[[dict[str, Settings]], AccountClients],
-    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    serve: Serve,
+    sent: Sent,
     merchant_key_prefix: str,
-    merchant_redis_url: str,
     caplog: pytest.LogCaptureFixture,
+    fleet_of: FleetOf,
 ) -> None:
     """Accounts spread over servers (MERCHANT_ACCOUNTS_SOURCE): a server down skips its own
     accounts, logged naming it, not every account's renewal."""
     down = f"redis://127.0.0.1:{free_port()}/0"
     accounts = {
-        **_fleet(merchant_key_prefix, merchant_redis_url, 2),
+        **fleet_of(2),
         "elsewhere": _account(merchant_key_prefix, 100, down),
     }
     serve(accounts)
@@ -312,7 +307,7 @@ def test_with_one_of_two_redis_servers_down_beat_still_renews_the_accounts_of_th
 
 
 def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
-    serve: Callable[[dict[str, Settings]], AccountClients],
+    serve: Serve,
     merchant_sandbox: MerchantSandbox,
     merchant_secret_file: Path,
     redis_client: redis.Redis,
@@ -338,16 +333,15 @@ def test_a_failing_account_renewal_is_logged_and_another_account_still_renews(
 
 
 def test_a_renewal_the_broker_refuses_is_released_and_sent_at_the_next_tick(
-    serve: Callable[[dict[str, Settings]], AccountClients],
+    serve: Serve,
     monkeypatch: pytest.MonkeyPatch,
-    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
-    merchant_key_prefix: str,
-    merchant_redis_url: str,
+    sent: Sent,
     caplog: pytest.LogCaptureFixture,
+    fleet_of: FleetOf,
 ) -> None:
     """The broker refuses the first renewal beat sends (out of memory): the task ends
     without an error, and neither that account's claim nor the unsent ones' stay behind."""
-    serve(_fleet(merchant_key_prefix, merchant_redis_url, 3))
+    serve(fleet_of(3))
 
     def refuse(args: tuple[Any, ...], **options: Any) -> None:
         raise OperationalError("OOM command not allowed")
@@ -362,15 +356,15 @@ def test_a_renewal_the_broker_refuses_is_released_and_sent_at_the_next_tick(
 
 
 def test_beat_whose_claims_redis_refuses_for_memory_ends_only_once_it_takes_writes(
-    serve: Callable[[dict[str, Settings]], AccountClients],
-    sent: list[tuple[tuple[Any, ...], dict[str, Any]]],
-    merchant_key_prefix: str,
+    serve: Serve,
+    sent: Sent,
     private_redis: RedisServer,
     caplog: pytest.LogCaptureFixture,
+    fleet_of: FleetOf,
 ) -> None:
     """Its acknowledgement, on the same Redis by default, would be refused too, which stops
     the worker (docs/reliability.md, row 43): like a renewal, beat's check waits."""
-    serve(_fleet(merchant_key_prefix, private_redis.url, 2))
+    serve(fleet_of(2, private_redis.url))
     admin = redis.Redis(port=private_redis.port)
     window = OutOfMemory(admin)
     try:

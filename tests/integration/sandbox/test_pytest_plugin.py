@@ -4,13 +4,12 @@ examples/django_shop and examples/fastapi_shop, each run by pytest."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from support.paths import ROOT
+from support.programs import run_python
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +26,8 @@ def run_suite(root: Path, redis_url: str, expect_success: bool = True) -> str:
         if not k.startswith(("MERCHANT_", "CELERY_", "DJANGO_")) and k != "PYTHONPATH"
     }
     env["MERCHANT_TEST_REDIS_URL"] = redis_url
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-        check=False,
+    done = run_python(
+        "-m", "pytest", "-q", "-p", "no:cacheprovider", cwd=root, env=env, timeout=RUN_TIMEOUT
     )
     if expect_success:
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

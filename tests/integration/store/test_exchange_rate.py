@@ -10,11 +10,11 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from random import Random
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import redis
@@ -42,6 +42,7 @@ from merchant_tasks.store.exchange_rate import ExchangeRate, Priority
 from merchant_tasks.store.keys import AccountKeys, AccountRedis
 from merchant_tasks.store.token_store import TokenCommands, TokenStore
 from merchant_tasks.token import RenewalPolicy
+from support.clock import Sleeper
 from support.paths import SUPPORT
 from support.redis_conditions import dead_redis
 
@@ -103,115 +104,124 @@ def halved_ago(control: redis.Redis, key: str, seconds: float) -> None:
     control.hset(key, "cut_at", now_ms - int(seconds * 1000))
 
 
+class RateAt(Protocol):
+    def __call__(self, cap: float, monotonic: Callable[[], float] = time.monotonic) -> Permits: ...
+
+
 @pytest.fixture
-def control(merchant_redis_url: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(merchant_redis_url)
-    yield client
-    client.close()
+def rate_at(redis_client: redis.Redis, merchant_key_prefix: str, sleep: Sleeper) -> RateAt:
+    """The test's bucket of host ``h:1`` at ``cap`` exchanges a second; ``sleep`` records
+    its waits."""
+
+    def rate(cap: float, monotonic: Callable[[], float] = time.monotonic) -> Permits:
+        return rate_on(redis_client, merchant_key_prefix, cap, sleep.waits, monotonic)
+
+    return rate
 
 
 # -- the bucket, in Redis time ------------------------------------------------------------
 
 
+def take_the_burst(rate: Permits) -> Permits:
+    """Callers take the two permits of the full bucket: for them nobody waits."""
+    rate.take(Priority.CALLER)
+    rate.take(Priority.CALLER)
+    return rate
+
+
 def test_a_quiet_host_answers_at_once_then_callers_wait_for_a_reserved_permit(
-    control: redis.Redis, merchant_key_prefix: str
+    rate_at: RateAt, sleep: Sleeper
 ) -> None:
-    sleeps: list[float] = []
-    rate = rate_on(control, merchant_key_prefix, 1.0, sleeps)
+    rate = take_the_burst(rate_at(1.0))
+    assert sleep.waits == []  # the burst
     rate.take(Priority.CALLER)
-    rate.take(Priority.CALLER)
-    assert sleeps == []  # the burst
-    rate.take(Priority.CALLER)
-    assert len(sleeps) == 1
-    assert 0.5 < sleeps[0] <= 1.0
+    assert len(sleep.waits) == 1
+    assert 0.5 < sleep.waits[0] <= 1.0
     counts = rate.state().counts
     assert counts["granted_caller"] == 3
     assert counts["waited"] == 1
 
 
 def test_a_permit_granted_at_once_counts_no_wait_however_busy_the_process(
-    control: redis.Redis, merchant_key_prefix: str
+    rate_at: RateAt, sleep: Sleeper
 ) -> None:
     """The process's own delay before it asks (a loaded machine) is no wait for a permit."""
     ticks = iter(range(0, 1000, 5))  # each reading of the clock 5 s after the last
-    sleeps: list[float] = []
-    rate = rate_on(control, merchant_key_prefix, 1.0, sleeps, lambda: float(next(ticks)))
+    rate = rate_at(1.0, lambda: float(next(ticks)))
     rate.take(Priority.BACKGROUND)  # a full bucket of 2: one may go
     rate.take(Priority.CALLER)
     counts = rate.state().counts
     assert counts["granted_caller"] == counts["granted_background"] == 1
     assert counts.get("waited", 0) == 0
-    assert sleeps == []
+    assert sleep.waits == []
 
 
-def test_beat_never_takes_the_permits_kept_for_callers(
-    control: redis.Redis, merchant_key_prefix: str
-) -> None:
-    sleeps: list[float] = []
-    rate = rate_on(control, merchant_key_prefix, 0.1, sleeps)  # one permit per 10 s
+def test_beat_never_takes_the_permits_kept_for_callers(rate_at: RateAt, sleep: Sleeper) -> None:
+    rate = rate_at(0.1)  # one permit per 10 s
     rate.take(Priority.BACKGROUND)  # a full bucket of 2: one may go
     with pytest.raises(ExchangesThrottled) as raised:
         rate.take(Priority.BACKGROUND)  # the last one is the callers'
     assert raised.value.retry_after is not None
     assert raised.value.retry_after > 5
     rate.take(Priority.CALLER)  # ... and a caller gets it at once
-    assert sleeps == []
+    assert sleep.waits == []
     counts = rate.state().counts
     assert (counts["granted_background"], counts["granted_caller"], counts["gave_up"]) == (1, 1, 1)
 
 
 def test_a_caller_past_its_wait_is_refused_at_once_with_the_endpoint_unavailable_error(
-    control: redis.Redis, merchant_key_prefix: str
+    rate_at: RateAt, sleep: Sleeper
 ) -> None:
-    sleeps: list[float] = []
-    rate = rate_on(control, merchant_key_prefix, 0.1, sleeps)
-    rate.take(Priority.CALLER)
-    rate.take(Priority.CALLER)
+    rate = take_the_burst(rate_at(0.1))
     with pytest.raises(TokenEndpointUnavailable) as raised:  # ExchangesThrottled is one
         rate.take(Priority.CALLER)  # the next permit is 10 s away: beyond PERMIT_WAIT
     assert isinstance(raised.value, ExchangesThrottled)
     assert "MERCHANT_MAX_EXCHANGES_PER_SECOND=0.1" in str(raised.value)
     assert raised.value.retryable
     assert raised.value.retry_after is not None
-    assert sleeps == []  # refused without waiting for what it could not get
+    assert sleep.waits == []  # refused without waiting for what it could not get
     assert rate.state().counts["gave_up"] == 1
 
 
 def test_a_429_halves_the_rate_once_then_it_grows_back_step_by_step(
-    control: redis.Redis, merchant_key_prefix: str
+    redis_client: redis.Redis, rate_at: RateAt
 ) -> None:
-    rate = rate_on(control, merchant_key_prefix, 10.0, [])
+    rate = rate_at(10.0)
     rate.rate_limited()
     rate.rate_limited()  # an answer to an exchange sent before the halving
     assert rate.state().rate == 5.0
     assert rate.state().counts["cuts"] == 1
 
-    halved_ago(control, rate.key, exchange_rate.RATE_HOLD - 1)
+    halved_ago(redis_client, rate.key, exchange_rate.RATE_HOLD - 1)
     assert rate.state().rate == 5.0  # held
-    halved_ago(control, rate.key, exchange_rate.RATE_HOLD + 2.5 * exchange_rate.RATE_STEP_INTERVAL)
+    halved_ago(
+        redis_client, rate.key, exchange_rate.RATE_HOLD + 2.5 * exchange_rate.RATE_STEP_INTERVAL
+    )
     assert rate.state().rate == pytest.approx(5.0 + 3 * 10.0 * exchange_rate.RATE_STEP)
-    halved_ago(control, rate.key, exchange_rate.RATE_HOLD + 60 * exchange_rate.RATE_STEP_INTERVAL)
+    halved_ago(
+        redis_client, rate.key, exchange_rate.RATE_HOLD + 60 * exchange_rate.RATE_STEP_INTERVAL
+    )
     assert rate.state().rate == 10.0
     rate.take(Priority.CALLER)  # the first permit at the cap forgets the halving
-    assert control.hget(rate.key, "cut_rate") == b""
+    assert redis_client.hget(rate.key, "cut_rate") == b""
 
 
-def test_halvings_stop_at_the_floor(control: redis.Redis, merchant_key_prefix: str) -> None:
-    rate = rate_on(control, merchant_key_prefix, 1.0, [])
+def test_halvings_stop_at_the_floor(redis_client: redis.Redis, rate_at: RateAt) -> None:
+    rate = rate_at(1.0)
     for _ in range(10):
         # as if each 429 came after the spacing, during the hold
-        halved_ago(control, rate.key, exchange_rate.HALVING_SPACING + 1)
+        halved_ago(redis_client, rate.key, exchange_rate.HALVING_SPACING + 1)
         rate.rate_limited()
     assert rate.state().rate == exchange_rate.RATE_FLOOR
 
 
 def test_garbage_in_the_rate_key_reads_as_a_fresh_bucket(
-    control: redis.Redis, merchant_key_prefix: str
+    redis_client: redis.Redis, rate_at: RateAt
 ) -> None:
-    rate = rate_on(control, merchant_key_prefix, 2.0, [])
-    control.set(rate.key, "not a hash")
+    rate = rate_at(2.0)
+    redis_client.set(rate.key, "not a hash")
     rate.take(Priority.CALLER)
-    control.hset(rate.key, mapping={"tokens": "x", "at": "y", "cut_rate": "z", "cut_at": "1"})
+    redis_client.hset(rate.key, mapping={"tokens": "x", "at": "y", "cut_rate": "z", "cut_at": "1"})
     rate.take(Priority.CALLER)
     assert rate.state().rate == 2.0
 
@@ -226,15 +236,20 @@ def test_without_redis_no_permit_is_given(merchant_key_prefix: str) -> None:
 # -- with the emulator ----------------------------------------------------------------------
 
 
-def test_a_429_on_one_account_halves_the_rate_every_account_of_the_host_sees(
-    merchant_settings: Settings, merchant_sandbox: Any, control: redis.Redis
-) -> None:
-    merchant_sandbox.app.configure({"rate_limit": 1, "rate_window": 60.0})
-    client = client_for(merchant_settings)
+def a_429_from_the_host(settings: Settings, sandbox: Any) -> None:
+    """The emulator grants one exchange a minute: a forced renewal gets it, the next a 429."""
+    sandbox.app.configure({"rate_limit": 1, "rate_window": 60.0})
+    client = client_for(settings)
     client.manager.renew(force=True)
     with pytest.raises(ExchangeRateLimited):
         client.manager.renew(force=True)
-    other_store = TokenStore(control, f"{merchant_settings.fleet.key_prefix}:sandbox:other")
+
+
+def test_a_429_on_one_account_halves_the_rate_every_account_of_the_host_sees(
+    merchant_settings: Settings, merchant_sandbox: Any, redis_client: redis.Redis
+) -> None:
+    a_429_from_the_host(merchant_settings, merchant_sandbox)
+    other_store = TokenStore(redis_client, f"{merchant_settings.fleet.key_prefix}:sandbox:other")
     seen_elsewhere = exchange_rate_for(merchant_settings, other_store.commands).state()
     assert seen_elsewhere.rate == merchant_settings.fleet.max_exchanges_per_second / 2
     assert seen_elsewhere.counts["cuts"] == 1
@@ -349,15 +364,17 @@ def capped(merchant_redis_url: str, merchant_key_prefix: str) -> FleetSettings:
 
 
 def test_two_processes_on_two_hosts_keep_each_host_under_the_cap(
-    merchant_sandbox: Any, capped: FleetSettings, control: redis.Redis, tmp_path: Path
+    merchant_sandbox: Any, capped: FleetSettings, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     with contextlib.ExitStack() as stack:
         servers, settings = emulators(stack, merchant_sandbox, capped, 2)
         urls = [server.url for server in servers]
-        outputs, elapsed = run_workers(["caller", "caller"], urls, settings, control, tmp_path, 2.0)
+        outputs, elapsed = run_workers(
+            ["caller", "caller"], urls, settings, redis_client, tmp_path, 2.0
+        )
         for server, url in zip(servers, urls, strict=True):
             sent = sum(server.app.counters()["exchanges"].values())
-            counts = host_counts(settings, url, control)
+            counts = host_counts(settings, url, redis_client)
             assert counts["granted_caller"] == sent  # every exchange took a permit
             assert 3 <= sent <= BUCKET + CAP * elapsed, outputs  # the cap, however slow
             assert counts["waited"] > 0  # the loops asked faster than the cap
@@ -365,14 +382,14 @@ def test_two_processes_on_two_hosts_keep_each_host_under_the_cap(
 
 
 def test_callers_go_before_beat(
-    merchant_sandbox: Any, capped: FleetSettings, control: redis.Redis, tmp_path: Path
+    merchant_sandbox: Any, capped: FleetSettings, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     with contextlib.ExitStack() as stack:
         (server,), settings = emulators(stack, merchant_sandbox, capped, 1)
         roles = ["caller", "background"]
         # longer than PERMIT_WAIT, so that beat's renewal gives up waiting while calls go on
-        outputs, _ = run_workers(roles, [server.url], settings, control, tmp_path, 3.0)
-        counts = host_counts(settings, server.url, control)
+        outputs, _ = run_workers(roles, [server.url], settings, redis_client, tmp_path, 3.0)
+        counts = host_counts(settings, server.url, redis_client)
         sent = sum(server.app.counters()["exchanges"].values())
         assert counts["granted_caller"] + counts["granted_background"] == sent
         assert counts["granted_caller"] >= 5
@@ -390,11 +407,7 @@ def test_callers_go_before_beat(
 def test_status_and_metrics_show_the_hosts_rate_and_permits_waited_for(
     merchant_settings: Settings, merchant_sandbox: Any, merchant_env: dict[str, str]
 ) -> None:
-    merchant_sandbox.app.configure({"rate_limit": 1, "rate_window": 60.0})
-    client = client_for(merchant_settings)
-    client.manager.renew(force=True)
-    with pytest.raises(ExchangeRateLimited):
-        client.manager.renew(force=True)
+    a_429_from_the_host(merchant_settings, merchant_sandbox)
     result = CliRunner().invoke(main, ["status", "--json"])
     (account,) = json.loads(result.stdout)["accounts"]
     host = merchant_settings.origin.split("://")[1]

@@ -4,9 +4,11 @@ celeryconfig is read from the repository root, and a worker on a unix socket ser
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from merchant_tasks.sandbox.processes import RedisServer, redis_answers, spawn
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.worker.app import load_config
 from support.paths import ROOT
+from support.programs import run_python
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("empty_celeryconfig")]
 
@@ -30,15 +33,25 @@ def _clean_env(**variables: str) -> dict[str, str]:
     return {**env, **variables}
 
 
+ACCOUNT = {"MERCHANT_API_KEY": "k", "MERCHANT_API_SECRET": "s"}  # one that never gets to call
+
+
+@pytest.fixture
+def redis_env(merchant_redis_url: str) -> Callable[..., dict[str, str]]:
+    """``_clean_env`` with this test's Redis."""
+    return functools.partial(_clean_env, MERCHANT_REDIS_URL=merchant_redis_url)
+
+
 def _celery(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "merchant_tasks", *args],
+    return run_python(
+        "-m",
+        "celery",
+        "-A",
+        "merchant_tasks",
+        *args,
         env=env,
         cwd=tmp_path,  # no celeryconfig.py here
-        capture_output=True,
-        text=True,
         timeout=START_TIMEOUT,
-        check=False,
     )
 
 
@@ -64,14 +77,12 @@ def test_a_library_import_with_a_bad_setting_raises_the_configuration_error(
         "try:\n    import merchant_tasks.worker.app\n"
         "except ConfigurationError as exc:\n    print('raised:', exc)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
+    done = run_python(
+        "-c",
+        code,
         env=_clean_env(MERCHANT_RENEW_INTERVAL="abc"),
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=START_TIMEOUT,
-        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("raised: MERCHANT_RENEW_INTERVAL must be a number")
@@ -84,11 +95,11 @@ def test_the_celery_command_loads_the_app_without_any_account(tmp_path: Path) ->
 
 
 def test_a_worker_without_any_account_stops_at_start_with_the_configuration_message(
-    tmp_path: Path, merchant_redis_url: str
+    tmp_path: Path, redis_env: Callable[..., dict[str, str]]
 ) -> None:
     done = _celery(
         tmp_path,
-        _clean_env(MERCHANT_REDIS_URL=merchant_redis_url),
+        redis_env(),
         "worker",
         "--pool=solo",
         "--without-gossip",
@@ -103,15 +114,7 @@ def test_a_worker_without_any_account_stops_at_start_with_the_configuration_mess
 
 def test_started_from_the_repository_root_the_app_reads_the_top_level_celeryconfig() -> None:
     code = "import sys, merchant_tasks.worker.app; print(sys.modules['celeryconfig'].__file__)"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=_clean_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=START_TIMEOUT,
-        check=False,
-    )
+    done = run_python("-c", code, env=_clean_env(), cwd=ROOT, timeout=START_TIMEOUT)
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()) == ROOT / "celeryconfig.py"
 
@@ -134,9 +137,9 @@ def _beat(tmp_path: Path) -> tuple[str, ...]:
 
 
 def test_an_unknown_variable_stops_worker_and_beat_naming_the_closest_known_one(
-    tmp_path: Path, merchant_redis_url: str
+    tmp_path: Path, redis_env: Callable[..., dict[str, str]]
 ) -> None:
-    env = _clean_env(MERCHANT_REDIS_URL=merchant_redis_url, MERCHANT_RENEW_INTERVALL="30")
+    env = redis_env(MERCHANT_RENEW_INTERVALL="30")
     for command in (WORKER, _beat(tmp_path)):
         line = _one_error_line(_celery(tmp_path, env, *command))
         assert line == (
@@ -146,10 +149,9 @@ def test_an_unknown_variable_stops_worker_and_beat_naming_the_closest_known_one(
 
 
 def test_beat_stops_at_start_when_an_accounts_variable_is_wrong(
-    tmp_path: Path, merchant_redis_url: str
+    tmp_path: Path, redis_env: Callable[..., dict[str, str]]
 ) -> None:
-    env = _clean_env(
-        MERCHANT_REDIS_URL=merchant_redis_url,
+    env = redis_env(
         MERCHANT_API_KEY_FILE="/nope/key",
         MERCHANT_API_SECRET_FILE="/run/secrets/beat-holds-none",
     )
@@ -160,15 +162,13 @@ def test_beat_stops_at_start_when_an_accounts_variable_is_wrong(
 
 
 def test_worker_and_beat_stop_at_start_on_a_key_file_that_is_not_utf8(
-    tmp_path: Path, merchant_redis_url: str
+    tmp_path: Path, redis_env: Callable[..., dict[str, str]]
 ) -> None:
     key_file = tmp_path / "token.key"
     key_file.write_bytes(b"\xff" + os.urandom(31))  # the raw key instead of its base64
     key_file.chmod(0o600)
-    env = _clean_env(
-        MERCHANT_REDIS_URL=merchant_redis_url,
-        MERCHANT_API_KEY="k",
-        MERCHANT_API_SECRET="s",
+    env = redis_env(
+        **ACCOUNT,
         MERCHANT_TOKEN_KEY_FILE=str(key_file),
     )
     for command in (WORKER, _beat(tmp_path)):
@@ -177,12 +177,10 @@ def test_worker_and_beat_stop_at_start_on_a_key_file_that_is_not_utf8(
 
 
 def test_a_worker_given_a_base_url_with_a_password_stops_and_never_shows_it(
-    tmp_path: Path, merchant_redis_url: str
+    tmp_path: Path, redis_env: Callable[..., dict[str, str]]
 ) -> None:
-    env = _clean_env(
-        MERCHANT_REDIS_URL=merchant_redis_url,
-        MERCHANT_API_KEY="k",
-        MERCHANT_API_SECRET="s",
+    env = redis_env(
+        **ACCOUNT,
         MERCHANT_BASE_URL="http://apiuser:BasicPw99@127.0.0.1:1",
     )
     done = _celery(tmp_path, env, *WORKER)
@@ -203,7 +201,7 @@ def test_a_redis_url_celery_or_redis_py_cannot_read_stops_the_worker_in_one_line
     tmp_path: Path, url: str, named: str
 ) -> None:
     """They passed the scheme and port checks; the worker then died in a traceback."""
-    env = _clean_env(MERCHANT_REDIS_URL=url, MERCHANT_API_KEY="k", MERCHANT_API_SECRET="s")
+    env = _clean_env(MERCHANT_REDIS_URL=url, **ACCOUNT)
     done = _celery(tmp_path, env, *WORKER)
     line = _one_error_line(done)
     assert "MERCHANT_REDIS_URL" in line

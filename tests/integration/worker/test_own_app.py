@@ -10,7 +10,6 @@ emulator; a separate process enqueues the way the shop's code does (``proj.add.d
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from celery import Celery
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import Child, spawn, wait_until
 from merchant_tasks.settings import Settings, child_env
+from support.programs import run_python
 
 pytestmark = pytest.mark.integration
 
@@ -128,15 +128,7 @@ def test_the_shops_worker_and_beat_serve_its_task_call_api_and_the_renewal(
     assert "Task merchant_tasks.renew_account[" in log
     exchanges = merchant_sandbox.app.counters()["exchanges"]["ok"]
 
-    done = subprocess.run(
-        [sys.executable, "-c", SHOP_CODE],
-        cwd=proj_dir,
-        env=proj_env,
-        capture_output=True,
-        text=True,
-        timeout=RESULT_TIMEOUT * 2,
-        check=False,
-    )
+    done = run_python("-c", SHOP_CODE, cwd=proj_dir, env=proj_env, timeout=RESULT_TIMEOUT * 2)
     assert done.returncode == 0, done.stderr
     total, payment, from_a_thread = json.loads(done.stdout)
     assert total == 5

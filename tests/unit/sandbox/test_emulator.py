@@ -4,7 +4,6 @@ to, served through werkzeug's test client."""
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ from merchant_tasks.sandbox.emulator import (
     SandboxConfig,
     SandboxServer,
 )
+from support.at_once import at_once
 from support.emulator_app import API_KEY, GOOD_BODY, PING, SECRET, make_app
 
 INVALID_CLIENT = b'{"error": "invalid_client", "message": "unknown appid or wrong secret"}'
@@ -447,19 +447,8 @@ def test_rate_limit_lowered_at_runtime_waits_for_enough_slots() -> None:
 
 def test_rate_limit_holds_exactly_under_concurrent_requests() -> None:
     app = make_app(rate_limit=10)
-    statuses: list[int] = []
-    start = threading.Barrier(40)
-
-    def worker() -> None:
-        client = Client(app)
-        start.wait()
-        statuses.append(exchange(client).status_code)
-
-    threads = [threading.Thread(target=worker) for _ in range(40)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    clients = [Client(app) for _ in range(40)]
+    statuses = at_once(40, lambda n: exchange(clients[n]).status_code)
     assert sorted(statuses) == [200] * 10 + [429] * 30
     assert app.counters()["exchanges"] == {"ok": 10, "rejected": 0, "rate_limited": 30, "failed": 0}
 

@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
-from tenacity import Future, RetryCallState, Retrying
-
 if TYPE_CHECKING:
+    from tenacity import Retrying
+
     from merchant_tasks.store.keys import Command
 
 T = TypeVar("T")
@@ -73,6 +73,9 @@ def next_try(
     ``Retrying`` built from its pieces: retry, wait, stop), after ``exc`` at ``now`` in a
     run begun at ``started`` (monotonic times, the driver's); None: stop. Tenacity decides,
     the flow's driver sleeps."""
+    from tenacity import Future, RetryCallState  # only where a retry is decided: reading
+    # the store (`status`) imports flows too, and loads no retry library
+
     state = RetryCallState(policy, None, (), {})
     state.start_time, state.attempt_number = started, attempt
     outcome = Future(attempt)

@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from merchant_tasks import (
-    AccountClients,
     ApiError,
     ApiOutcomeUnknown,
     CredentialsRejected,
@@ -33,9 +32,9 @@ from merchant_tasks import (
     StoreUnavailable,
     TokenRejected,
 )
-from merchant_tasks.aio import MerchantAuth, async_client_from_env
+from merchant_tasks.aio import AsyncAccountClients, MerchantAuth
 from merchant_tasks.api.async_client import AsyncMerchantClient
-from merchant_tasks.ops.status import account_statuses
+from merchant_tasks.ops.status import async_account_statuses
 from merchant_tasks.tasks import call_api
 
 RETRY_AFTER = 5  # seconds a client is told to wait when the error names no time of its own
@@ -46,24 +45,20 @@ OWN_CLIENT_TIMEOUT = 30.0  # seconds for the shop's own client: a 401 may wait f
 class Services:
     """What the handlers share, opened by ``lifespan`` and closed when the server stops."""
 
-    merchant: AsyncMerchantClient  # the account's asyncio client
+    fleet: AsyncAccountClients  # every account's asyncio client, and their status
+    merchant: AsyncMerchantClient  # the only (or default) account's client
     own: httpx.AsyncClient  # the shop's own client, signed by MerchantAuth
-    fleet: AccountClients  # blocking: status reads for /health, in a thread
 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the clients once per process; close them in reverse order at shutdown."""
-    with AccountClients.from_env() as fleet:
-        async with (
-            async_client_from_env() as merchant,
-            httpx.AsyncClient(
-                base_url=merchant.base_url,
-                auth=MerchantAuth(merchant),
-                timeout=OWN_CLIENT_TIMEOUT,
-            ) as own,
-        ):
-            app.state.services = Services(merchant, own, fleet)
+    async with AsyncAccountClients.from_env() as fleet:
+        merchant = fleet.get()
+        async with httpx.AsyncClient(
+            base_url=merchant.base_url, auth=MerchantAuth(merchant), timeout=OWN_CLIENT_TIMEOUT
+        ) as own:
+            app.state.services = Services(fleet, merchant, own)
             yield
 
 
@@ -168,7 +163,7 @@ async def health(request: Request) -> JSONResponse:
     """200 while every account has a usable token or can get one; 503 when Redis cannot
     be read or renewals are paused (rejected credentials, refused tokens)."""
     try:
-        statuses = await asyncio.to_thread(account_statuses, services(request).fleet)
+        statuses = await async_account_statuses(services(request).fleet)
     except StoreUnavailable as exc:
         return JSONResponse({"redis": "unreachable", "message": str(exc)}, status_code=503)
     accounts = {  # a path refused (a permission the merchant lacks) is told, not a 503

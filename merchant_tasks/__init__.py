@@ -43,6 +43,7 @@ from merchant_tasks.settings import Settings
 if TYPE_CHECKING:  # what ``__getattr__`` imports when first asked for, typed for mypy users
     from merchant_tasks.accounts import AccountClients, FleetClient, client_for, client_from_env
     from merchant_tasks.aio import AsyncAccountClients, MerchantAuth, async_client_from_env
+    from merchant_tasks.api.async_client import AsyncMerchantClient
     from merchant_tasks.api.client import MerchantClient, TokenSource
     from merchant_tasks.ops.status import account_statuses, async_account_statuses
 
@@ -54,6 +55,7 @@ __all__ = [
     "ApiOutcomeUnknown",
     "ApiUnavailable",
     "AsyncAccountClients",
+    "AsyncMerchantClient",
     "BrokerUnavailable",
     "ConfigurationError",
     "CredentialsRejected",
@@ -115,6 +117,7 @@ _LAZY = {
     "MerchantClient": "merchant_tasks.api.client",
     "TokenSource": "merchant_tasks.api.client",
     "AsyncAccountClients": "merchant_tasks.aio",
+    "AsyncMerchantClient": "merchant_tasks.api.async_client",
     "MerchantAuth": "merchant_tasks.aio",
     "async_client_from_env": "merchant_tasks.aio",
     "account_statuses": "merchant_tasks.ops.status",

@@ -73,6 +73,7 @@ from support.fault_harness import Callers, CallLoop, Evidence, LogLines, report_
 from support.leaks import redis_value
 from support.paths import ROOT
 from support.renewal import make_manager
+from support.routes import PING
 from support.token_keys import token_key_file
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
-PING = "/open-api/v1/ping"
 ECHO = "/open-api/v1/echo"
 START_TIMEOUT = 60.0  # a process's start on a busy two-core machine
 
@@ -167,29 +167,6 @@ def redis_client(
     """conftest's Redis client; the test's keys (but the token) go to the evidence."""
     yield redis_client
     evidence.redis_keys(request.node.name, redis_client, f"{merchant_key_prefix}:*")
-
-
-@pytest.fixture
-def callers(
-    redis_client: redis.Redis,
-    merchant_redis_url: str,
-    merchant_key_prefix: str,
-    tmp_path: Path,
-    evidence: Evidence,
-    request: pytest.FixtureRequest,
-) -> Iterator[Callers]:
-    fleet = Callers(
-        redis_client,
-        merchant_redis_url,
-        f"{merchant_key_prefix}:fault",
-        tmp_path,
-        evidence,
-        request.node.name,
-    )
-    try:
-        yield fleet
-    finally:
-        fleet.kill()
 
 
 # -- 1. Redis restarted mid-load -----------------------------------------------------------

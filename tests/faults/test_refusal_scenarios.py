@@ -19,10 +19,9 @@ from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import RedisServer, wait_until
 from merchant_tasks.settings import Settings, child_env
 from support.fault_harness import Callers, Calling, Evidence, report_outcomes
+from support.routes import PING
 
 pytestmark = pytest.mark.integration
-
-PING = "/open-api/v1/ping"
 
 
 @pytest.mark.long

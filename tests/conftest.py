@@ -31,7 +31,7 @@ from support.celery_fleet import Fleet, running_fleet
 from support.clock import ManualClock, Sleeper
 from support.drip_server import DRIP, SHUTDOWN_POLL, DripServer
 from support.fault_harness import Callers, Evidence
-from support.renewal import FakeExchange, make_manager
+from support.renewal import FakeExchange, Renewal, make_manager
 from support.token_keys import token_key_file
 
 
@@ -230,6 +230,19 @@ def manager(
     return make_manager(
         store, exchange, secret_fingerprint=lambda: fingerprint(secret[0]), clock=clock, sleep=sleep
     )
+
+
+@pytest.fixture
+def renewal(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+    secret: list[str],
+) -> Renewal:
+    """``manager`` with its store, clock, sleep, exchange and secret, as one fixture."""
+    return Renewal(manager, store, clock, exchange, sleep, secret)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from merchant_tasks.renewal.life import Await, Hold, Limits
@@ -63,6 +64,19 @@ def make_manager(
     }
     fingerprint = options.pop("secret_fingerprint", lambda: "fp")
     return TokenManager(store, exchange, fingerprint, **{**defaults, **options})
+
+
+@dataclass
+class Renewal:
+    """A test's ``TokenManager`` on fakeredis and what the test drives it by: its store, its
+    clock and sleep, its scripted exchange and the current secret (conftest's ``renewal``)."""
+
+    manager: TokenManager
+    store: TokenStore
+    clock: ManualClock
+    exchange: FakeExchange
+    sleep: Sleeper
+    secret: list[str]
 
 
 SHORT_LIMITS = Limits(renewal=1.0, wait=2.0)  # 100 looks at the store instead of 4330: a

@@ -172,9 +172,9 @@ def test_a_key_whose_every_token_is_refused_costs_at_most_9_exchanges_in_2_hours
     assert max(pauses) <= 1800.0
 
 
-def test_a_replaced_secret_ends_a_refused_pause_in_the_process_that_met_it(
-    renewal: Renewal,
-) -> None:
+def refused_in_a_row(renewal: Renewal) -> Token:
+    """A stored token, the second in a row refused (the one before it was too): its 401
+    pauses renewals over the current secret. Returns that token."""
     refused = stored(
         renewal.store,
         renewal.clock,
@@ -185,6 +185,13 @@ def test_a_replaced_secret_ends_a_refused_pause_in_the_process_that_met_it(
     )
     with pytest.raises(TokenRejected):
         renewal.manager.renew(stale_token=refused)
+    return refused
+
+
+def test_a_replaced_secret_ends_a_refused_pause_in_the_process_that_met_it(
+    renewal: Renewal,
+) -> None:
+    refused = refused_in_a_row(renewal)
     with pytest.raises(TokenRejected, match="in a row"):
         renewal.manager.token()
     renewal.secret[0] = "secret-two-rotated-5f6e7d"
@@ -194,16 +201,7 @@ def test_a_replaced_secret_ends_a_refused_pause_in_the_process_that_met_it(
 
 
 def test_a_replaced_secret_ends_a_refused_pause_fleet_wide(renewal: Renewal) -> None:
-    refused = stored(
-        renewal.store,
-        renewal.clock,
-        left=7190.0,
-        reason=RenewalReason.MANDATORY,
-        age=10.0,
-        in_a_row=1,
-    )
-    with pytest.raises(TokenRejected):
-        renewal.manager.renew(stale_token=refused)
+    refused = refused_in_a_row(renewal)
     record = renewal.store.records.load_breaker()
     assert record is not None
     assert record.secret_fingerprint == fingerprint(renewal.secret[0])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from support.renewal import (
     SiblingWaits,
     hold_lock,
     holder_writes_at_poll,
+    renewing_in_a_thread,
     shorten_limits,
     when_sent,
 )
@@ -208,22 +210,8 @@ def test_a_thread_with_a_valid_token_does_not_queue_behind_another_threads_renew
     copying_manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
     old = stored(store, clock, left=RENEW_MANDATORY / 2)  # due for renewal, still valid
-    exchanging, release = threading.Event(), threading.Event()
-
-    def slow_exchange() -> None:
-        exchanging.set()
-        assert release.wait(10)
-
-    exchange.during = slow_exchange
-    renewer_got: list[Token] = []
-    renewer = threading.Thread(target=lambda: renewer_got.append(copying_manager.token()))
-    renewer.start()
-    try:
-        assert exchanging.wait(10)
+    with renewing_in_a_thread(exchange, copying_manager.token) as renewer_got:
         assert copying_manager.token() == old  # at once, while the other thread exchanges
-    finally:
-        release.set()
-        renewer.join()
     assert renewer_got[0].value.startswith("tok-issued")
     assert len(exchange.calls) == 1
 
@@ -301,24 +289,11 @@ def test_a_thread_whose_sibling_renews_past_the_wait_limit_gets_renewal_timeout(
     old = stored(store, clock, left=3600.0)
     copying_manager.accepted(old)
     copying_manager.life.limits = Limits(renewal=0.1, wait=0.2)
-    renewing, release = threading.Event(), threading.Event()
-
-    def slow_renewal() -> None:
-        renewing.set()
-        assert release.wait(10)
-
-    exchange.during = slow_renewal
-    renewer_got: list[Token] = []
-    renewer = threading.Thread(
-        target=lambda: renewer_got.append(copying_manager.renew(stale_token=old))
-    )
-    renewer.start()
-    try:
-        assert renewing.wait(10)
-        with pytest.raises(RenewalTimeout, match="another thread of this process"):
-            copying_manager.renew(stale_token=old)
-    finally:
-        release.set()
-        renewer.join()
+    renewing = partial(copying_manager.renew, stale_token=old)
+    with (
+        renewing_in_a_thread(exchange, renewing) as renewer_got,
+        pytest.raises(RenewalTimeout, match="another thread of this process"),
+    ):
+        copying_manager.renew(stale_token=old)
     assert renewer_got[0].replaces(old, clock.now)
     assert len(exchange.calls) == 1

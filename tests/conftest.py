@@ -1,9 +1,10 @@
 """Shared fixtures and the hooks that order the run. The plugin the package ships
 (merchant_tasks.pytest_plugin) gives each test its Redis key prefix, emulator account,
 settings and client; here the suite fixes that account's key and secret, adds a Redis client
-and token store under the test's prefix, the Celery processes of a test (``fleet``), and
-for unit tests a store on fakeredis and a ``TokenManager`` on a manual clock, sleep and
-scripted exchange. What tests import (fakes, token makers, harnesses) is in ``support``."""
+and token store under the test's prefix, the Celery processes of a test (``fleet``), the
+fault suites' caller processes (``callers``), and for unit tests a store on fakeredis and a
+``TokenManager`` on a manual clock, sleep and scripted exchange. What tests import (fakes,
+token makers, harnesses) is in ``support``."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from support.celery_config import write_celeryconfig
 from support.celery_fleet import Fleet, running_fleet
 from support.clock import ManualClock, Sleeper
 from support.drip_server import DRIP, SHUTDOWN_POLL, DripServer
-from support.renewal import FakeExchange, make_manager
+from support.fault_harness import Callers, Evidence
+from support.renewal import FakeExchange, Renewal, make_manager
 from support.token_keys import token_key_file
 
 
@@ -159,6 +161,39 @@ def fleet(
         yield f
 
 
+# -- the fault suites' caller processes (test_faults.py searches its evidence for leaks) ----
+
+
+@pytest.fixture
+def evidence() -> Evidence:
+    """What the test saw; this one is not searched for leaks."""
+    return Evidence()
+
+
+@pytest.fixture
+def callers(
+    redis_client: redis.Redis,
+    merchant_redis_url: str,
+    merchant_key_prefix: str,
+    tmp_path: Path,
+    evidence: Evidence,
+    request: pytest.FixtureRequest,
+) -> Iterator[Callers]:
+    """Caller processes for the test's account, killed when it ends."""
+    fleet = Callers(
+        redis_client,
+        merchant_redis_url,
+        f"{merchant_key_prefix}:callers",
+        tmp_path,
+        evidence,
+        request.node.name,
+    )
+    try:
+        yield fleet
+    finally:
+        fleet.kill()
+
+
 # -- the renewal's unit tests: a manager on fakeredis, its clock, sleep and exchange -----
 
 
@@ -195,6 +230,19 @@ def manager(
     return make_manager(
         store, exchange, secret_fingerprint=lambda: fingerprint(secret[0]), clock=clock, sleep=sleep
     )
+
+
+@pytest.fixture
+def renewal(
+    manager: TokenManager,
+    store: TokenStore,
+    clock: ManualClock,
+    exchange: FakeExchange,
+    sleep: Sleeper,
+    secret: list[str],
+) -> Renewal:
+    """``manager`` with its store, clock, sleep, exchange and secret, as one fixture."""
+    return Renewal(manager, store, clock, exchange, sleep, secret)
 
 
 @pytest.fixture

@@ -73,6 +73,7 @@ from support.fault_harness import Callers, CallLoop, Evidence, LogLines, report_
 from support.leaks import redis_value
 from support.paths import ROOT
 from support.renewal import make_manager
+from support.routes import PING
 from support.token_keys import token_key_file
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
-PING = "/open-api/v1/ping"
 ECHO = "/open-api/v1/echo"
 START_TIMEOUT = 60.0  # a process's start on a busy two-core machine
 
@@ -167,29 +167,6 @@ def redis_client(
     """conftest's Redis client; the test's keys (but the token) go to the evidence."""
     yield redis_client
     evidence.redis_keys(request.node.name, redis_client, f"{merchant_key_prefix}:*")
-
-
-@pytest.fixture
-def callers(
-    redis_client: redis.Redis,
-    merchant_redis_url: str,
-    merchant_key_prefix: str,
-    tmp_path: Path,
-    evidence: Evidence,
-    request: pytest.FixtureRequest,
-) -> Iterator[Callers]:
-    fleet = Callers(
-        redis_client,
-        merchant_redis_url,
-        f"{merchant_key_prefix}:fault",
-        tmp_path,
-        evidence,
-        request.node.name,
-    )
-    try:
-        yield fleet
-    finally:
-        fleet.kill()
 
 
 # -- 1. Redis restarted mid-load -----------------------------------------------------------
@@ -572,12 +549,7 @@ def test_token_endpoint_down_through_the_advisory_window_fails_no_call(
 
 
 def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passes(
-    merchant_sandbox: MerchantSandbox,
-    merchant_settings: Settings,
-    merchant_secret_file: Path,
-    redis_client: redis.Redis,
-    callers: Callers,
-    evidence: Evidence,
+    merchant_sandbox: MerchantSandbox, merchant_settings: Settings, callers: Callers
 ) -> None:
     """The token endpoint admits one exchange per 4 s and answers 429 with Retry-After.
 
@@ -588,7 +560,7 @@ def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passe
     """
     merchant_sandbox.app.configure({"rate_limit": 1, "rate_window": 4.0})
     callers.start(child_env(merchant_settings), [{}] * 3)
-    client = client_for(merchant_settings, redis_client=redis_client)
+    client = client_for(merchant_settings, redis_client=callers.control)
     client.request("GET", PING)  # the window's one exchange
     merchant_sandbox.app.revoke_all()
     callers.go()
@@ -603,7 +575,7 @@ def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passe
             outcomes.append("ok")
         except MerchantError as exc:
             outcomes.append(type(exc).__name__)
-            evidence.exception("row 3: this process", exc)
+            callers.evidence.exception("row 3: this process", exc)
         time.sleep(0.02)
     reports = callers.stop()
 
@@ -620,12 +592,7 @@ def test_a_429_with_retry_after_holds_every_exchange_of_the_fleet_until_it_passe
 
 
 def test_callers_waiting_on_a_holder_killed_mid_exchange_resume_within_its_lease(
-    merchant_sandbox: MerchantSandbox,
-    merchant_settings: Settings,
-    merchant_secret_file: Path,
-    redis_client: redis.Redis,
-    callers: Callers,
-    evidence: Evidence,
+    merchant_sandbox: MerchantSandbox, merchant_settings: Settings, callers: Callers
 ) -> None:
     """A caller process takes the renewal lock (no token yet; the exchange is slow) and is
     SIGKILLed mid-exchange, while four threads of this process wait for its renewal.
@@ -640,7 +607,7 @@ def test_callers_waiting_on_a_holder_killed_mid_exchange_resume_within_its_lease
     account = dataclasses.replace(merchant_settings, connect_timeout=1.0, read_timeout=20.0)
     merchant_sandbox.app.configure({"token_latency": 15.0})  # killed long before it answers
     callers.start(child_env(account), [{"FAULT_MAX_CALLS": "1"}])
-    client = client_for(account, redis_client=redis_client)
+    client = client_for(account, redis_client=callers.control)
     store = client.manager.store
     callers.go()
     victim = callers.pids[0]
@@ -659,7 +626,7 @@ def test_callers_waiting_on_a_holder_killed_mid_exchange_resume_within_its_lease
             results.append("ok")
         except MerchantError as exc:
             results.append(type(exc).__name__)
-            evidence.exception("row 6: waiter", exc)
+            callers.evidence.exception("row 6: waiter", exc)
         resumed.append(time.monotonic())
 
     threads = [threading.Thread(target=call) for _ in range(4)]
@@ -678,7 +645,7 @@ def test_callers_waiting_on_a_holder_killed_mid_exchange_resume_within_its_lease
     merchant_sandbox.app.configure({"token_latency": 0.0})
     callers.kill()
     killed = time.monotonic()
-    ttl = redis_client.pttl(store.keys.lock) / 1000
+    ttl = callers.control.pttl(store.keys.lock) / 1000
     assert ttl <= client.manager.limits.lease  # nothing extends it any more
     for thread in threads:
         thread.join(timeout=client.manager.limits.wait + 30)
@@ -701,11 +668,7 @@ def test_callers_waiting_on_a_holder_killed_mid_exchange_resume_within_its_lease
 
 
 def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
-    merchant_sandbox: MerchantSandbox,
-    merchant_settings: Settings,
-    merchant_secret_file: Path,
-    redis_client: redis.Redis,
-    callers: Callers,
+    merchant_sandbox: MerchantSandbox, merchant_settings: Settings, callers: Callers
 ) -> None:
     """Three caller processes whose wall and monotonic clocks are -5 min, 0 and +5 min off
     share a 3 s token with no beat, for over two lifetimes.
@@ -723,7 +686,7 @@ def test_hosts_with_clocks_5_minutes_apart_renew_by_redis_time(
     )
     offsets = ["-300", "300", "0"]
     callers.start(child_env(account), [{"FAULT_CLOCK_OFFSET": o} for o in offsets])
-    store = _store_of(account, redis_client)
+    store = _store_of(account, callers.control)
     callers.go()
     seen: dict[int, tuple[Token, float]] = {}  # generation -> token, Redis time first seen
     # renewals come every lifetime - mandatory = 2 s: stop midway between the third and
@@ -789,9 +752,7 @@ def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no
     merchant_sandbox: MerchantSandbox,
     merchant_settings: Settings,
     merchant_secret_file: Path,
-    redis_client: redis.Redis,
     callers: Callers,
-    evidence: Evidence,
 ) -> None:
     """The secret is reset in the emulator (revoking every token) while three caller
     processes call; later the new secret is written to the secret file.
@@ -802,12 +763,12 @@ def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no
     restart, with exactly one more exchange, and then only succeeds.
     """
     callers.start(child_env(merchant_settings), [{}] * 3)
-    client = client_for(merchant_settings, redis_client=redis_client)
+    client = client_for(merchant_settings, redis_client=callers.control)
     client.request("GET", PING)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok"), "calls before the reset", 20)
     new_secret = f"rotated-secret-{uuid.uuid4().hex}"
-    evidence.needle("row 8: the new secret", new_secret)
+    callers.evidence.needle("row 8: the new secret", new_secret)
     merchant_sandbox.app.reset_secret(new_secret)
     callers.phase("reset")
     wait_until(lambda: callers.each_has("reset", at_least=10), "calls after the reset", 30)
@@ -833,7 +794,7 @@ def test_a_secret_reset_is_a_clear_error_with_one_exchange_and_rotation_needs_no
     assert merchant_sandbox.exchanges()["ok"] == 2
     assert breaker is not None
     assert breaker.kind == "rejected"
-    assert breaker.until - _redis_time(redis_client) > 45  # the next try is a minute away
+    assert breaker.until - _redis_time(callers.control) > 45  # the next try is a minute away
 
 
 def _redis_time(client: redis.Redis) -> float:
@@ -1211,10 +1172,7 @@ def test_a_2xx_business_body_nested_too_deep_is_a_typed_error(
 
 
 def test_a_persistent_401_on_fresh_tokens_is_token_rejected_after_one_replacement(
-    merchant_sandbox: MerchantSandbox,
-    merchant_settings: Settings,
-    merchant_secret_file: Path,
-    callers: Callers,
+    merchant_sandbox: MerchantSandbox, merchant_settings: Settings, callers: Callers
 ) -> None:
     """The token endpoint issues tokens, the API refuses every call (emulator option
     refuse_all_calls), from the start: a key the API does not accept.
@@ -1243,10 +1201,7 @@ def test_a_persistent_401_on_fresh_tokens_is_token_rejected_after_one_replacemen
 
 
 def test_api_access_revoked_after_tokens_were_accepted_costs_at_most_two_more_exchanges(
-    merchant_sandbox: MerchantSandbox,
-    merchant_settings: Settings,
-    merchant_secret_file: Path,
-    callers: Callers,
+    merchant_sandbox: MerchantSandbox, merchant_settings: Settings, callers: Callers
 ) -> None:
     """Calls succeed, then the API refuses every call, fresh tokens too. The first 401 is a
     revocation (the token was accepted) and is renewed; so is the next token, which a
@@ -1293,11 +1248,7 @@ def _call_for(
 
 
 def test_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal(
-    merchant_sandbox: MerchantSandbox,
-    merchant_settings: Settings,
-    merchant_secret_file: Path,
-    redis_client: redis.Redis,
-    callers: Callers,
+    merchant_sandbox: MerchantSandbox, merchant_settings: Settings, callers: Callers
 ) -> None:
     """Each exchange revokes every earlier token; three caller processes share a 3 s token
     (renewed by callers in the mandatory window) through two renewals, until each has had a
@@ -1338,11 +1289,7 @@ def test_revoke_on_issue_costs_at_most_one_extra_request_per_process_per_renewal
 
 
 def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_ends(
-    merchant_sandbox: MerchantSandbox,
-    merchant_settings: Settings,
-    redis_client: redis.Redis,
-    callers: Callers,
-    merchant_secret_file: Path,
+    merchant_sandbox: MerchantSandbox, merchant_settings: Settings, callers: Callers
 ) -> None:
     """The token endpoint fails until the token has expired and the breaker has backed off
     to a 60 s pause. Three caller processes get TokenEndpointUnavailable meanwhile. Once the
@@ -1352,7 +1299,7 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
     lifetime = 2.0  # the outage outlasts it
     merchant_sandbox.app.configure({"lifetime": lifetime})
     account = _windows(merchant_settings, lifetime, before=1.5, mandatory=0.5)
-    store = _store_of(account, redis_client)
+    store = _store_of(account, callers.control)
     callers.start(child_env(account), [{}] * 3)
     callers.go()
     wait_until(lambda: callers.each_has("0", "ok", at_least=3), "calls that succeed", 60.0)
@@ -1387,10 +1334,7 @@ def test_after_an_outage_longer_than_the_token_calls_recover_before_the_pause_en
 
 
 def test_revoke_all_as_soon_as_the_fleet_recovered_under_load_fails_no_call(
-    merchant_sandbox: MerchantSandbox,
-    merchant_settings: Settings,
-    merchant_secret_file: Path,
-    callers: Callers,
+    merchant_sandbox: MerchantSandbox, merchant_settings: Settings, callers: Callers
 ) -> None:
     """An operator's revoke-all 6 times (past the old budget of 4 a minute, which failed
     the fifth), each as soon as every one of three calling processes has had a call
@@ -1428,7 +1372,6 @@ def test_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_li
     merchant_sandbox: MerchantSandbox,
     merchant_settings: Settings,
     merchant_secret_file: Path,
-    redis_client: redis.Redis,
     callers: Callers,
 ) -> None:
     """The emulator hands back its last token, with its remaining lifetime, until it
@@ -1441,7 +1384,7 @@ def test_a_server_handing_back_its_live_token_costs_at_most_two_exchanges_per_li
     account = _windows(merchant_settings, lifetime, before=2.0, mandatory=1.0)
     reports, run = _call_for(callers, account, merchant_secret_file, seconds=2.5 * lifetime)
 
-    counters = _store_of(account, redis_client).records.counters()
+    counters = _store_of(account, callers.control).records.counters()
     exchanges = merchant_sandbox.exchanges()["ok"]
     print(f"\nrow 25: {exchanges} exchanges in {run:.1f} s, counters {counters}")
     for report in reports:

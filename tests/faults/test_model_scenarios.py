@@ -9,7 +9,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,34 +27,12 @@ from merchant_tasks.sandbox.fixtures import MerchantSandbox, MerchantWorker
 from merchant_tasks.sandbox.processes import wait_until
 from merchant_tasks.settings import Settings, child_env
 from merchant_tasks.token import Token
-from support.fault_harness import Callers, Calling, Evidence, report_outcomes
+from support.fault_harness import Callers, Calling, report_outcomes
+from support.routes import PING
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
-PING = "/open-api/v1/ping"
 REPORTS = "/open-api/v1/reports"  # the path the merchant lacks a permission for, when it does
-
-
-@pytest.fixture
-def callers(
-    redis_client: redis.Redis,
-    merchant_redis_url: str,
-    merchant_key_prefix: str,
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
-) -> Iterator[Callers]:
-    fleet = Callers(
-        redis_client,
-        merchant_redis_url,
-        f"{merchant_key_prefix}:scenario",
-        tmp_path,
-        Evidence(),
-        request.node.name,
-    )
-    try:
-        yield fleet
-    finally:
-        fleet.kill()
 
 
 def outcomes_of(reports: list[dict[str, Any]], phase: str = "0") -> Counter[str]:

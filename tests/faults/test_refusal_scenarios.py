@@ -19,10 +19,9 @@ from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import RedisServer, wait_until
 from merchant_tasks.settings import Settings, child_env
 from support.fault_harness import Callers, Calling, Evidence, report_outcomes
+from support.routes import PING
 
 pytestmark = pytest.mark.integration
-
-PING = "/open-api/v1/ping"
 
 
 @pytest.mark.long
@@ -231,10 +230,10 @@ def test_renew_force_with_the_generation_evicted_exchanges_and_says_so(
     merchant_env: dict[str, str],
     merchant_client: FleetClient,
     merchant_sandbox: MerchantSandbox,
-    redis_client: redis.Redis,
 ) -> None:
     assert merchant_client.request("GET", PING) == {"ok": True}
-    redis_client.delete(merchant_client.manager.store.keys.generation)
+    store = merchant_client.manager.store
+    store.redis.delete(store.keys.generation)
     result = CliRunner().invoke(main, ["renew", "--force"], env=merchant_env)
     assert result.exit_code == 0, result.output
     assert result.output.startswith("exchanged: generation 2, fingerprint ")

@@ -43,10 +43,10 @@ from merchant_tasks.worker.routing import CALLS_QUEUE, RENEWAL_QUEUE
 from merchant_tasks.worker.task_bodies import CALL_API, RENEW_ACCOUNT
 from support.fault_harness import Calling
 from support.renewal import LockHolder
+from support.routes import PING
 
 pytestmark = pytest.mark.integration
 
-PING = "/open-api/v1/ping"
 PAYMENTS = "/open-api/v1/payments"
 STORE_SOCKET_TIMEOUT = 1.0  # seconds: a stopped Redis fails the token store's client this
 # soon (5 s by default), so that a stall outlasting it is short

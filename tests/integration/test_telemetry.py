@@ -62,9 +62,10 @@ from merchant_tasks.telemetry import (
 from merchant_tasks.token import BreakerKind, CounterName, IssuedToken, Token
 from support.account import TEST_SECRET
 from support.at_once import at_once
-from support.celery_fleet import CALL_API, PING, READY_TIMEOUT, Fleet
+from support.celery_fleet import CALL_API, READY_TIMEOUT, Fleet
 from support.programs import run_python
 from support.redis_conditions import dead_redis
+from support.routes import PING
 from support.traced_worker import SPANS_FILE
 
 pytestmark = pytest.mark.integration

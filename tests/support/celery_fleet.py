@@ -33,8 +33,8 @@ from merchant_tasks.settings import FleetSettings, Secret, Settings, child_env
 from merchant_tasks.store.token_store import TokenStore
 from merchant_tasks.worker.app import celery_key_prefix, load_config
 from support.paths import SUPPORT
+from support.routes import PING
 
-PING = "/open-api/v1/ping"
 ECHO = "/open-api/v1/echo"
 CALL_API = "merchant_tasks.call_api"
 

@@ -10,7 +10,6 @@ from merchant_tasks.sandbox.emulator import SandboxApp, SandboxClock, SandboxCon
 
 API_KEY = "app_key_0123"
 SECRET = "Secret-Value-That-Must-Never-Leak-42"
-PING = "/open-api/v1/ping"
 GOOD_BODY = {"grant_type": "client_credential", "appid": API_KEY, "secret": SECRET}
 
 

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Self, cast
 
 import redis
 
@@ -27,8 +27,8 @@ from merchant_tasks.exceptions import MerchantError
 from merchant_tasks.sandbox.emulator import SandboxApp
 from merchant_tasks.sandbox.processes import Child, spawn, wait_all_ready
 from support.leaks import redis_value, shows
+from support.routes import PING
 
-PING = "/open-api/v1/ping"
 CALLER = Path(__file__).with_name("fault_caller.py")
 START_TIMEOUT = 60.0  # a process's start on a busy two-core machine
 STOP_TIMEOUT = 60.0  # a caller's report after it was told to stop, on a busy machine
@@ -109,25 +109,17 @@ class LogLines(logging.Handler):
             self.handleError(record)
 
 
+@dataclass
 class Callers:
     """Processes running support/fault_caller.py for one account, started and stopped together."""
 
-    def __init__(
-        self,
-        control: redis.Redis,
-        control_url: str,
-        key: str,
-        workdir: Path,
-        evidence: Evidence,
-        name: str,
-    ) -> None:
-        self.control = control
-        self.control_url = control_url
-        self.key = key
-        self.workdir = workdir
-        self.evidence = evidence
-        self.name = name
-        self.processes: list[Child] = []
+    control: redis.Redis
+    control_url: str
+    key: str
+    workdir: Path
+    evidence: Evidence
+    name: str
+    processes: list[Child] = field(default_factory=list, init=False)
 
     def start(self, env: Mapping[str, str], each: Sequence[Mapping[str, str]]) -> None:
         """One process per entry of ``each`` (its extra variables); returns once all wait."""
@@ -218,7 +210,25 @@ def report_outcomes(report: Mapping[str, Any], phase: str) -> list[str]:
     return [outcome for outcome, n in report["phases"].get(phase, []) for _ in range(n)]
 
 
-class Calling:
+class CallingThreads:
+    """Threads that call until stopped: started on entering the ``with`` block, told to stop
+    and joined on leaving it."""
+
+    _threads: list[threading.Thread]
+    _stop: threading.Event
+
+    def __enter__(self) -> Self:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60.0)
+
+
+class Calling(CallingThreads):
     """Threads calling PING in a loop, every outcome kept with its (monotonic) time; a thread
     pauses ``pause`` after each call, or ``pause_after_error`` after a failed one."""
 
@@ -236,16 +246,6 @@ class Calling:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop) for _ in range(threads)]
-
-    def __enter__(self) -> Calling:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(60.0)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -273,7 +273,7 @@ class Calling:
             return sum(o == "ok" and t > moment for t, o in self.outcomes)
 
 
-class CallLoop:
+class CallLoop(CallingThreads):
     """Threads calling PING through one client until stopped; every outcome kept with its
     phase, thread and start time. Thread ``n`` sends ``X-Caller: thread-n``, so that an
     emulator can tell the callers apart; each distinct failure goes to the evidence."""
@@ -296,16 +296,6 @@ class CallLoop:
         self._threads = [
             threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(threads)
         ]
-
-    def __enter__(self) -> CallLoop:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=60)
 
     def _run(self, n: int) -> None:
         seen: set[str] = set()

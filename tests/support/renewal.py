@@ -7,7 +7,9 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from merchant_tasks.renewal.life import Await, Hold, Limits
@@ -65,6 +67,19 @@ def make_manager(
     return TokenManager(store, exchange, fingerprint, **{**defaults, **options})
 
 
+@dataclass
+class Renewal:
+    """A test's ``TokenManager`` on fakeredis and what the test drives it by: its store, its
+    clock and sleep, its scripted exchange and the current secret (conftest's ``renewal``)."""
+
+    manager: TokenManager
+    store: TokenStore
+    clock: ManualClock
+    exchange: FakeExchange
+    sleep: Sleeper
+    secret: list[str]
+
+
 SHORT_LIMITS = Limits(renewal=1.0, wait=2.0)  # 100 looks at the store instead of 4330: a
 # test that waits the limit out (on an injected sleep) need not spin through the real one
 
@@ -99,6 +114,31 @@ class SiblingWaits:
             assert self._changed.wait_for(lambda: self.count >= threads, timeout), (
                 f"{self.count} of {threads} threads waited for a sibling's renewal"
             )
+
+
+@contextmanager
+def renewing_in_a_thread(
+    exchange: FakeExchange, renew: Callable[[], Token]
+) -> Iterator[list[Token]]:
+    """Run ``renew`` in another thread of the process and hold it inside ``exchange``; the
+    ``with`` block runs while it is held there. On leaving, the exchange ends and the thread
+    is joined; the list yielded then holds the token it got."""
+    exchanging, release = threading.Event(), threading.Event()
+
+    def slow_exchange() -> None:
+        exchanging.set()
+        assert release.wait(10)
+
+    exchange.during = slow_exchange
+    got: list[Token] = []
+    renewer = threading.Thread(target=lambda: got.append(renew()))
+    renewer.start()
+    try:
+        assert exchanging.wait(10)
+        yield got
+    finally:
+        release.set()
+        renewer.join()
 
 
 def holder_writes_at_poll(

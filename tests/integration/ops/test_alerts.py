@@ -36,6 +36,7 @@ from support.prometheus_harness import (
     wait_for,
     wait_for_scrapes,
 )
+from support.routes import PING
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +50,6 @@ FORCED_RENEWALS = "merchant_tasks_forced_renewals_total"
 # and its alert would never fire. Tokens revoked over and over show in the forced
 # renewals (REVOKED_ALERT).
 OPENED_KINDS = {str(kind) for kind in BreakerKind if kind != BreakerKind.REVOKED}
-PING = "/open-api/v1/ping"
 RESULT_TIMEOUT = 60.0  # a call's result from the test's worker on a busy machine
 ALERT_TIMEOUT = 120.0  # an alert's change seen through Prometheus on a busy machine
 

@@ -33,6 +33,13 @@ def _run(env: dict[str, str], *args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
+def _succeeds(env: dict[str, str], *args: str) -> str:
+    """The command's output, once it exited 0."""
+    code, out, _ = _run(env, *args)
+    assert code == 0
+    return out
+
+
 def _statuses(env: dict[str, str]) -> dict[str, AccountStatus]:
     clients = AccountClients.from_env(env)
     return {
@@ -44,13 +51,9 @@ def _statuses(env: dict[str, str]) -> dict[str, AccountStatus]:
 def test_call_prints_the_json_response_and_renew_reports_the_new_generation(
     merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
 ) -> None:
-    code, out, _ = _run(
-        merchant_env, "call", "POST", "/open-api/v1/echo", "--json", '{"amount": 5}'
-    )
-    assert code == 0
+    out = _succeeds(merchant_env, "call", "POST", "/open-api/v1/echo", "--json", '{"amount": 5}')
     assert json.loads(out) == {"echo": {"amount": 5}}
-    code, out, _ = _run(merchant_env, "renew", "--force")
-    assert code == 0
+    out = _succeeds(merchant_env, "renew", "--force")
     assert out.startswith("exchanged: generation 2, fingerprint ")
     assert merchant_sandbox.exchanges()["ok"] == 2
 
@@ -61,8 +64,7 @@ def test_status_json_reports_token_renewals_breaker_and_counters_but_no_token(
     _run(merchant_env, "call", "GET", "/open-api/v1/ping")
     merchant_sandbox.app.revoke_all()
     _run(merchant_env, "call", "GET", "/open-api/v1/ping")  # 401, forced renewal
-    code, out, _ = _run(merchant_env, "status", "--json")
-    assert code == 0
+    out = _succeeds(merchant_env, "status", "--json")
     [account] = json.loads(out)["accounts"]
     assert account["account"] == "default"
     assert account["state"] == "fresh"
@@ -159,8 +161,7 @@ def test_renew_without_force_says_not_due_and_makes_no_exchange_when_the_token_i
     merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
 ) -> None:
     assert _run(merchant_env, "renew")[0] == 0  # no token yet: due
-    code, out, _ = _run(merchant_env, "renew")
-    assert code == 0
+    out = _succeeds(merchant_env, "renew")
     assert out.startswith("not due: generation 1, fingerprint ")
     assert merchant_sandbox.exchanges()["ok"] == 1
 

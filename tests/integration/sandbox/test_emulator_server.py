@@ -15,8 +15,9 @@ import requests
 
 from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxServer
 from merchant_tasks.sandbox.processes import spawn
-from support.emulator_app import GOOD_BODY, PING, SECRET, make_app
+from support.emulator_app import GOOD_BODY, SECRET, make_app
 from support.paths import ROOT
+from support.routes import PING
 
 pytestmark = pytest.mark.integration
 

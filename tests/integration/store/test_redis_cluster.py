@@ -27,12 +27,12 @@ from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import RedisServer, free_port, wait_until
 from merchant_tasks.store.token_store import TokenStore
 from support.account import TEST_SECRET
+from support.routes import PING
 
 pytestmark = pytest.mark.integration
 
 MASTERS = 3
 ACCOUNTS = [f"acct-{n}" for n in range(6)]  # API keys; the cluster spreads them over its nodes
-PING = "/open-api/v1/ping"
 STORM_THREADS = 6
 CLUSTER_BUS_OFFSET = 10000  # Redis's cluster bus listens on the port plus this
 MAX_PORT = 65535

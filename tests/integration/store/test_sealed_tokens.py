@@ -28,12 +28,10 @@ from merchant_tasks.token import IssuedToken, RenewalReason, Token
 from support.leaks import shows
 from support.paths import ROOT
 from support.renewal import make_manager
+from support.routes import PING
 from support.token_keys import token_key_file
 
 pytestmark = pytest.mark.integration
-
-
-PING = "/open-api/v1/ping"
 
 
 def test_the_key_file_warning_reaches_the_stderr_of_a_command(key_file: Path) -> None:

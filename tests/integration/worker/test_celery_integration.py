@@ -30,7 +30,6 @@ from support.account import TEST_SECRET
 from support.celery_fleet import (
     CALL_API,
     ECHO,
-    PING,
     READY_TIMEOUT,
     RENEW_INTERVAL,
     RESULT_TIMEOUT,
@@ -40,6 +39,7 @@ from support.celery_fleet import (
     running_on,
 )
 from support.leaks import redis_value, shows
+from support.routes import PING
 
 pytestmark = pytest.mark.integration
 

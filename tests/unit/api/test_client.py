@@ -165,6 +165,22 @@ def test_one_token_serves_many_calls(
 # -- what request() refuses --------------------------------------------------------------
 
 
+def refused_unsent(
+    client: FleetClient,
+    transport: FakeTransport,
+    exchange: FakeExchange,
+    refusal: str,
+    path: str,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """A GET of ``path`` is a ValueError matching ``refusal``, before anything is sent and
+    before any exchange."""
+    with pytest.raises(ValueError, match=refusal):
+        client.request("GET", path, headers=headers)
+    assert transport.sent == []
+    assert len(exchange.calls) == 0
+
+
 @pytest.mark.parametrize(
     "path",
     [
@@ -180,10 +196,7 @@ def test_one_token_serves_many_calls(
 def test_a_path_outside_the_api_is_a_value_error(
     client: FleetClient, transport: FakeTransport, wall_clock_exchange: FakeExchange, path: str
 ) -> None:
-    with pytest.raises(ValueError, match="/open-api/v1/"):
-        client.request("GET", path)
-    assert transport.sent == []
-    assert len(wall_clock_exchange.calls) == 0
+    refused_unsent(client, transport, wall_clock_exchange, "/open-api/v1/", path)
 
 
 @pytest.mark.parametrize(
@@ -269,10 +282,9 @@ def test_other_percent_encoded_or_dotted_names_are_allowed(
 def test_an_authorization_header_from_the_caller_is_a_value_error(
     client: FleetClient, transport: FakeTransport, wall_clock_exchange: FakeExchange, name: str
 ) -> None:
-    with pytest.raises(ValueError, match="Authorization"):
-        client.request("GET", ORDERS, headers={name: "Bearer mine"})
-    assert transport.sent == []
-    assert len(wall_clock_exchange.calls) == 0
+    refused_unsent(
+        client, transport, wall_clock_exchange, "Authorization", ORDERS, {name: "Bearer mine"}
+    )
 
 
 @pytest.mark.parametrize("name", [b"X-Order", "X Order", "X-Order\n"])

@@ -36,7 +36,14 @@ from merchant_tasks.store import scripts
 from merchant_tasks.store.token_store import BreakerRecord, TokenStore
 from merchant_tasks.token import BreakerKind, RenewalReason, Token, fingerprint
 from support.clock import ManualClock, Sleeper
-from support.renewal import FakeExchange, hold_lock, holder_writes_at_poll, make_manager, when_sent
+from support.renewal import (
+    FakeExchange,
+    Renewal,
+    hold_lock,
+    holder_writes_at_poll,
+    make_manager,
+    when_sent,
+)
 from support.tokens import OTHER_HOLDER, stored
 
 # -- renew(stale_token=...): after a 401 -------------------------------------------------
@@ -165,81 +172,73 @@ def test_a_key_whose_every_token_is_refused_costs_at_most_9_exchanges_in_2_hours
     assert max(pauses) <= 1800.0
 
 
+def refused_in_a_row(renewal: Renewal) -> Token:
+    """A stored token, the second in a row refused (the one before it was too): its 401
+    pauses renewals over the current secret. Returns that token."""
+    refused = stored(
+        renewal.store,
+        renewal.clock,
+        left=7190.0,
+        reason=RenewalReason.MANDATORY,
+        age=10.0,
+        in_a_row=1,
+    )
+    with pytest.raises(TokenRejected):
+        renewal.manager.renew(stale_token=refused)
+    return refused
+
+
 def test_a_replaced_secret_ends_a_refused_pause_in_the_process_that_met_it(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    secret: list[str],
+    renewal: Renewal,
 ) -> None:
-    refused = stored(
-        store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0, in_a_row=1
-    )
-    with pytest.raises(TokenRejected):
-        manager.renew(stale_token=refused)
+    refused = refused_in_a_row(renewal)
     with pytest.raises(TokenRejected, match="in a row"):
-        manager.token()
-    secret[0] = "secret-two-rotated-5f6e7d"
-    renewed = manager.token()  # not the rest of a back-off of up to 30 minutes
-    assert renewed.replaces(refused, clock.now)
-    assert len(exchange.calls) == 1
+        renewal.manager.token()
+    renewal.secret[0] = "secret-two-rotated-5f6e7d"
+    renewed = renewal.manager.token()  # not the rest of a back-off of up to 30 minutes
+    assert renewed.replaces(refused, renewal.clock.now)
+    assert len(renewal.exchange.calls) == 1
 
 
-def test_a_replaced_secret_ends_a_refused_pause_fleet_wide(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    secret: list[str],
-) -> None:
-    refused = stored(
-        store, clock, left=7190.0, reason=RenewalReason.MANDATORY, age=10.0, in_a_row=1
-    )
-    with pytest.raises(TokenRejected):
-        manager.renew(stale_token=refused)
-    record = store.records.load_breaker()
+def test_a_replaced_secret_ends_a_refused_pause_fleet_wide(renewal: Renewal) -> None:
+    refused = refused_in_a_row(renewal)
+    record = renewal.store.records.load_breaker()
     assert record is not None
-    assert record.secret_fingerprint == fingerprint(secret[0])
-    secret[0] = "secret-two-rotated-5f6e7d"
-    other = make_manager(store, exchange, secret_fingerprint=lambda: fingerprint(secret[0]))
+    assert record.secret_fingerprint == fingerprint(renewal.secret[0])
+    renewal.secret[0] = "secret-two-rotated-5f6e7d"
+    other = make_manager(
+        renewal.store, renewal.exchange, secret_fingerprint=lambda: fingerprint(renewal.secret[0])
+    )
     renewed = other.renew(stale_token=refused)  # another process's first 401 on it
-    assert renewed.replaces(refused, clock.now)
+    assert renewed.replaces(refused, renewal.clock.now)
     with pytest.raises(TokenRejected) as caught:  # the new secret's token is refused too
         other.renew(stale_token=renewed)
     # the run goes on (no acceptance between): its third token in a row, the second pause
     assert caught.value.retry_after == 2 * REFUSED_BACKOFF
-    assert len(exchange.calls) == 1
+    assert len(renewal.exchange.calls) == 1
 
 
-@pytest.mark.parametrize(
-    ("kind", "ends"),
-    [
-        (BreakerKind.REFUSED, True),
-        (BreakerKind.REVOKED, True),
-        (BreakerKind.REJECTED, True),
-        (BreakerKind.RATE_LIMITED, False),
-        (BreakerKind.UNAVAILABLE, False),
-    ],
-)
+# the pauses over the endpoint's health, which an operator's forced renewal does not end
+ENDPOINT_HEALTH = {BreakerKind.RATE_LIMITED, BreakerKind.UNAVAILABLE}
+
+
+@pytest.mark.parametrize("kind", list(BreakerKind), ids=str)
 def test_an_operators_forced_renewal_ends_the_pauses_over_credentials_and_refused_tokens(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    secret: list[str],
-    kind: BreakerKind,
-    ends: bool,
+    renewal: Renewal, kind: BreakerKind
 ) -> None:
     """``renew --force`` says the cause is fixed (access restored, the key re-enabled);
     a pause over the endpoint's health (rate limited, unavailable) still holds."""
-    record = BreakerRecord(kind, clock.now + 600.0, 1, fingerprint(secret[0]), "paused", 1)
-    store.records.open_breaker(record, clock.now)
+    ends = kind not in ENDPOINT_HEALTH
+    record = BreakerRecord(
+        kind, renewal.clock.now + 600.0, 1, fingerprint(renewal.secret[0]), "paused", 1
+    )
+    renewal.store.records.open_breaker(record, renewal.clock.now)
     if ends:
-        assert manager.renew(force=True).value == "tok-issued-1"
+        assert renewal.manager.renew(force=True).value == "tok-issued-1"
     else:
         with pytest.raises(TokenExchangeError, match="paused"):
-            manager.renew(force=True)
-    assert len(exchange.calls) == (1 if ends else 0)
+            renewal.manager.renew(force=True)
+    assert len(renewal.exchange.calls) == (1 if ends else 0)
 
 
 def test_a_token_accepted_by_another_process_and_refused_is_renewed_at_once_however_fresh(
@@ -284,30 +283,24 @@ def test_acceptance_is_written_to_redis_once_per_generation_and_process(
     assert store.accepted_generation() == token.generation
 
 
-def test_forced_renewals_are_spaced_fleet_wide_and_none_fails(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    sleep: Sleeper,
-) -> None:
+def test_forced_renewals_are_spaced_fleet_wide_and_none_fails(renewal: Renewal) -> None:
     """Revocations one after another (each token accepted, then refused): each is replaced,
     the first FORCED_BURST at once, the later ones after waiting their turn in the fleet's
     allowance, one FORCED_INTERVAL apart in Redis time; no per-window budget turns a fifth
     revocation into failures."""
-    manager.accepted(stored(store, clock, left=7000.0))
+    renewal.manager.accepted(stored(renewal.store, renewal.clock, left=7000.0))
     for _ in range(6):
-        current = store.load()
+        current = renewal.store.load()
         assert current is not None
-        store.mark_accepted(current.generation)
-        assert manager.renew(stale_token=current).replaces(current, clock.now)
-    assert len(exchange.calls) == 6
-    assert store.records.counters()["forced_renewals"] == 6
-    waits = [seconds for seconds in sleep.waits if seconds > 1.0]
+        renewal.store.mark_accepted(current.generation)
+        assert renewal.manager.renew(stale_token=current).replaces(current, renewal.clock.now)
+    assert len(renewal.exchange.calls) == 6
+    assert renewal.store.records.counters()["forced_renewals"] == 6
+    waits = [seconds for seconds in renewal.sleep.waits if seconds > 1.0]
     assert len(waits) == 6 - FORCED_BURST  # Redis's clock hardly moved: each of those waited
     # about one interval more than the one before
     assert all(w <= n * FORCED_INTERVAL + 0.5 for n, w in enumerate(waits, 1))
-    assert "breaker_openings:revoked" not in store.records.counters()
+    assert "breaker_openings:revoked" not in renewal.store.records.counters()
 
 
 # -- breaker half-open ---------------------------------------------------------------------
@@ -356,31 +349,26 @@ def test_the_half_open_probe_is_taken_once_per_interval_fleet_wide(
 # -- breaker -----------------------------------------------------------------------------
 
 
-def test_rejected_credentials_open_the_breaker_for_that_secret(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    secret: list[str],
-    sleep: Sleeper,
-) -> None:
-    exchange.outcomes = [CredentialsRejected("token endpoint refused (HTTP 401)", status=401)]
+def test_rejected_credentials_open_the_breaker_for_that_secret(renewal: Renewal) -> None:
+    renewal.exchange.outcomes = [
+        CredentialsRejected("token endpoint refused (HTTP 401)", status=401)
+    ]
     with pytest.raises(CredentialsRejected):
-        manager.token()
-    assert len(exchange.calls) == 1  # never retried
-    assert sleep.waits == []
-    record = store.records.load_breaker()
+        renewal.manager.token()
+    assert len(renewal.exchange.calls) == 1  # never retried
+    assert renewal.sleep.waits == []
+    record = renewal.store.records.load_breaker()
     assert record is not None
     assert record.kind == "rejected"
-    assert record.until == clock.now + REJECTED_BACKOFF
-    assert record.secret_fingerprint == fingerprint(secret[0])
-    assert secret[0] not in record.detail
-    assert store.records.counters() == {
+    assert record.until == renewal.clock.now + REJECTED_BACKOFF
+    assert record.secret_fingerprint == fingerprint(renewal.secret[0])
+    assert renewal.secret[0] not in record.detail
+    assert renewal.store.records.counters() == {
         "renewals:mandatory:rejected": 1,
         "exchange_attempts:mandatory:rejected": 1,
         "breaker_openings:rejected": 1,
     }
-    assert store.lock_holder() is None
+    assert renewal.store.lock_holder() is None
 
 
 def test_while_the_rejected_breaker_is_open_renewal_raises_without_exchanging(
@@ -395,30 +383,27 @@ def test_while_the_rejected_breaker_is_open_renewal_raises_without_exchanging(
 
 
 def test_a_waiter_that_gets_the_lock_after_a_failed_renewal_obeys_the_breaker_it_opened(
-    manager: TokenManager,
-    store: TokenStore,
-    exchange: FakeExchange,
-    clock: ManualClock,
-    sleep: Sleeper,
-    monkeypatch: pytest.MonkeyPatch,
+    renewal: Renewal, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The caller found no breaker; before it took the lock, the process holding it got a
     429, paused exchanges and let go. Taking the lock next, the caller must not make a
     second refused exchange (fault rows 3, 8 and 9 count refused exchanges exactly)."""
-    hold_lock(store)
+    hold_lock(renewal.store)
 
     def holder_fails_between_our_breaker_look_and_our_lock(take_lock: Callable[[], Any]) -> Any:
-        if sleep.waits:  # the caller has waited once; now, just after it looked...
-            record = BreakerRecord(BreakerKind.RATE_LIMITED, clock.now + 30.0, 1, "", "HTTP 429")
-            store.records.open_breaker(record, clock.now)
-            store.redis.delete(store.keys.lock)
+        if renewal.sleep.waits:  # the caller has waited once; now, just after it looked...
+            record = BreakerRecord(
+                BreakerKind.RATE_LIMITED, renewal.clock.now + 30.0, 1, "", "HTTP 429"
+            )
+            renewal.store.records.open_breaker(record, renewal.clock.now)
+            renewal.store.redis.delete(renewal.store.keys.lock)
         return take_lock()
 
-    when_sent(store, scripts.TAKE_LOCK, holder_fails_between_our_breaker_look_and_our_lock)
+    when_sent(renewal.store, scripts.TAKE_LOCK, holder_fails_between_our_breaker_look_and_our_lock)
     with pytest.raises(ExchangeRateLimited, match="paused"):
-        manager.token()
-    assert exchange.calls == []
-    assert store.lock_holder() is None
+        renewal.manager.token()
+    assert renewal.exchange.calls == []
+    assert renewal.store.lock_holder() is None
 
 
 def test_a_new_secret_goes_through_the_rejected_breaker_and_success_closes_it(
@@ -452,32 +437,31 @@ def test_a_new_secret_that_is_rejected_too_reopens_the_breaker_for_it(
 
 
 def test_a_rate_limited_exchange_pauses_exchanges_until_retry_after(
-    manager: TokenManager,
-    store: TokenStore,
-    fake_redis: redis.Redis,
-    clock: ManualClock,
-    exchange: FakeExchange,
+    renewal: Renewal, fake_redis: redis.Redis
 ) -> None:
-    exchange.outcomes = [ExchangeRateLimited("HTTP 429", retry_after=30.0)]
+    renewal.exchange.outcomes = [ExchangeRateLimited("HTTP 429", retry_after=30.0)]
     with pytest.raises(ExchangeRateLimited):
-        manager.token()
-    record = store.records.load_breaker()
+        renewal.manager.token()
+    record = renewal.store.records.load_breaker()
     assert record is not None
-    assert (record.kind, record.until) == ("rate_limited", clock.now + 30.0 + RETRY_AFTER_MARGIN)
+    assert (record.kind, record.until) == (
+        "rate_limited",
+        renewal.clock.now + 30.0 + RETRY_AFTER_MARGIN,
+    )
     # the record outlives its pause, to count failures in a row
-    assert fake_redis.pttl(store.keys.breaker) > 30_000
+    assert fake_redis.pttl(renewal.store.keys.breaker) > 30_000
 
-    clock.now += 20.0
+    renewal.clock.now += 20.0
     with pytest.raises(ExchangeRateLimited) as caught:
-        manager.token()
+        renewal.manager.token()
     assert caught.value.retry_after == pytest.approx(10.0 + RETRY_AFTER_MARGIN)
-    assert len(exchange.calls) == 1
+    assert len(renewal.exchange.calls) == 1
 
-    clock.now += 11.0  # past ``until``: the record no longer pauses anything
-    assert manager.token().value == "tok-issued-2"
-    assert len(exchange.calls) == 2
-    assert store.records.counters()["renewals:mandatory:rate_limited"] == 1
-    assert store.records.counters()["breaker_openings:rate_limited"] == 1
+    renewal.clock.now += 11.0  # past ``until``: the record no longer pauses anything
+    assert renewal.manager.token().value == "tok-issued-2"
+    assert len(renewal.exchange.calls) == 2
+    assert renewal.store.records.counters()["renewals:mandatory:rate_limited"] == 1
+    assert renewal.store.records.counters()["breaker_openings:rate_limited"] == 1
 
 
 def test_a_rate_limit_without_retry_after_pauses_for_the_default_backoff(
@@ -492,55 +476,49 @@ def test_a_rate_limit_without_retry_after_pauses_for_the_default_backoff(
     assert len(exchange.calls) == 1  # a 429 is not retried while holding the lock
 
 
-def test_an_unavailable_endpoint_is_retried_then_pauses_exchanges(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    sleep: Sleeper,
-) -> None:
-    exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * EXCHANGE_ATTEMPTS
+def test_an_unavailable_endpoint_is_retried_then_pauses_exchanges(renewal: Renewal) -> None:
+    renewal.exchange.outcomes = [
+        TokenEndpointUnavailable("HTTP 503", status=503)
+    ] * EXCHANGE_ATTEMPTS
     with pytest.raises(TokenEndpointUnavailable):
-        manager.token()
-    assert len(exchange.calls) == EXCHANGE_ATTEMPTS
-    assert len(sleep.waits) == EXCHANGE_ATTEMPTS - 1
-    assert all(0 <= wait <= EXCHANGE_RETRY_WAIT_MAX for wait in sleep.waits)
-    record = store.records.load_breaker()
+        renewal.manager.token()
+    assert len(renewal.exchange.calls) == EXCHANGE_ATTEMPTS
+    assert len(renewal.sleep.waits) == EXCHANGE_ATTEMPTS - 1
+    assert all(0 <= wait <= EXCHANGE_RETRY_WAIT_MAX for wait in renewal.sleep.waits)
+    record = renewal.store.records.load_breaker()
     assert record is not None
     assert (record.kind, record.failures) == ("unavailable", 1)
-    pause = record.until - clock.now
+    pause = record.until - renewal.clock.now
     assert UNAVAILABLE_BACKOFF / 2 <= pause <= UNAVAILABLE_BACKOFF
     assert pause != UNAVAILABLE_BACKOFF  # jittered
-    assert store.records.counters() == {
+    assert renewal.store.records.counters() == {
         "renewals:mandatory:failed": 1,
         "exchange_attempts:mandatory:failed": EXCHANGE_ATTEMPTS,  # every HTTP attempt
         "breaker_openings:unavailable": 1,
     }
 
     with pytest.raises(TokenEndpointUnavailable, match="paused"):
-        manager.token()
-    assert len(exchange.calls) == EXCHANGE_ATTEMPTS
+        renewal.manager.token()
+    assert len(renewal.exchange.calls) == EXCHANGE_ATTEMPTS
 
 
 def test_repeated_endpoint_failures_grow_the_jittered_backoff(
-    manager: TokenManager,
-    store: TokenStore,
-    fake_redis: redis.Redis,
-    clock: ManualClock,
-    exchange: FakeExchange,
+    renewal: Renewal, fake_redis: redis.Redis
 ) -> None:
-    exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * (2 * EXCHANGE_ATTEMPTS)
+    renewal.exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503)] * (
+        2 * EXCHANGE_ATTEMPTS
+    )
     with pytest.raises(TokenEndpointUnavailable):
-        manager.token()
-    first = store.records.load_breaker()
+        renewal.manager.token()
+    first = renewal.store.records.load_breaker()
     assert first is not None
-    clock.now = first.until  # the pause is over; the record remembers the failure
+    renewal.clock.now = first.until  # the pause is over; the record remembers the failure
     with pytest.raises(TokenEndpointUnavailable):
-        manager.token()
-    second = store.records.load_breaker()
+        renewal.manager.token()
+    second = renewal.store.records.load_breaker()
     assert second is not None
     assert second.failures == 2
-    assert second.until - clock.now > UNAVAILABLE_BACKOFF  # doubled, then jittered by half
+    assert second.until - renewal.clock.now > UNAVAILABLE_BACKOFF  # doubled, then jittered by half
 
 
 @pytest.mark.parametrize(
@@ -552,20 +530,18 @@ def test_repeated_endpoint_failures_grow_the_jittered_backoff(
     ],
 )
 def test_without_a_valid_token_an_open_breaker_raises_its_error(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    secret: list[str],
-    kind: BreakerKind,
-    error: type[Exception],
+    renewal: Renewal, kind: BreakerKind, error: type[Exception]
 ) -> None:
-    record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "why it paused")
-    store.records.open_breaker(record, clock.now)
-    assert store.records.take_probe(PROBE_INTERVAL)  # another process is probing (half-open)
+    record = BreakerRecord(
+        kind, renewal.clock.now + 30.0, 1, fingerprint(renewal.secret[0]), "why it paused"
+    )
+    renewal.store.records.open_breaker(record, renewal.clock.now)
+    assert renewal.store.records.take_probe(
+        PROBE_INTERVAL
+    )  # another process is probing (half-open)
     with pytest.raises(error, match="paused for 30 s more: why it paused"):
-        manager.token()
-    assert exchange.calls == []
+        renewal.manager.token()
+    assert renewal.exchange.calls == []
 
 
 # -- a refused token is never handed out, whatever its window (review of issue 27) --------

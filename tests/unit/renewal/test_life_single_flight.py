@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -22,9 +23,11 @@ from merchant_tasks.token import Token
 from support.clock import ManualClock, Sleeper
 from support.renewal import (
     FakeExchange,
+    Renewal,
     SiblingWaits,
     hold_lock,
     holder_writes_at_poll,
+    renewing_in_a_thread,
     shorten_limits,
     when_sent,
 )
@@ -37,34 +40,24 @@ RENEW_MANDATORY = 120.0
 
 
 def test_a_caller_with_a_still_valid_token_gets_it_while_another_process_renews(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    sleep: Sleeper,
+    renewal: Renewal,
 ) -> None:
-    token = stored(store, clock, left=3600.0)
-    clock.now += 3600.0 - 60.0  # mandatory window, a minute left
-    hold_lock(store)
-    assert manager.token() == token
-    assert exchange.calls == []
-    assert sleep.waits == []
+    token = stored(renewal.store, renewal.clock, left=3600.0)
+    renewal.clock.now += 3600.0 - 60.0  # mandatory window, a minute left
+    hold_lock(renewal.store)
+    assert renewal.manager.token() == token
+    assert renewal.exchange.calls == []
+    assert renewal.sleep.waits == []
 
 
-def test_a_caller_without_a_token_waits_for_the_renewal_held_elsewhere(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    sleep: Sleeper,
-) -> None:
-    hold_lock(store)
-    written = holder_writes_at_poll(3, sleep, store, clock)
-    assert manager.token() == written[0]
-    assert exchange.calls == []
-    assert len(sleep.waits) == 3
-    assert all(0 < wait <= POLL_MAX for wait in sleep.waits)
-    assert store.records.counters() == {"lock_waits": 1}
+def test_a_caller_without_a_token_waits_for_the_renewal_held_elsewhere(renewal: Renewal) -> None:
+    hold_lock(renewal.store)
+    written = holder_writes_at_poll(3, renewal.sleep, renewal.store, renewal.clock)
+    assert renewal.manager.token() == written[0]
+    assert renewal.exchange.calls == []
+    assert len(renewal.sleep.waits) == 3
+    assert all(0 < wait <= POLL_MAX for wait in renewal.sleep.waits)
+    assert renewal.store.records.counters() == {"lock_waits": 1}
 
 
 def test_waiting_for_another_process_starts_with_short_polls(
@@ -183,19 +176,15 @@ def test_a_token_read_before_a_newer_one_was_kept_does_not_replace_the_copy(
 
 
 def test_threads_of_one_process_wait_for_its_renewal_in_turn_without_polling_redis(
-    copying_manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    sleep: Sleeper,
+    renewal: Renewal, copying_manager: TokenManager
 ) -> None:
     """A 401 storm in one process: eight threads hold the revoked token. One renews; the
     others wait for their turn in the process, not by polling the Redis lock, and then take
     the new token from the process's copy."""
-    old = stored(store, clock, left=3600.0)
+    old = stored(renewal.store, renewal.clock, left=3600.0)
     copying_manager.accepted(old)  # in use before the revocation
     waiting = SiblingWaits(copying_manager)
-    exchange.during = lambda: waiting.reach(7)  # the others arrive while it exchanges
+    renewal.exchange.during = lambda: waiting.reach(7)  # the others arrive while it exchanges
     start = threading.Barrier(8)
     got: list[Token] = []
 
@@ -208,35 +197,21 @@ def test_threads_of_one_process_wait_for_its_renewal_in_turn_without_polling_red
         thread.start()
     for thread in threads:
         thread.join()
-    assert len(exchange.calls) == 1
+    assert len(renewal.exchange.calls) == 1
     assert len({token.value for token in got}) == 1
     assert got[0].value != old.value
-    assert sleep.waits == []  # nobody polled the Redis lock
+    assert renewal.sleep.waits == []  # nobody polled the Redis lock
     # one 401 per process reaches Redis; its siblings take the copy it kept (a storm's
     # Redis commands do not grow with the threads)
-    assert store.records.counters()["unauthorized"] == 1
+    assert renewal.store.records.counters()["unauthorized"] == 1
 
 
 def test_a_thread_with_a_valid_token_does_not_queue_behind_another_threads_renewal(
     copying_manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
 ) -> None:
     old = stored(store, clock, left=RENEW_MANDATORY / 2)  # due for renewal, still valid
-    exchanging, release = threading.Event(), threading.Event()
-
-    def slow_exchange() -> None:
-        exchanging.set()
-        assert release.wait(10)
-
-    exchange.during = slow_exchange
-    renewer_got: list[Token] = []
-    renewer = threading.Thread(target=lambda: renewer_got.append(copying_manager.token()))
-    renewer.start()
-    try:
-        assert exchanging.wait(10)
+    with renewing_in_a_thread(exchange, copying_manager.token) as renewer_got:
         assert copying_manager.token() == old  # at once, while the other thread exchanges
-    finally:
-        release.set()
-        renewer.join()
     assert renewer_got[0].value.startswith("tok-issued")
     assert len(exchange.calls) == 1
 
@@ -314,24 +289,11 @@ def test_a_thread_whose_sibling_renews_past_the_wait_limit_gets_renewal_timeout(
     old = stored(store, clock, left=3600.0)
     copying_manager.accepted(old)
     copying_manager.life.limits = Limits(renewal=0.1, wait=0.2)
-    renewing, release = threading.Event(), threading.Event()
-
-    def slow_renewal() -> None:
-        renewing.set()
-        assert release.wait(10)
-
-    exchange.during = slow_renewal
-    renewer_got: list[Token] = []
-    renewer = threading.Thread(
-        target=lambda: renewer_got.append(copying_manager.renew(stale_token=old))
-    )
-    renewer.start()
-    try:
-        assert renewing.wait(10)
-        with pytest.raises(RenewalTimeout, match="another thread of this process"):
-            copying_manager.renew(stale_token=old)
-    finally:
-        release.set()
-        renewer.join()
+    renewing = partial(copying_manager.renew, stale_token=old)
+    with (
+        renewing_in_a_thread(exchange, renewing) as renewer_got,
+        pytest.raises(RenewalTimeout, match="another thread of this process"),
+    ):
+        copying_manager.renew(stale_token=old)
     assert renewer_got[0].replaces(old, clock.now)
     assert len(exchange.calls) == 1

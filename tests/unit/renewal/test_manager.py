@@ -26,7 +26,7 @@ from merchant_tasks.store.token_store import BreakerRecord, TokenStore
 from merchant_tasks.token import BreakerKind, IssuedToken, RenewalReason, Token, fingerprint
 from support.clock import ManualClock, Sleeper
 from support.redis_conditions import dead_redis
-from support.renewal import FakeExchange
+from support.renewal import FakeExchange, Renewal
 from support.tokens import LIFETIME, stored
 
 RENEW_BEFORE = 480.0
@@ -42,16 +42,12 @@ RENEW_MANDATORY = 120.0
     ids=["fresh", "advisory-window"],
 )
 def test_token_returns_the_stored_token_until_the_mandatory_window_without_exchanging(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    elapsed: float,
+    renewal: Renewal, elapsed: float
 ) -> None:
-    token = stored(store, clock, left=3600.0)
-    clock.now += elapsed
-    assert manager.token() == token
-    assert exchange.calls == []
+    token = stored(renewal.store, renewal.clock, left=3600.0)
+    renewal.clock.now += elapsed
+    assert renewal.manager.token() == token
+    assert renewal.exchange.calls == []
 
 
 def test_token_exchanges_in_the_mandatory_window(
@@ -161,26 +157,20 @@ def test_an_exchange_handing_back_the_stored_token_marks_it_final_until_it_expir
     assert len(exchange.calls) == 2
 
 
-def test_a_final_token_is_renewed_only_once_the_server_surely_let_it_go(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    sleep: Sleeper,
-) -> None:
+def test_a_final_token_is_renewed_only_once_the_server_surely_let_it_go(renewal: Renewal) -> None:
     """Its expiry counts from before the request that issued it was sent: the server's may
     be as much later as that exchange took (``lag``). The renewal waits for that rather
     than be handed the same token back with 0 s left."""
-    now = clock.now
+    now = renewal.clock.now
     final = Token(
         "tok-final", now - 100.0, now + 1.0, 1, "x", RenewalReason.MANDATORY, final=True, lag=0.3
     )
-    assert store.save(final) == (True, 1)
-    clock.now += 1.1  # expired on our clock, maybe not yet on the server's
-    sleep.advance_clock = True
-    assert manager.token().value == "tok-issued-1"
-    assert sleep.waits == [pytest.approx(0.2)]
-    assert exchange.calls == [pytest.approx(now + 1.3)]
+    assert renewal.store.save(final) == (True, 1)
+    renewal.clock.now += 1.1  # expired on our clock, maybe not yet on the server's
+    renewal.sleep.advance_clock = True
+    assert renewal.manager.token().value == "tok-issued-1"
+    assert renewal.sleep.waits == [pytest.approx(0.2)]
+    assert renewal.exchange.calls == [pytest.approx(now + 1.3)]
 
 
 def test_an_answer_expiring_no_later_than_the_stored_token_is_no_better(
@@ -249,33 +239,25 @@ def test_the_renewal_limit_covers_the_longest_renewal(
     [TokenEndpointUnavailable("HTTP 502", status=502), MalformedTokenResponse("not JSON")],
 )
 def test_an_endpoint_that_recovers_within_the_attempts_gives_a_token(
-    manager: TokenManager,
-    store: TokenStore,
-    exchange: FakeExchange,
-    sleep: Sleeper,
-    failure: TokenExchangeError,
+    renewal: Renewal, failure: TokenExchangeError
 ) -> None:
-    exchange.outcomes = [failure, failure]
-    assert manager.token().value == "tok-issued-3"
-    assert len(sleep.waits) == 2
-    assert store.records.load_breaker() is None
+    renewal.exchange.outcomes = [failure, failure]
+    assert renewal.manager.token().value == "tok-issued-3"
+    assert len(renewal.sleep.waits) == 2
+    assert renewal.store.records.load_breaker() is None
 
 
-def test_a_5xx_retry_after_is_honoured_before_the_next_exchange(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    sleep: Sleeper,
-) -> None:
-    sleep.advance_clock = True
-    exchange.outcomes = [TokenEndpointUnavailable("HTTP 503", status=503, retry_after=30.0)] * 3
-    started = clock.now
+def test_a_5xx_retry_after_is_honoured_before_the_next_exchange(renewal: Renewal) -> None:
+    renewal.sleep.advance_clock = True
+    renewal.exchange.outcomes = [
+        TokenEndpointUnavailable("HTTP 503", status=503, retry_after=30.0)
+    ] * 3
+    started = renewal.clock.now
     with pytest.raises(TokenEndpointUnavailable):
-        manager.token()
-    gaps = [b - a for a, b in zip(exchange.calls, exchange.calls[1:], strict=False)]
+        renewal.manager.token()
+    gaps = [b - a for a, b in zip(renewal.exchange.calls, renewal.exchange.calls[1:], strict=False)]
     assert all(gap >= 30.0 for gap in gaps)
-    record = store.records.load_breaker()
+    record = renewal.store.records.load_breaker()
     assert record is not None
     assert record.until >= started + 30.0
 
@@ -289,19 +271,16 @@ def test_a_5xx_retry_after_is_honoured_before_the_next_exchange(
     ids=lambda kind: f"{kind}-breaker",
 )
 def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    secret: list[str],
-    kind: BreakerKind,
+    renewal: Renewal, kind: BreakerKind
 ) -> None:
-    token = stored(store, clock, left=3600.0)
-    clock.now += 3600.0 - 60.0  # mandatory window
-    record = BreakerRecord(kind, clock.now + 30.0, 1, fingerprint(secret[0]), "paused")
-    store.records.open_breaker(record, clock.now)
-    assert manager.token() == token
-    assert exchange.calls == []
+    token = stored(renewal.store, renewal.clock, left=3600.0)
+    renewal.clock.now += 3600.0 - 60.0  # mandatory window
+    record = BreakerRecord(
+        kind, renewal.clock.now + 30.0, 1, fingerprint(renewal.secret[0]), "paused"
+    )
+    renewal.store.records.open_breaker(record, renewal.clock.now)
+    assert renewal.manager.token() == token
+    assert renewal.exchange.calls == []
 
 
 @pytest.mark.parametrize(
@@ -313,17 +292,13 @@ def test_a_still_valid_token_is_returned_while_the_breaker_is_open(
     ids=["unavailable", "rate-limited"],
 )
 def test_a_failed_renewal_in_the_mandatory_window_still_returns_the_valid_token(
-    manager: TokenManager,
-    store: TokenStore,
-    clock: ManualClock,
-    exchange: FakeExchange,
-    failure: TokenExchangeError,
+    renewal: Renewal, failure: TokenExchangeError
 ) -> None:
-    token = stored(store, clock, left=3600.0)
-    clock.now += 3600.0 - 60.0
-    exchange.outcomes = [failure] * EXCHANGE_ATTEMPTS
-    assert manager.token() == token
-    assert store.records.load_breaker() is not None
+    token = stored(renewal.store, renewal.clock, left=3600.0)
+    renewal.clock.now += 3600.0 - 60.0
+    renewal.exchange.outcomes = [failure] * EXCHANGE_ATTEMPTS
+    assert renewal.manager.token() == token
+    assert renewal.store.records.load_breaker() is not None
 
 
 # -- races and outages -------------------------------------------------------------------

@@ -19,7 +19,8 @@ from merchant_tasks.sandbox.emulator import (
     SandboxServer,
 )
 from support.at_once import at_once
-from support.emulator_app import API_KEY, GOOD_BODY, PING, SECRET, make_app
+from support.emulator_app import API_KEY, GOOD_BODY, SECRET, make_app
+from support.routes import PING
 
 INVALID_CLIENT = b'{"error": "invalid_client", "message": "unknown appid or wrong secret"}'
 

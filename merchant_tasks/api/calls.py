@@ -17,6 +17,7 @@ token it names; the answer, or a ``TransportFailure``) and the token source's st
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterator, Mapping
@@ -326,6 +327,7 @@ def judge_answer(done: Signed, the_call: Call, secret: str | None) -> Any:
     )
 
 
+@functools.lru_cache(maxsize=1024)  # a pure check, asked with the same few paths each call
 def check_path(path: str) -> None:
     """Refuse anything that could send the token outside /open-api/v1 or to the token path.
 

@@ -39,6 +39,7 @@ The decisions and the evidence they read (docs/design.md, "The model", has the t
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 import random
@@ -330,6 +331,7 @@ def refused_backoff(in_a_row: int) -> float:
 _ID_SEGMENT = re.compile(r"[a-z][a-z_-]*")  # a resource's name; anything else is an id
 
 
+@functools.lru_cache(maxsize=1024)  # pure, asked with the same few paths each call
 def route_of(path: str) -> str:
     """The route ``path`` belongs to, as refusals count it: without the API's prefix and
     query, every segment that is not a plain lowercase name (an id, a date, an email)

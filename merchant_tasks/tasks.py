@@ -37,9 +37,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 ENQUEUE_THREADS = 32  # sends from async code waiting on the broker at once, in a process
-_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "merchant_tasks_enqueue_deadline", default=None
-)
+_left: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "merchant_tasks_enqueue_left", default=None
+)  # what an async caller's bound left for the send, once a thread took it
 _threads: list[ThreadPoolExecutor] = []
 _threads_made = threading.Lock()
 
@@ -74,32 +74,30 @@ def _task(name: str) -> Any:
 def _in_a_thread(blocking: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]]:
     """``blocking`` (a send) as a coroutine function that runs it on the enqueue threads,
     so that an event loop goes on serving while it waits; the wait for a free thread counts
-    against MERCHANT_ENQUEUE_TIMEOUT, as the send does."""
+    against MERCHANT_ENQUEUE_TIMEOUT, and the send gets what is left."""
 
     @functools.wraps(blocking)
     async def in_a_thread(*args: P.args, **kwargs: P.kwargs) -> R:
         called = time.monotonic()
-        context = contextvars.copy_context()
-        context.run(_deadline.set, called + FleetSettings.from_env().enqueue_timeout)
-        send_it = functools.partial(context.run, blocking, *args, **kwargs)
+        timeout = FleetSettings.from_env().enqueue_timeout
+
+        def send_what_is_left() -> R:
+            left = called + timeout - time.monotonic()
+            if left <= 0:
+                raise BrokerUnavailable(
+                    f"no enqueue thread came free within {timeout:g} s: {ENQUEUE_THREADS} "
+                    "sends were already waiting on the broker. Send the call again later, "
+                    "with the same idempotency key (check broker_url, MERCHANT_REDIS_URL by "
+                    "default)"
+                )
+            _left.set(left)
+            return blocking(*args, **kwargs)
+
+        context = contextvars.copy_context()  # the caller's, with _left set in it alone
+        send_it = functools.partial(context.run, send_what_is_left)
         return await asyncio.get_running_loop().run_in_executor(_enqueue_threads(), send_it)
 
     return in_a_thread
-
-
-def _time_left(timeout: float) -> float:
-    """The bound of a send: ``timeout``, or what is left of an async caller's."""
-    deadline = _deadline.get()
-    if deadline is None:
-        return timeout
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise BrokerUnavailable(
-            f"no enqueue thread came free within {timeout:g} s: {ENQUEUE_THREADS} sends "
-            "were already waiting on the broker. Send the call again later, with the same "
-            "idempotency key (check broker_url, MERCHANT_REDIS_URL by default)"
-        )
-    return left
 
 
 class CallApi:
@@ -149,9 +147,8 @@ class CallApi:
     ) -> AsyncResult:
         """Celery's ``apply_async`` of the task (``countdown``, ``task_id``, ...), bounded
         as ``delay``."""
-        task = installed_task(CALL_API)
-        timeout = _time_left(FleetSettings.from_env().enqueue_timeout)
-        return send(task, args or (), kwargs or {}, options, timeout)
+        timeout = _left.get() or FleetSettings.from_env().enqueue_timeout
+        return send(installed_task(CALL_API), args or (), kwargs or {}, options, timeout)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task's body here, in this process, as Celery's tasks do when called."""

@@ -160,8 +160,15 @@ def test_a_real_allkeys_lru_eviction_of_all_but_the_token_then_a_revoke_all_fail
                 wait_until(lambda: min(map(idle, before)) >= 1, "the LRU clock ticking", 30.0)
                 # through a connection of its own, closed at once: the 4 MB query buffer it
                 # leaves would count against maxmemory and have the token evicted too
+                connected = raw.info("clients")["connected_clients"]
                 with redis.Redis.from_url(server.url) as writer:
                     writer.set(other_value, b"x" * 4_000_000)
+                wait_until(  # and gone: its buffer counted in the memory read below would
+                    # have the token evicted as well (seen under CI's load)
+                    lambda: raw.info("clients")["connected_clients"] <= connected,
+                    "the writer's connection closed by Redis",
+                    30.0,
+                )
                 wait_until(lambda: idle(other_value) >= 1, "the LRU clock ticking again", 30.0)
                 assert raw.get(token_key) is not None  # the callers' read: the newest
                 # the order Redis evicts in, as its LRU clock says (a loaded machine may not

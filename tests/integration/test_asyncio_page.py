@@ -61,7 +61,9 @@ def test_the_pages_service_snippets_make_one_service_that_serves_and_stops_clean
     )
     try:
         server.wait_ready(
-            lambda: "Application startup complete." in server.log_text(), timeout=START_TIMEOUT
+            # bound and listening: "Application startup complete." comes before the bind
+            lambda: "Uvicorn running on" in server.log_text(),
+            timeout=START_TIMEOUT,
         )
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=WAIT) as http:
             first, again = (

@@ -80,7 +80,9 @@ def serve(tmp_path: Path) -> Iterator[Callable[[Settings], Shop]]:
         shop = Shop(server, http)
         started.append(shop)
         server.wait_ready(
-            lambda: "Application startup complete." in server.log_text(), timeout=START_TIMEOUT
+            # bound and listening: "Application startup complete." comes before the bind
+            lambda: "Uvicorn running on" in server.log_text(),
+            timeout=START_TIMEOUT,
         )
         return shop
 

@@ -96,8 +96,6 @@ class AsyncTokenManager:
         self.life.after_fork(process_owner(), f"{process_owner()}:{uuid.uuid4().hex[:6]}:")
         self._pid = os.getpid()
         self._beating: dict[str, asyncio.Task[None]] = {}
-        self._reading: asyncio.Future[Token] | None = None  # the shared read of the copy
-        self._reading_turns = _Turns()
         self._steps: dict[type, Callable[[Any], Awaitable[Any]]] = {
             Redis: lambda step: self.store.send(step.command),
             Clock: lambda _: self.moment(),
@@ -119,20 +117,12 @@ class AsyncTokenManager:
     # -- callers -------------------------------------------------------------------------
 
     async def token(self, path: str = "") -> Token:
-        """A token to call the API with (``TokenManager.token``, awaited). When this
-        process's copy is out of date, the tasks that want it at once share one read (an
-        event loop may hold hundreds of callers: one round trip, not one each)."""
+        """A token to call the API with (``TokenManager.token``, awaited): the flows the
+        client's requests run, so a caller of this and a request wait and read alike."""
         token = self.life.ready(await self.moment())
-        if token is None:
-            if self._reading is None or self._reading.done():
-                self._reading = asyncio.ensure_future(self.run(self.life.token()))
-                self._reading_turns = _Turns()
-            reading, turns = self._reading, self._reading_turns
-            token = await asyncio.shield(reading)
-            await turns.take()
-        if path and token.routes:  # a route's hold may stop this call before it is sent
-            return await self.run(self.life.token_for(path))
-        return token
+        if token is not None and not token.routes:
+            return token
+        return await self.run(self.life.token_for(path) if path else self.life.token())
 
     async def refused(self, token: Token, path: str = "") -> Token:
         """A request on ``path`` with ``token`` got 401: its replacement, or why not."""

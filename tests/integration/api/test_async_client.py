@@ -8,6 +8,7 @@ event_loop.py); here they assert counts and outcomes only."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -21,7 +22,7 @@ import requests
 from merchant_tasks.accounts import client_for, close_client
 from merchant_tasks.aio import AsyncAccountClients, async_client_from_env
 from merchant_tasks.exceptions import ApiError, CredentialsRejected, PathForbidden
-from merchant_tasks.sandbox.emulator import SandboxConfig
+from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxConfig
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.settings import Settings
 from merchant_tasks.store.async_store import AsyncAccountRedis
@@ -313,3 +314,34 @@ def test_closing_the_clients_ends_their_tasks_and_threads(
             break
         time.sleep(0.05)
     assert not left, f"threads left after close(): {[t.name for t in left]}"
+
+
+def test_a_request_cancelled_while_it_leads_a_renewal_leaves_no_one_waiting_on_it(
+    merchant_env: dict[str, str], merchant_sandbox: MerchantSandbox
+) -> None:
+    """A web request is cancelled (its client went away, a timeout) while its task leads the
+    process's renewal, mid-exchange: the tasks awaiting that renewal go on with a renewal of
+    their own at once, and the lock is free (no waiting out a lease or ``Limits.wait``)."""
+    merchant_sandbox.app.configure({"token_latency": 1.0})
+
+    async def scenario() -> tuple[Any, bool]:
+        async with async_client_from_env() as client:
+            leader = asyncio.create_task(client.request("GET", PING))
+            while merchant_sandbox.app.arrived(TOKEN_PATH) < 1:  # exchanging
+                await asyncio.sleep(0.01)
+            waiter = asyncio.create_task(client.request("GET", PING))
+            await asyncio.sleep(0.1)  # awaiting the leader's renewal
+            leader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await leader
+            merchant_sandbox.app.configure({"token_latency": 0.0})
+            answer = await waiter
+            holder = await client.manager.store.send(client.manager.store.ask.lock_holder())
+            return answer, holder is None
+
+    answer, lock_free = asyncio.run(scenario())
+    assert answer == {"ok": True}
+    assert lock_free
+    # the cancelled exchange (abandoned mid-way) and the waiter's own, at once
+    assert merchant_sandbox.app.arrived(TOKEN_PATH) == 2
+    assert merchant_sandbox.exchanges()["ok"] == 1

@@ -590,6 +590,12 @@ def test_a_call_fetched_as_redis_runs_out_of_memory_runs_once_it_has_memory_agai
     (celery/celery#5716). Now the record waits (worker/broker_writes.py), and the call runs."""
     app, admin, worker = one_redis.app, one_redis.admin, one_redis.worker
     assert app.send_task(CALL_API, ("GET", PING)).get(timeout=60) == {"ok": True}
+
+    def acknowledged() -> bool:  # its result is stored before its acknowledgement
+        return not any(admin.hlen(k) for k in admin.scan_iter(match="*unacked", count=1000))
+
+    # else the acknowledgement is what waits, in the event loop, and the fetch comes after
+    wait_until(acknowledged, "the first call acknowledged", 30.0)
     parked = app.send_task(CALL_API, ("POST", PAYMENTS, {"amount": 7}), queue="mt-parked")
     [parked_key] = [k for k in admin.scan_iter(match="*:mt-parked", count=1000)]
     calls_key = parked_key.removesuffix(b"mt-parked") + CALLS_QUEUE.encode()

@@ -400,11 +400,7 @@ class AccountClients:
         client = self._clients.get(name)
         if client is not None:
             return client
-        settings = self.accounts.get(name)
-        if settings is None:
-            raise ConfigurationError(
-                f"unknown account {name!r}; configured: {', '.join(sorted(self.accounts))}"
-            )
+        settings = settings_of(self.accounts, name)
         with self._lock:
             client = self._clients.get(name)
             if client is None:
@@ -483,6 +479,17 @@ class AccountClients:
 
     def default_name(self) -> str:
         return default_name(self.accounts)
+
+
+def settings_of(accounts: Mapping[str, Settings], name: str) -> Settings:
+    """The settings of account ``name``; ConfigurationError naming the configured ones if
+    there is no such account."""
+    settings = accounts.get(name)
+    if settings is None:
+        raise ConfigurationError(
+            f"unknown account {name!r}; configured: {', '.join(sorted(accounts))}"
+        )
+    return settings
 
 
 def default_name(accounts: Mapping[str, Settings]) -> str:

@@ -21,11 +21,11 @@ from merchant_tasks.accounts import (
     default_name,
     load_accounts,
     renewal_terms,
+    settings_of,
     stored_accounts,
 )
 from merchant_tasks.api.async_client import AsyncMerchantClient, AsyncTokenExchange
 from merchant_tasks.api.auth import MerchantAuth
-from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.renewal.async_manager import AsyncTokenManager
 from merchant_tasks.renewal.due import namespace_of
 from merchant_tasks.settings import Settings
@@ -85,11 +85,7 @@ class AsyncAccountClients:
         client = self._clients.get(name)
         if client is not None:
             return client
-        settings = self.accounts.get(name)
-        if settings is None:
-            raise ConfigurationError(
-                f"unknown account {name!r}; configured: {', '.join(sorted(self.accounts))}"
-            )
+        settings = settings_of(self.accounts, name)
         fleet = settings.fleet
         redis_client = self.redis_for(fleet.redis_url)
         client = async_client_for(settings, redis_client, name=name, codec=self._codec(fleet))

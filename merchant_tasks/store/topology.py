@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, TypeAlias
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -29,7 +29,6 @@ from merchant_tasks.exceptions import ConfigurationError, StoreUnavailable
 
 StoreClient: TypeAlias = "redis.Redis | RedisCluster"
 AsyncStoreClient: TypeAlias = "redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster"
-C = TypeVar("C")  # the client a ClientMaker makes
 
 SOCKET_CONNECT_TIMEOUT = 2.0  # a dead Redis (or sentinel) fails a call fast...
 SOCKET_TIMEOUT = 5.0  # ... and so does one that accepted the connection and hangs
@@ -145,73 +144,85 @@ def celery_url(url: str) -> str:
     return url
 
 
-@dataclass(frozen=True)
-class ClientMaker(Generic[C]):
-    """Makes the token store's client with one flavour of redis-py (``module``: ``redis``
-    or ``redis.asyncio``, with its Sentinel and Cluster classes): ``redis_from_url`` and
-    ``async_redis_from_url`` are its two, the same topologies and options."""
+def redis_from_url(
+    url: str,
+    *,
+    sentinel_master: str = DEFAULT_SENTINEL_MASTER,
+    sentinel_password: str | None = None,
+    cluster: bool = False,
+) -> StoreClient:
+    """The token store's client for ``url``, with timeouts so a dead Redis fails fast.
 
-    module: Any
-    sentinel_class: Any
-    cluster_class: Any
-
-    def __call__(
-        self,
-        url: str,
-        *,
-        sentinel_master: str = DEFAULT_SENTINEL_MASTER,
-        sentinel_password: str | None = None,
-        cluster: bool = False,
-    ) -> C:
-        """The token store's client for ``url``, with timeouts so a dead Redis fails fast.
-
-        A Sentinel client reads and writes on the master: a replica may lag behind it, and
-        the store compares generations.
-        """
-        client: C = self._client(url, sentinel_master, sentinel_password, cluster)
-        return client
-
-    def _client(
-        self, url: str, sentinel_master: str, sentinel_password: str | None, cluster: bool
-    ) -> Any:
-        timeouts = {
-            "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT,
-            "socket_timeout": SOCKET_TIMEOUT,
-        }
-        if is_sentinel_url(url):
-            parsed = parse_sentinel_url(url)
-            sentinel = self.sentinel_class(
-                list(parsed.sentinels),
-                sentinel_kwargs={**timeouts, "password": sentinel_password},
-                **timeouts,
-            )
-            return sentinel.master_for(
-                sentinel_master,
-                db=parsed.db,
-                username=parsed.username,
-                password=parsed.password,
-                health_check_interval=HEALTH_CHECK_INTERVAL,
-            )
-        if cluster:
-            return self.cluster_class.from_url(url, **timeouts)
-        module = self.module
-        if module is redis.asyncio:  # an event loop's burst of tasks waits for a connection
-            # (up to SOCKET_TIMEOUT) instead of failing with MaxConnectionsError past the pool
-            pool = module.BlockingConnectionPool.from_url(
-                url,
-                max_connections=ASYNC_POOL_SIZE,
-                timeout=SOCKET_TIMEOUT,
-                health_check_interval=HEALTH_CHECK_INTERVAL,
-                **timeouts,
-            )
-            return module.Redis.from_pool(pool)
-        return module.Redis.from_url(url, health_check_interval=HEALTH_CHECK_INTERVAL, **timeouts)
+    A Sentinel client reads and writes on the master: a replica may lag behind it, and the
+    store compares generations.
+    """
+    client: StoreClient = _client_from_url(
+        url, sentinel_master, sentinel_password, cluster, redis, Sentinel, RedisCluster
+    )
+    return client
 
 
-redis_from_url: ClientMaker[StoreClient] = ClientMaker(redis, Sentinel, RedisCluster)
-async_redis_from_url: ClientMaker[AsyncStoreClient] = ClientMaker(
-    redis.asyncio, redis.asyncio.sentinel.Sentinel, redis.asyncio.cluster.RedisCluster
-)
+def async_redis_from_url(
+    url: str,
+    *,
+    sentinel_master: str = DEFAULT_SENTINEL_MASTER,
+    sentinel_password: str | None = None,
+    cluster: bool = False,
+) -> AsyncStoreClient:
+    """``redis_from_url``'s client, with redis.asyncio: the same topology and options."""
+    client: AsyncStoreClient = _client_from_url(
+        url,
+        sentinel_master,
+        sentinel_password,
+        cluster,
+        redis.asyncio,
+        redis.asyncio.sentinel.Sentinel,
+        redis.asyncio.cluster.RedisCluster,
+    )
+    return client
+
+
+def _client_from_url(
+    url: str,
+    sentinel_master: str,
+    sentinel_password: str | None,
+    cluster: bool,
+    module: Any,
+    sentinel_class: Any,
+    cluster_class: Any,
+) -> Any:
+    """A client of redis-py's ``module`` (``redis`` or ``redis.asyncio``) for ``url``."""
+    timeouts = {
+        "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT,
+        "socket_timeout": SOCKET_TIMEOUT,
+    }
+    if is_sentinel_url(url):
+        parsed = parse_sentinel_url(url)
+        sentinel = sentinel_class(
+            list(parsed.sentinels),
+            sentinel_kwargs={**timeouts, "password": sentinel_password},
+            **timeouts,
+        )
+        return sentinel.master_for(
+            sentinel_master,
+            db=parsed.db,
+            username=parsed.username,
+            password=parsed.password,
+            health_check_interval=HEALTH_CHECK_INTERVAL,
+        )
+    if cluster:
+        return cluster_class.from_url(url, **timeouts)
+    if module is redis.asyncio:  # an event loop's burst of tasks waits for a connection
+        # (up to SOCKET_TIMEOUT) instead of failing with MaxConnectionsError past the pool
+        pool = module.BlockingConnectionPool.from_url(
+            url,
+            max_connections=ASYNC_POOL_SIZE,
+            timeout=SOCKET_TIMEOUT,
+            health_check_interval=HEALTH_CHECK_INTERVAL,
+            **timeouts,
+        )
+        return module.Redis.from_pool(pool)
+    return module.Redis.from_url(url, health_check_interval=HEALTH_CHECK_INTERVAL, **timeouts)
 
 
 def probe_redis(url: str, *, connect_timeout: float) -> bool:

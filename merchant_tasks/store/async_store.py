@@ -32,15 +32,41 @@ T = TypeVar("T")
 
 class AsyncAccountRedis(ClientReplies[AsyncStoreClient]):
     """One account's Redis commands sent with redis.asyncio (errors typed and corrupt values
-    read as ``Replies`` says, as for the blocking store)."""
+    read as ``Replies`` says, as for the blocking store).
+
+    The tasks that GET one key in the same turn of the event loop share one GET, sent on
+    the next turn: a burst of a thousand awaits of the token costs one read, not a thousand
+    reads over as many new connections (whose connects, on a starved loop, ran past their
+    timeout). Each reply is still read after its caller asked, so a caller sees its own
+    writes; every other command is sent as it comes.
+    """
+
+    def __init__(self, client: AsyncStoreClient, keys: AccountKeys) -> None:
+        super().__init__(client, keys)
+        self._gets: dict[Any, asyncio.Task[Any]] = {}  # the GET each key's askers share
 
     async def send(self, command: Command[T]) -> T:
         """Send ``command`` and read its reply (see ``Command``)."""
         try:
-            raw = await self.client.execute_command(*command.args)
+            if command.args[0] == "GET":
+                raw = await asyncio.shield(self._shared_get(command.args[1]))
+            else:
+                raw = await self.client.execute_command(*command.args)
         except REDIS_ERRORS as exc:
             raw = self.refused(exc)
         return self.reply(command.key, raw, command.parse, command.absent)
+
+    def _shared_get(self, key: Any) -> asyncio.Task[Any]:
+        shared = self._gets.get(key)
+        if shared is None or shared.get_loop() is not asyncio.get_running_loop():
+            shared = self._gets[key] = asyncio.ensure_future(self._get(key))
+        return shared
+
+    async def _get(self, key: Any) -> Any:
+        # runs from the next turn on: whoever asks from then on shares the next GET
+        if self._gets.get(key) is asyncio.current_task():
+            del self._gets[key]
+        return await self.client.execute_command("GET", key)
 
 
 class AsyncTokenStore(AccountStore[AsyncStoreClient, AsyncAccountRedis]):

@@ -1,0 +1,137 @@
+"""merchant_tasks.store.async_store (on fakeredis): the tasks that GET one key in one turn
+of the event loop share one GET; a GET asked later is sent after it was asked; a caller
+cancelled or a Redis error leaves the others their own outcome."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import fakeredis
+import pytest
+
+from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.store.async_store import AsyncAccountRedis
+from merchant_tasks.store.keys import AccountKeys, Command
+from support.account import UNIT_NAMESPACE
+
+
+class CountingRedis(fakeredis.FakeAsyncRedis):
+    """fakeredis for asyncio, counting the commands it is sent; ``hold`` keeps each GET
+    waiting until it is set."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(server=fakeredis.FakeServer(), **kwargs)
+        self.sent: Counter[str] = Counter()
+        self.hold: asyncio.Event | None = None
+        self.fail_with: Exception | None = None
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.sent[str(args[0])] += 1
+        if args[0] == "GET" and self.hold is not None:
+            await self.hold.wait()
+        if args[0] == "GET" and self.fail_with is not None:
+            raise self.fail_with
+        return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+
+
+KEYS = AccountKeys.of(UNIT_NAMESPACE)
+
+
+def get(key: str) -> Command[bytes | None]:
+    return Command.get(key, lambda raw: raw, None)
+
+
+def test_the_tasks_asking_in_one_turn_share_one_get() -> None:
+    async def scenario() -> tuple[list[bytes | None], Counter[str]]:
+        client = CountingRedis()
+        await client.set(KEYS.token, b"v1")
+        sender = AsyncAccountRedis(client, KEYS)
+        replies = await asyncio.gather(*(sender.send(get(KEYS.token)) for _ in range(500)))
+        return replies, client.sent
+
+    replies, sent = asyncio.run(scenario())
+    assert replies == [b"v1"] * 500
+    assert sent["GET"] == 1
+
+
+def test_other_keys_and_other_commands_are_sent_as_they_come() -> None:
+    async def scenario() -> tuple[Any, Counter[str]]:
+        client = CountingRedis()
+        await client.set(KEYS.token, b"t")
+        await client.set(KEYS.generation, b"7")
+        sender = AsyncAccountRedis(client, KEYS)
+        replies = await asyncio.gather(
+            sender.send(get(KEYS.token)),
+            sender.send(get(KEYS.generation)),
+            sender.send(Command(("INCR", KEYS.counters), int, KEYS.counters, 0)),
+            sender.send(Command(("INCR", KEYS.counters), int, KEYS.counters, 0)),
+        )
+        return replies, client.sent
+
+    replies, sent = asyncio.run(scenario())
+    assert list(replies) == [b"t", b"7", 1, 2]
+    assert (sent["GET"], sent["INCR"]) == (2, 2)
+
+
+def test_a_get_asked_once_the_shared_one_is_sent_reads_after_it_was_asked() -> None:
+    """A caller that wrote and then reads sees its write: its GET is never one sent before
+    it asked."""
+
+    async def scenario() -> tuple[bytes | None, bytes | None, Counter[str]]:
+        client = CountingRedis()
+        await client.set(KEYS.token, b"old")
+        sender = AsyncAccountRedis(client, KEYS)
+        hold = client.hold = asyncio.Event()
+        async with asyncio.timeout(10):
+            first = asyncio.ensure_future(sender.send(get(KEYS.token)))
+            while client.sent["GET"] == 0:  # the shared GET is on its way to Redis
+                await asyncio.sleep(0)
+            client.hold = None
+            await client.set(KEYS.token, b"new")  # written after that GET was sent
+            second = await sender.send(get(KEYS.token))
+            hold.set()
+            return await first, second, client.sent
+
+    first, second, sent = asyncio.run(scenario())
+    assert second == b"new"
+    assert first in (b"old", b"new")
+    assert sent["GET"] == 2
+
+
+def test_a_cancelled_caller_leaves_the_others_their_reply() -> None:
+    async def scenario() -> tuple[list[Any], bool]:
+        client = CountingRedis()
+        await client.set(KEYS.token, b"v")
+        client.hold = asyncio.Event()
+        sender = AsyncAccountRedis(client, KEYS)
+        callers = [asyncio.ensure_future(sender.send(get(KEYS.token))) for _ in range(3)]
+        async with asyncio.timeout(10):
+            while client.sent["GET"] == 0:
+                await asyncio.sleep(0)
+            callers[0].cancel()
+            client.hold.set()
+            outcomes = await asyncio.gather(*callers, return_exceptions=True)
+        return outcomes, callers[0].cancelled()
+
+    outcomes, cancelled = asyncio.run(scenario())
+    assert cancelled
+    assert outcomes[1:] == [b"v", b"v"]
+
+
+def test_a_refused_shared_get_is_each_callers_typed_error() -> None:
+    import redis
+
+    async def scenario() -> list[Any]:
+        client = CountingRedis()
+        client.fail_with = redis.ConnectionError("Connection refused")
+        sender = AsyncAccountRedis(client, KEYS)
+        return await asyncio.gather(
+            *(sender.send(get(KEYS.token)) for _ in range(3)), return_exceptions=True
+        )
+
+    outcomes = asyncio.run(scenario())
+    assert all(isinstance(outcome, StoreUnavailable) for outcome in outcomes), outcomes
+    with pytest.raises(StoreUnavailable):
+        raise outcomes[0]

@@ -142,9 +142,9 @@ def test_async_sends_waiting_for_a_thread_count_it_against_the_bound_and_leave_t
 def test_an_async_send_that_waited_for_a_thread_is_given_what_is_left_of_its_bound(
     shop_app: Celery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The one enqueue thread is busy for ``busy`` seconds: the send queued behind it
-    reaches the broker with at most ``bound - busy`` seconds (it waited at least ``busy``),
-    never with a fresh bound."""
+    """The one enqueue thread stays busy until ``busy`` seconds after the send was queued
+    behind it: the send reaches the broker with at most ``bound - busy`` seconds (it waited
+    at least ``busy``), never with a fresh bound."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -161,14 +161,16 @@ def test_an_async_send_that_waited_for_a_thread_is_given_what_is_left_of_its_bou
         return "sent"
 
     monkeypatch.setattr(tasks, "send", broker_takes_it)
-    started = threading.Event()
+    release = threading.Event()
+    threads.submit(release.wait, 30)
 
-    def occupy() -> None:
-        started.set()
-        threading.Event().wait(busy)
+    async def queued_behind_it() -> Any:
+        send = asyncio.ensure_future(call_api.delay_async("GET", "/open-api/v1/ping"))
+        await asyncio.sleep(0)  # its first step: it takes the time and asks for a thread
+        await asyncio.sleep(busy)
+        release.set()
+        return await send
 
-    threads.submit(occupy)
-    assert started.wait(10)
-    assert asyncio.run(call_api.delay_async("GET", "/open-api/v1/ping")) == "sent"
+    assert asyncio.run(queued_behind_it()) == "sent"
     assert len(given) == 1, given
     assert 0 < given[0] <= bound - busy, given

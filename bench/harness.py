@@ -104,10 +104,18 @@ class Bench:
 
     def env(self, settings: Settings | None = None, **extra: str) -> dict[str, str]:
         """The children's environment: ``settings.to_env()`` (the emulator's account with
-        the default key prefix when None), ``extra`` on top, nothing inherited of ours."""
+        the default key prefix when None), ``extra`` on top, nothing inherited of ours;
+        ``bench/`` first on PYTHONPATH, so that a worker imports the bench's own modules
+        (``bare_tasks``, ``accounts_source``)."""
         base = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
         account = settings or self.settings(DEFAULT_KEY_PREFIX)
-        return {**child_env(account, base), "PYTHONUNBUFFERED": "1", **extra}
+        path = os.pathsep.join(p for p in (str(BENCH_DIR), base.get("PYTHONPATH")) if p)
+        return {
+            **child_env(account, base),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": path,
+            **extra,
+        }
 
     def client(
         self, prefix: str, base_url: str | None = None, redis_client: redis.Redis | None = None

@@ -32,7 +32,7 @@ import threading
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from merchant_tasks import telemetry
 from merchant_tasks.exceptions import ConfigurationError
@@ -240,13 +240,8 @@ def client_for(
     manager = TokenManager(
         store,
         exchange,
-        # what a pause over rejected credentials is tied to: the key, the secret, the endpoint
-        lambda: fingerprint(f"{settings.api_key}\n{settings.base_url}\n{settings.secret.reveal()}"),
-        renew_before=settings.renew_before,
-        renew_mandatory=settings.renew_mandatory,
-        exchange_timeout=settings.connect_timeout + settings.read_timeout,
-        rate=exchange_rate_for(settings, store.commands),
-        endpoint=exchange.endpoint,
+        lambda: credentials_fingerprint(settings, settings.secret.reveal()),
+        **renewal_terms(settings, store.commands, exchange.endpoint),
         owns_redis=redis_client is None and given_store is None,
     )
     return MerchantClient(
@@ -268,10 +263,58 @@ def store_for(
 ) -> TokenStore:
     """The token store of account ``name`` (all that `status` needs of it); ``codec`` is
     shared when given, else made from the fleet's key files."""
-    fleet = settings.fleet
-    if codec is None:
-        codec = codec_for(fleet.token_key_file, fleet.token_key_previous_file)
+    codec = codec_of(settings.fleet) if codec is None else codec
     return TokenStore(redis_client, namespace_of(settings), codec, account=name)
+
+
+def codec_of(fleet: FleetSettings) -> TokenCodec:
+    """The codec of the fleet's key files (MERCHANT_TOKEN_KEY_FILE, and the key being
+    rotated out): each account's store seals and opens its token with it."""
+    return codec_for(fleet.token_key_file, fleet.token_key_previous_file)
+
+
+class Codecs:
+    """A set of clients' codecs (``codec_of``), one per pair of key files, each read once:
+    accounts sharing their files share a codec."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[str | None, str | None], TokenCodec] = {}
+
+    def __call__(self, fleet: FleetSettings) -> TokenCodec:
+        files = (fleet.token_key_file, fleet.token_key_previous_file)
+        codec = self._made.get(files)
+        if codec is None:
+            codec = self._made[files] = codec_of(fleet)
+        return codec
+
+
+def credentials_fingerprint(settings: Settings, secret: str) -> str:
+    """What a pause over rejected credentials is tied to (``secret``: the secret now): the
+    key, the secret and the endpoint; a pause opened against other ones ends at once."""
+    return fingerprint(f"{settings.api_key}\n{settings.base_url}\n{secret}")
+
+
+class RenewalTerms(TypedDict):
+    """An account's renewal terms, as ``TokenManager`` and ``AsyncTokenManager`` take them."""
+
+    renew_before: float
+    renew_mandatory: float
+    exchange_timeout: float
+    rate: ExchangeRate
+    endpoint: str
+
+
+def renewal_terms(settings: Settings, commands: Replies, endpoint: str) -> RenewalTerms:
+    """The renewal terms of the account: its windows, the exchange's deadline, the
+    fleet-wide exchange rate of its token endpoint (asked through ``commands``, its
+    store's) and that endpoint's fingerprint (``endpoint``, the exchange's)."""
+    return RenewalTerms(
+        renew_before=settings.renew_before,
+        renew_mandatory=settings.renew_mandatory,
+        exchange_timeout=settings.connect_timeout + settings.read_timeout,
+        rate=exchange_rate_for(settings, commands),
+        endpoint=endpoint,
+    )
 
 
 def exchange_rate_for(settings: Settings, commands: Replies) -> ExchangeRate:
@@ -341,7 +384,7 @@ class AccountClients:
         self._clients: dict[str, FleetClient] = {}
         self._stores: dict[str, TokenStore] = {}
         self._stored: dict[str, StoredAccount[StoreClient]] | None = None
-        self._codecs: dict[tuple[str | None, str | None], TokenCodec] = {}
+        self._codec = Codecs()  # called with the lock held
         self._redis_by_url: dict[str, StoreClient] = {}
         self._lock = threading.Lock()
 
@@ -357,11 +400,7 @@ class AccountClients:
         client = self._clients.get(name)
         if client is not None:
             return client
-        settings = self.accounts.get(name)
-        if settings is None:
-            raise ConfigurationError(
-                f"unknown account {name!r}; configured: {', '.join(sorted(self.accounts))}"
-            )
+        settings = settings_of(self.accounts, name)
         with self._lock:
             client = self._clients.get(name)
             if client is None:
@@ -392,14 +431,6 @@ class AccountClients:
         settings = self.accounts[name]
         client = self._redis_for(settings.fleet.redis_url)
         return store_for(settings, client, name=name, codec=self._codec(settings.fleet))
-
-    def _codec(self, fleet: FleetSettings) -> TokenCodec:
-        """The codec of the fleet's key files, read once; the lock is held."""
-        files = (fleet.token_key_file, fleet.token_key_previous_file)
-        codec = self._codecs.get(files)
-        if codec is None:
-            codec = self._codecs[files] = codec_for(*files)
-        return codec
 
     def close(self) -> None:
         """Close the HTTP sessions and Redis connections made so far (a command, a test,
@@ -448,6 +479,17 @@ class AccountClients:
 
     def default_name(self) -> str:
         return default_name(self.accounts)
+
+
+def settings_of(accounts: Mapping[str, Settings], name: str) -> Settings:
+    """The settings of account ``name``; ConfigurationError naming the configured ones if
+    there is no such account."""
+    settings = accounts.get(name)
+    if settings is None:
+        raise ConfigurationError(
+            f"unknown account {name!r}; configured: {', '.join(sorted(accounts))}"
+        )
+    return settings
 
 
 def default_name(accounts: Mapping[str, Settings]) -> str:

@@ -15,22 +15,24 @@ from typing import Any
 
 from merchant_tasks.accounts import (
     DEFAULT_ACCOUNT,
+    Codecs,
+    codec_of,
+    credentials_fingerprint,
     default_name,
-    exchange_rate_for,
     load_accounts,
+    renewal_terms,
+    settings_of,
     stored_accounts,
 )
 from merchant_tasks.api.async_client import AsyncMerchantClient, AsyncTokenExchange
 from merchant_tasks.api.auth import MerchantAuth
-from merchant_tasks.exceptions import ConfigurationError
 from merchant_tasks.renewal.async_manager import AsyncTokenManager
 from merchant_tasks.renewal.due import namespace_of
-from merchant_tasks.settings import FleetSettings, Settings
+from merchant_tasks.settings import Settings
 from merchant_tasks.store.async_store import AsyncTokenStore
 from merchant_tasks.store.reading import StoredAccount
-from merchant_tasks.store.sealing import TokenCodec, codec_for
+from merchant_tasks.store.sealing import TokenCodec
 from merchant_tasks.store.topology import AsyncStoreClient, async_redis_from_url
-from merchant_tasks.token import fingerprint
 
 __all__ = ["AsyncAccountClients", "MerchantAuth", "async_client_for", "async_client_from_env"]
 
@@ -43,27 +45,15 @@ def async_client_for(
     codec: TokenCodec | None = None,
 ) -> AsyncMerchantClient:
     """The asyncio client of account ``name``, its store on ``redis_client``."""
-    fleet = settings.fleet
-    if codec is None:
-        codec = codec_for(fleet.token_key_file, fleet.token_key_previous_file)
+    codec = codec_of(settings.fleet) if codec is None else codec
     store = AsyncTokenStore(redis_client, namespace_of(settings), codec, account=name)
     exchange = AsyncTokenExchange.from_settings(settings)
 
     async def credentials() -> str:
-        # what a pause over rejected credentials is tied to: the key, the secret, the endpoint
-        secret = await exchange.credentials()
-        return fingerprint(f"{settings.api_key}\n{settings.base_url}\n{secret}")
+        return credentials_fingerprint(settings, await exchange.credentials())
 
-    manager = AsyncTokenManager(
-        store,
-        exchange,
-        credentials,
-        renew_before=settings.renew_before,
-        renew_mandatory=settings.renew_mandatory,
-        exchange_timeout=settings.connect_timeout + settings.read_timeout,
-        rate=exchange_rate_for(settings, store.commands),
-        endpoint=exchange.endpoint,
-    )
+    terms = renewal_terms(settings, store.commands, exchange.endpoint)
+    manager = AsyncTokenManager(store, exchange, credentials, **terms)
     return AsyncMerchantClient(
         settings.base_url,
         manager,
@@ -82,7 +72,7 @@ class AsyncAccountClients:
         self.accounts = dict(accounts)
         self._clients: dict[str, AsyncMerchantClient] = {}
         self._redis_by_url: dict[str, AsyncStoreClient] = {}
-        self._codecs: dict[tuple[str | None, str | None], TokenCodec] = {}
+        self._codec = Codecs()
         self._stored: dict[str, StoredAccount[AsyncStoreClient]] | None = None
 
     @classmethod
@@ -95,11 +85,7 @@ class AsyncAccountClients:
         client = self._clients.get(name)
         if client is not None:
             return client
-        settings = self.accounts.get(name)
-        if settings is None:
-            raise ConfigurationError(
-                f"unknown account {name!r}; configured: {', '.join(sorted(self.accounts))}"
-            )
+        settings = settings_of(self.accounts, name)
         fleet = settings.fleet
         redis_client = self.redis_for(fleet.redis_url)
         client = async_client_for(settings, redis_client, name=name, codec=self._codec(fleet))
@@ -126,10 +112,6 @@ class AsyncAccountClients:
                 cluster=fleet.redis_cluster,
             )
         return redis_client
-
-    def _codec(self, fleet: FleetSettings) -> TokenCodec:
-        files = (fleet.token_key_file, fleet.token_key_previous_file)
-        return self._codecs.get(files) or self._codecs.setdefault(files, codec_for(*files))
 
     def auth(self, account: str | None = None) -> MerchantAuth:
         """``MerchantAuth`` for one's own ``httpx.AsyncClient``, as ``account``."""

@@ -84,18 +84,16 @@ class Kind:
     format: Callable[[Any], str] = str
 
 
-def _seconds(name: str, text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigurationError(f"{name} must be a number of seconds, not {text!r}") from None
+def _number(kind: str, unit: str) -> Kind:
+    """A kind of number, ``unit`` as its errors say it ("of seconds", "per second")."""
 
+    def parse(name: str, text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigurationError(f"{name} must be a number {unit}, not {text!r}") from None
 
-def _per_second(name: str, text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigurationError(f"{name} must be a number per second, not {text!r}") from None
+    return Kind(kind, parse, lambda value: repr(float(value)))
 
 
 def _flag(name: str, text: str) -> bool:
@@ -109,8 +107,8 @@ def _flag(name: str, text: str) -> bool:
 TEXT = Kind("text", lambda name, text: text)
 URL = Kind("URL", lambda name, text: text)
 PATH = Kind("file path", lambda name, text: text)
-SECONDS = Kind("seconds", _seconds, lambda value: repr(float(value)))
-PER_SECOND = Kind("per second", _per_second, lambda value: repr(float(value)))
+SECONDS = _number("seconds", "of seconds")
+PER_SECOND = _number("per second", "per second")
 FLAG = Kind("1 / 0", _flag, lambda value: "1" if value else "0")
 
 

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import dataclass
 from typing import ClassVar
 
 from harness import (
-    BENCH_DIR,
     LONG_LIFETIME,
     PING,
     Bench,
@@ -39,13 +37,6 @@ class CeleryTasks(Scenario):
     tasks: int
     concurrency: int = 2
     name: ClassVar[str] = "celery"
-    keys: ClassVar[tuple[str, ...]] = (
-        "celery_ratio",
-        "celery_ratios",
-        "celery_ours_tasks_per_s",
-        "celery_bare_tasks_per_s",
-        "celery_failed_tasks",
-    )
 
     def measure(self, bench: Bench) -> Result:
         from celery import Celery
@@ -58,10 +49,7 @@ class CeleryTasks(Scenario):
         celery_dir = bench.workdir / "celery"
         celery_dir.mkdir()
         (celery_dir / "celeryconfig.py").write_text(CELERYCONFIG)
-        pythonpath = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
-        worker_env = bench.env(
-            bench.settings(prefix), PYTHONPATH=pythonpath, BENCH_STATIC_TOKEN_KEY=STATIC_TOKEN_KEY
-        )
+        worker_env = bench.env(bench.settings(prefix), BENCH_STATIC_TOKEN_KEY=STATIC_TOKEN_KEY)
         worker = bench.spawn(
             "celery-worker",
             worker_argv(self.concurrency, "-n", f"bench-{uuid.uuid4().hex[:6]}@%h"),

@@ -62,23 +62,6 @@ class EventLoop(Scenario):
     lag_seconds: float = LAG_SECONDS
     revoke_at: float = LAG_REVOKE_AT
     name: ClassVar[str] = "asyncio"
-    keys: ClassVar[tuple[str, ...]] = (
-        "async_hot_path_ratio",
-        "async_hot_path_ratios",
-        "async_ours_calls_per_s",
-        "async_raw_calls_per_s",
-        "async_awaits_redis_commands_each",
-        "async_awaits_exchanges",
-        "async_awaits_failed",
-        "async_loop_lag_p99_ms",
-        "async_loop_lag_max_ms",
-        "async_loop_lag_p99_ms_bare",
-        "async_loop_lag_max_ms_bare",
-        "async_loop_threads_max",
-        "async_loop_calls_ok",
-        "async_loop_calls_failed",
-        "async_loop_exchanges",
-    )
 
     def measure(self, bench: Bench) -> Result:
         bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False, token_latency=0.0)

@@ -31,10 +31,7 @@ CONTENDERS = (
     ("nolock", "shared Redis cache, no lock"),
 )
 JSON_NAMES = {"ours": "ours", "authlib": "peer_per_process", "nolock": "peer_shared_nolock"}
-# each run's name in the JSON keys: the contender's, then the emulator's revoke-on-issue
-RUN_NAMES = tuple(
-    JSON_NAMES[contender] + mode for mode in ("", "_revoke_on_issue") for contender, _ in CONTENDERS
-)
+# each contender's name in the JSON keys, before the emulator's mode (FleetRun.json)
 
 log = logging.getLogger("bench")
 
@@ -82,19 +79,6 @@ class Fleet(Scenario):
     lifetime: float  # L, seconds
     advisory: float  # R, seconds
     name: ClassVar[str] = "fleet"
-    keys: ClassVar[tuple[str, ...]] = (
-        "exchanges_minimum",
-        *(
-            f"{figure}_{run}"
-            for run in RUN_NAMES
-            for figure in ("exchanges", "unauthorized", "failed_calls", "calls_ok")
-        ),
-    )
-    optional_keys: ClassVar[tuple[str, ...]] = (
-        *(f"{figure}_{run}" for run in RUN_NAMES for figure in ("exchanges_refused", "errors")),
-        "beat_errors",
-        "beat_errors_revoke_on_issue",
-    )
 
     @property
     def mandatory(self) -> float:

@@ -74,20 +74,6 @@ class HotPath(Scenario):
     calls: int
     profile_path: Path | None = None  # also profile one extra round into this file
     name: ClassVar[str] = "hot path"
-    keys: ClassVar[tuple[str, ...]] = tuple(
-        f"{figure}{server}"
-        for server in SERVERS
-        for figure in (
-            "hot_path_ratio",
-            "hot_path_ratios",
-            "hot_path_ours_calls_per_s",
-            "hot_path_raw_calls_per_s",
-            "hot_path_added_us_per_call",
-            "redis_ops_per_call",
-            "hot_path_client_cpu_us_ours",
-            "hot_path_client_cpu_us_raw",
-        )
-    )
 
     def measure(self, bench: Bench) -> Result:
         if self.profile_path is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import subprocess
 import sys
@@ -34,7 +33,6 @@ import redis
 
 from accounts_source import ACCOUNTS_SOURCE, account, shop
 from harness import (
-    BENCH_DIR,
     LONG_LIFETIME,
     PING,
     Bench,
@@ -74,15 +72,6 @@ class AccountsCheck(Scenario):
 
     accounts: int
     name: ClassVar[str] = "accounts check"
-    keys: ClassVar[tuple[str, ...]] = (
-        "accounts_check_accounts",
-        "accounts_check_ms",
-        "accounts_check_redis_roundtrips",
-        "accounts_check_old_loop_ms",
-        "accounts_check_old_loop_redis_roundtrips",
-        "accounts_check_old_loop_first_ms",
-        "accounts_check_old_loop_first_redis_roundtrips",
-    )
 
     def measure(self, bench: Bench) -> Result:
         prefix = f"bench-check-{uuid.uuid4().hex[:8]}"
@@ -179,21 +168,6 @@ class ColdStart(Scenario):
     renew_interval: float  # beat's, seconds
     cap: float = 20.0  # MERCHANT_MAX_EXCHANGES_PER_SECOND
     name: ClassVar[str] = "cold start"
-    keys: ClassVar[tuple[str, ...]] = (
-        "cold_start_max_exchanges_per_s",
-        "cold_start_seconds",
-        "cold_start_call_wait_s",
-        "cold_start_call_account_unserved",
-        "cold_start_cap_per_s",
-        "accounts_cold_start_accounts",
-        "accounts_cold_start_max_exchanges_per_s",
-        "accounts_cold_start_first_burst_max_exchanges_per_s",
-        "accounts_cold_start_renewals_spread_s",
-        "accounts_cold_start_renewed_before_mandatory",
-        "accounts_cold_start_exchanges",
-        "accounts_cold_start_one_exchange_each",
-        "accounts_cold_start_scheduled_exchanges",
-    )
 
     def measure(self, bench: Bench) -> Result:
         bench.control.configure(lifetime=self.lifetime, revoke_on_issue=False, key_family=True)
@@ -208,9 +182,6 @@ class ColdStart(Scenario):
             MERCHANT_RENEW_BEFORE=f"{self.renew_before:g}",
             MERCHANT_RENEW_MANDATORY=f"{self.renew_mandatory:g}",
             MERCHANT_RENEW_INTERVAL=f"{self.renew_interval:g}",
-            PYTHONPATH=os.pathsep.join(
-                p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p
-            ),
         )
         del env["MERCHANT_API_KEY"]  # only the source's accounts, no "default" one
         base = Settings.from_env({**env, "MERCHANT_API_KEY": env["BENCH_API_KEY"]})
@@ -401,16 +372,6 @@ class TenThousandAccounts(Scenario):
     them."""
 
     name: ClassVar[str] = "10k accounts"
-    keys: ClassVar[tuple[str, ...]] = (
-        "accounts_10k_check_ms",
-        "accounts_10k_check_roundtrips",
-        "accounts_10k_status_s",
-        "accounts_10k_status_roundtrips",
-        "accounts_10k_worker_rss_mb",
-        "accounts_10k_call_s",
-        "accounts_10k_call_ok",
-        "accounts_10k_status_cpu_s",
-    )
 
     def measure(self, bench: Bench) -> Result:
         from celery import Celery
@@ -422,9 +383,6 @@ class TenThousandAccounts(Scenario):
             BENCH_API_KEY=bench.env()["MERCHANT_API_KEY"],
             MERCHANT_KEY_PREFIX=prefix,
             MERCHANT_ACCOUNTS_SOURCE=ACCOUNTS_SOURCE,
-            PYTHONPATH=os.pathsep.join(
-                p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p
-            ),
         )
         del env["MERCHANT_API_KEY"]
         base = Settings.from_env({**env, "MERCHANT_API_KEY": env["BENCH_API_KEY"]})

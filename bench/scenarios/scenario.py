@@ -1,15 +1,29 @@
 """The shape of a bench scenario: it measures, and hands back one Result that carries its
 JSON keys, its markdown table and its goals. The runner only runs scenarios and joins what
-they found, so a new scenario is one class with a ``measure`` method and its ``keys``."""
+they found, so a new scenario is one class with a ``measure`` method, and its keys in
+``json_keys.json``."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from harness import Bench
+
+JSON_KEYS = Path(__file__).resolve().parents[1] / "json_keys.json"  # the keys of the JSON
+# line by scenario, and the run's own: scripts outside the project read them
+
+
+@functools.cache
+def json_keys() -> dict[str, Any]:
+    """``JSON_KEYS``, read: ``scenarios`` (by name: ``keys``, ``optional_keys``), ``run``
+    (the run's own keys) and ``nested`` (the keys of the run's objects)."""
+    return dict(json.loads(JSON_KEYS.read_text()))
 
 
 @dataclass(frozen=True)
@@ -65,12 +79,18 @@ class Scenario(ABC):
 
     ``keys`` are the keys of the JSON line it always emits when it ran (scripts outside
     the project read them), ``optional_keys`` those it emits only when something went
-    wrong (errors by kind, refusals).
+    wrong (errors by kind, refusals): both declared in ``json_keys.json``, under its name.
     """
 
-    name: ClassVar[str]  # how progress lines, errors and --only name it
-    keys: ClassVar[tuple[str, ...]]
-    optional_keys: ClassVar[tuple[str, ...]] = ()
+    name: ClassVar[str]  # how progress lines, errors, --only and json_keys.json name it
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(json_keys()["scenarios"][self.name]["keys"])
+
+    @property
+    def optional_keys(self) -> tuple[str, ...]:
+        return tuple(json_keys()["scenarios"][self.name].get("optional_keys", ()))
 
     @abstractmethod
     def measure(self, bench: Bench) -> Result:

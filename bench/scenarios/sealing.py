@@ -25,15 +25,6 @@ class Sealing(Scenario):
     rounds: int
     calls: int  # per round
     name: ClassVar[str] = "sealing"
-    keys: ClassVar[tuple[str, ...]] = (
-        "sealing_hot_path_ratio",
-        "sealing_hot_path_ratios",
-        "sealing_hot_path_clear_us",
-        "sealing_hot_path_sealed_us",
-        "sealing_hot_path_clear_cpu_us",
-        "sealing_hot_path_sealed_cpu_us",
-        "sealing_open_us",
-    )
 
     def measure(self, bench: Bench) -> Result:
         key_file = bench.workdir / "token-key"

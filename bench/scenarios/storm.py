@@ -240,37 +240,6 @@ class Storm(Scenario):
     lag_rounds: int
     repeated_rounds: int = 1
     name: ClassVar[str] = "storm"
-    keys: ClassVar[tuple[str, ...]] = (
-        "storm_exchanges",
-        "storm_exchanges_per_round",
-        "storm_slow_exchange_exchanges_per_round",
-        "storm_rounds",
-        "storm_processes",
-        "storm_unauthorized",
-        "storm_failed_calls",
-        "storm_p50_ms",
-        "storm_p99_ms",
-        "storm_calm_p50_ms",
-        "storm_calm_p99_ms",
-        "storm_p50_added_ms",
-        "storm_p99_added_ms",
-        "storm_exchange_ms",
-        "storm_overhead_p99_ms",
-        "storm_slow_exchange_p99_ms",
-        "storm_slow_exchange_calm_p99_ms",
-        "storm_slow_exchange_ms",
-        "storm_slow_exchange_overhead_p99_ms",
-        "storm_redis_cmds_per_waiter",
-        "storm_slow_exchange_redis_cmds_per_waiter",
-        "storm_after_renewal_exchanges_per_round",
-        "storm_after_renewal_unauthorized",
-        "storm_after_renewal_failed_calls",
-        "storm_repeated_exchanges_per_revoke",
-        "storm_repeated_p99_ms",
-        "storm_repeated_overhead_p99_ms",
-        "storm_repeated_failed_calls",
-    )
-    optional_keys: ClassVar[tuple[str, ...]] = ("storm_errors", "storm_after_renewal_errors")
 
     def measure(self, bench: Bench) -> Result:
         bench.control.configure(lifetime=LONG_LIFETIME, revoke_on_issue=False, token_latency=0.0)

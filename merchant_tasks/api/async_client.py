@@ -197,13 +197,7 @@ class AsyncMerchantClient:
 
     async def _send(self, token: Token, the_call: Call) -> httpx.Response:
         try:
-            return await self.http.request(
-                the_call.method,
-                self.base_url + the_call.path,
-                json=the_call.json,
-                params=the_call.params,
-                headers=the_call.signed_headers(token),
-            )
+            return await self.http.request(**the_call.request_arguments(self.base_url, token))
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise TransportFailure.connecting(self.base_url, exc, never_sent=True) from None
         except httpx.TimeoutException:

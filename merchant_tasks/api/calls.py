@@ -207,11 +207,18 @@ class Call:
             name.lower() == IDEMPOTENCY_HEADER.lower() for name in self.headers or {}
         )
 
-    def signed_headers(self, token: Token) -> dict[str, str]:
-        """The request's headers, with the fleet's token as its only credentials."""
+    def request_arguments(self, base_url: str, token: Token) -> dict[str, Any]:
+        """The call as requests' and httpx's ``request`` both take it (method, URL, JSON
+        body, query parameters, headers), with the fleet's token as its only credentials."""
         headers = {"accept": "application/json", **(self.headers or {})}
         headers["authorization"] = f"Bearer {token.value}"
-        return headers
+        return {
+            "method": self.method,
+            "url": base_url + self.path,
+            "json": self.json,
+            "params": self.params,
+            "headers": headers,
+        }
 
 
 @dataclass(frozen=True)

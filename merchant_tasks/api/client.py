@@ -143,11 +143,7 @@ class MerchantClient(Generic[SourceT]):
     def _send(self, token: Token, the_call: Call) -> requests.Response:
         try:
             return self.session.request(
-                the_call.method,
-                self.base_url + the_call.path,
-                json=the_call.json,
-                params=the_call.params,
-                headers=the_call.signed_headers(token),
+                **the_call.request_arguments(self.base_url, token),
                 timeout=self.timeout,
                 allow_redirects=False,  # a redirect would carry the token elsewhere
             )

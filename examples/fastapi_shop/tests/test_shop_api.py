@@ -15,20 +15,7 @@ import httpx
 import pytest
 import shop_api
 
-from merchant_tasks import (
-    ApiError,
-    ApiOutcomeUnknown,
-    ApiUnavailable,
-    BrokerUnavailable,
-    ConfigurationError,
-    CredentialsRejected,
-    ExchangeRateLimited,
-    MalformedApiResponse,
-    MerchantError,
-    PathForbidden,
-    StoreUnavailable,
-    TokenRejected,
-)
+from merchant_tasks import exceptions
 from merchant_tasks.pytest_plugin import MerchantSandbox, MerchantWorker
 from merchant_tasks.sandbox.processes import Child, RedisServer, free_port, spawn, wait_until
 from merchant_tasks.settings import Settings, child_env
@@ -222,31 +209,31 @@ def test_with_redis_down_health_and_enqueues_are_503_direct_calls_go_on_and_all_
         assert shop.pay("4").status_code == 201
 
 
-def _error(kind: type[MerchantError], **fields: Any) -> MerchantError:
+def _error(kind: type[exceptions.MerchantError], **fields: Any) -> exceptions.MerchantError:
     return kind("what happened", **fields)
 
 
 @pytest.mark.parametrize(
     ("error", "status", "retry_after"),
     [
-        (_error(PathForbidden, status=401), 403, None),
-        (_error(CredentialsRejected, status=401), 503, None),
-        (_error(TokenRejected), 503, None),
-        (_error(ApiOutcomeUnknown, status=504), 502, None),
-        (_error(ApiUnavailable, status=503), 503, "5"),
-        (_error(ExchangeRateLimited, status=429, retry_after=2.5), 503, "3"),
-        (_error(BrokerUnavailable), 503, "5"),
-        (_error(StoreUnavailable), 503, "5"),
-        (_error(ApiError, status=404, code="not_found"), 404, None),
-        (_error(ApiError, status=422, code="idempotency_key_reused"), 422, None),
-        (_error(ApiError, status=500), 502, None),
-        (_error(MalformedApiResponse, status=200), 502, None),
-        (_error(ConfigurationError), 500, None),
+        (_error(exceptions.PathForbidden, status=401), 403, None),
+        (_error(exceptions.CredentialsRejected, status=401), 503, None),
+        (_error(exceptions.TokenRejected), 503, None),
+        (_error(exceptions.ApiOutcomeUnknown, status=504), 502, None),
+        (_error(exceptions.ApiUnavailable, status=503), 503, "5"),
+        (_error(exceptions.ExchangeRateLimited, status=429, retry_after=2.5), 503, "3"),
+        (_error(exceptions.BrokerUnavailable), 503, "5"),
+        (_error(exceptions.StoreUnavailable), 503, "5"),
+        (_error(exceptions.ApiError, status=404, code="not_found"), 404, None),
+        (_error(exceptions.ApiError, status=422, code="idempotency_key_reused"), 422, None),
+        (_error(exceptions.ApiError, status=500), 502, None),
+        (_error(exceptions.MalformedApiResponse, status=200), 502, None),
+        (_error(exceptions.ConfigurationError), 500, None),
     ],
-    ids=lambda value: type(value).__name__ if isinstance(value, MerchantError) else None,
+    ids=lambda value: type(value).__name__ if isinstance(value, exceptions.MerchantError) else None,
 )
 def test_each_error_maps_to_one_answer(
-    error: MerchantError, status: int, retry_after: str | None
+    error: exceptions.MerchantError, status: int, retry_after: str | None
 ) -> None:
     response = shop_api.error_response(error)
     assert response.status_code == status

@@ -2,7 +2,8 @@
 
 ``account_statuses`` (blocking) and ``async_account_statuses`` (asyncio) read every
 account of a fleet in a few round trips per Redis server (``store.reading``); a health
-endpoint calls them in-process (docs/operations.md, "A health endpoint").
+endpoint calls them in-process (docs/operations.md, "A health endpoint"). `status --json`
+prints the same statuses' fields, made as dicts (``status_documents``).
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ async def async_account_statuses(fleet: AsyncAccountClients) -> dict[str, Accoun
 def status_documents(fleet: AccountClients) -> list[dict[str, Any]]:
     """Every account's status in ``fleet`` as `status --json` prints it: the fields of its
     ``AccountStatus`` (``as_dict``), read as ``account_statuses`` reads them, without an
-    ``AccountStatus`` made (a third of the statuses' time for 10,000 accounts). Their dicts
-    are shared, not copied: the host's exchange rate is one dict for all its accounts."""
+    ``AccountStatus`` made (10,000 accounts: 0.04 s, 0.09 s through the statuses and
+    ``as_dict``). Their dicts are shared, not copied: a host's exchange rate is one dict for
+    all its accounts."""
     readings, rates = read_stored(fleet.stored_accounts().values(), WINDOWS)
     return list(_fields(fleet.accounts, readings, rates).values())
 
@@ -159,7 +161,7 @@ def _fields(
         if id(state) not in shown:
             shown[id(state)] = asdict(state)
     return {
-        name: status_fields(name, settings, readings[name], shown[id(rates[name])])
+        name: _status_fields(name, settings, readings[name], shown[id(rates[name])])
         for name, settings in accounts.items()
     }
 
@@ -168,10 +170,10 @@ def status_of(
     name: str, settings: Settings, reading: AccountReading, rate: dict[str, Any] | None
 ) -> AccountStatus:
     """An account's status from what was read of it, and its host's rate state."""
-    return AccountStatus(**status_fields(name, settings, reading, rate))
+    return AccountStatus(**_status_fields(name, settings, reading, rate))
 
 
-def status_fields(
+def _status_fields(
     name: str, settings: Settings, reading: AccountReading, rate: dict[str, Any] | None
 ) -> dict[str, Any]:
     """The fields of ``status_of``'s status, every one of them, by name."""

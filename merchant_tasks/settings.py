@@ -427,38 +427,18 @@ class Settings:
     fleet: FleetSettings = field(default_factory=FleetSettings)
 
     def __post_init__(self) -> None:
-        if self.environment not in ENVIRONMENTS:
-            raise ConfigurationError(
-                f"MERCHANT_ENVIRONMENT must be one of {', '.join(ENVIRONMENTS)}, "
-                f"not {self.environment!r}"
-            )
-        if not self.api_key:
-            raise ConfigurationError("MERCHANT_API_KEY is required")
-        parts = check_base_url(self.base_url)
-        object.__setattr__(self, "base_url", api_base_url(parts))
-        if (
-            self.environment == "production"
-            and parts.scheme != "https"
-            and not self.allow_insecure_http
-        ):
-            raise ConfigurationError(
-                "MERCHANT_BASE_URL must be https:// in production "
-                "(set MERCHANT_ALLOW_INSECURE_HTTP=1 only for a local test double)"
-            )
-        for name, value in (
-            ("MERCHANT_TOKEN_LIFETIME", self.token_lifetime),
-            ("MERCHANT_RENEW_BEFORE", self.renew_before),
-            ("MERCHANT_RENEW_MANDATORY", self.renew_mandatory),
-            ("MERCHANT_CONNECT_TIMEOUT", self.connect_timeout),
-            ("MERCHANT_READ_TIMEOUT", self.read_timeout),
-        ):
-            _check_seconds(name, value)
-        if not self.renew_mandatory < self.renew_before < self.token_lifetime:
-            raise ConfigurationError(
-                "MERCHANT_RENEW_MANDATORY < MERCHANT_RENEW_BEFORE < MERCHANT_TOKEN_LIFETIME "
-                f"must hold (got {self.renew_mandatory:g} < {self.renew_before:g} < "
-                f"{self.token_lifetime:g})"
-            )
+        base_url = _checked_account(
+            self.environment,
+            bool(self.api_key),
+            self.base_url,
+            self.allow_insecure_http,
+            self.token_lifetime,
+            self.renew_before,
+            self.renew_mandatory,
+            self.connect_timeout,
+            self.read_timeout,
+        )
+        object.__setattr__(self, "base_url", base_url)
 
     @property
     def origin(self) -> str:
@@ -525,6 +505,50 @@ class Settings:
         else:
             env[API_SECRET.name] = self.secret.reveal()
         return env
+
+
+@functools.lru_cache(maxsize=1024)  # the accounts of a fleet differ in their key: 10,000 of
+# them are a few sets of the other values, each checked once (their errors are not cached)
+def _checked_account(
+    environment: str,
+    has_api_key: bool,
+    base_url: str,
+    allow_insecure_http: bool,
+    token_lifetime: float,
+    renew_before: float,
+    renew_mandatory: float,
+    connect_timeout: float,
+    read_timeout: float,
+) -> str:
+    """``Settings``' checks, in their order; its base URL as the API's scheme://host[:port]."""
+    if environment not in ENVIRONMENTS:
+        raise ConfigurationError(
+            f"MERCHANT_ENVIRONMENT must be one of {', '.join(ENVIRONMENTS)}, not {environment!r}"
+        )
+    if not has_api_key:
+        raise ConfigurationError("MERCHANT_API_KEY is required")
+    parts = check_base_url(base_url)
+    api_url = api_base_url(parts)
+    if environment == "production" and parts.scheme != "https" and not allow_insecure_http:
+        raise ConfigurationError(
+            "MERCHANT_BASE_URL must be https:// in production "
+            "(set MERCHANT_ALLOW_INSECURE_HTTP=1 only for a local test double)"
+        )
+    for name, value in (
+        ("MERCHANT_TOKEN_LIFETIME", token_lifetime),
+        ("MERCHANT_RENEW_BEFORE", renew_before),
+        ("MERCHANT_RENEW_MANDATORY", renew_mandatory),
+        ("MERCHANT_CONNECT_TIMEOUT", connect_timeout),
+        ("MERCHANT_READ_TIMEOUT", read_timeout),
+    ):
+        _check_seconds(name, value)
+    if not renew_mandatory < renew_before < token_lifetime:
+        raise ConfigurationError(
+            "MERCHANT_RENEW_MANDATORY < MERCHANT_RENEW_BEFORE < MERCHANT_TOKEN_LIFETIME "
+            f"must hold (got {renew_mandatory:g} < {renew_before:g} < "
+            f"{token_lifetime:g})"
+        )
+    return api_url
 
 
 def check_base_url(url: str) -> SplitResult:

@@ -2,7 +2,8 @@
 
 ``account_statuses`` (blocking) and ``async_account_statuses`` (asyncio) read every
 account of a fleet in a few round trips per Redis server (``store.reading``); a health
-endpoint calls them in-process (docs/operations.md, "A health endpoint").
+endpoint calls them in-process (docs/operations.md, "A health endpoint"). `status --json`
+prints the same statuses' fields, made as dicts (``status_documents``).
 """
 
 from __future__ import annotations
@@ -78,11 +79,7 @@ class AccountStatus:
     def healthy(self) -> bool:
         """A token is usable outside the mandatory window, no breaker is open and the API
         refuses it on no path."""
-        return (
-            self.state in (AccountState.FRESH, AccountState.ADVISORY)
-            and self.breaker is None
-            and not self.refused_paths
-        )
+        return healthy(self.__dict__)
 
     def as_dict(self) -> dict[str, Any]:
         """Equal to ``dataclasses.asdict(self)``, without its recursive deep copy (60 times
@@ -126,17 +123,45 @@ async def async_account_statuses(fleet: AsyncAccountClients) -> dict[str, Accoun
     return _statuses(fleet.accounts, readings, rates)
 
 
+def status_documents(fleet: AccountClients) -> list[dict[str, Any]]:
+    """Every account's status in ``fleet`` as `status --json` prints it: the fields of its
+    ``AccountStatus`` (``as_dict``), read as ``account_statuses`` reads them, without an
+    ``AccountStatus`` made (10,000 accounts: 0.04 s, 0.09 s through the statuses and
+    ``as_dict``). Their dicts are shared, not copied: a host's exchange rate is one dict for
+    all its accounts."""
+    readings, rates = read_stored(fleet.stored_accounts().values(), WINDOWS)
+    return list(_fields(fleet.accounts, readings, rates).values())
+
+
+def healthy(status: Mapping[str, Any]) -> bool:
+    """``AccountStatus.healthy`` of an account's fields (``as_dict``, ``status_documents``)."""
+    return (
+        status["state"] in (AccountState.FRESH, AccountState.ADVISORY)
+        and status["breaker"] is None
+        and not status["refused_paths"]
+    )
+
+
 def _statuses(
     accounts: Mapping[str, Settings],
     readings: Mapping[str, AccountReading],
     rates: Mapping[str, RateState],
 ) -> dict[str, AccountStatus]:
+    fields = _fields(accounts, readings, rates)
+    return {name: AccountStatus(**shown) for name, shown in fields.items()}
+
+
+def _fields(
+    accounts: Mapping[str, Settings],
+    readings: Mapping[str, AccountReading],
+    rates: Mapping[str, RateState],
+) -> dict[str, dict[str, Any]]:
     shown: dict[int, dict[str, Any]] = {}  # each host's state as a dict once, shared
     for state in rates.values():
         if id(state) not in shown:
             shown[id(state)] = asdict(state)
     return {
-        name: status_of(name, settings, readings[name], shown[id(rates[name])])
+        name: _status_fields(name, settings, readings[name], shown[id(rates[name])])
         for name, settings in accounts.items()
     }
 
@@ -145,6 +170,13 @@ def status_of(
     name: str, settings: Settings, reading: AccountReading, rate: dict[str, Any] | None
 ) -> AccountStatus:
     """An account's status from what was read of it, and its host's rate state."""
+    return AccountStatus(**_status_fields(name, settings, reading, rate))
+
+
+def _status_fields(
+    name: str, settings: Settings, reading: AccountReading, rate: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The fields of ``status_of``'s status, every one of them, by name."""
     now, token = reading.now, reading.token
     record = paused(reading.breaker, now)
     breaker = None
@@ -156,11 +188,19 @@ def status_of(
             "detail": record.detail,
         }
     last_hour, last_day = reading.exchanges
-    common: dict[str, Any] = {
+    fields: dict[str, Any] = {
         "account": name,
         "environment": settings.environment,
         "api_key": settings.api_key,
         "now": now,
+        "state": AccountState.MISSING,
+        "generation": None,
+        "fingerprint": None,
+        "issued_at": None,
+        "age": None,
+        "time_left": None,
+        "last_renewal_reason": None,
+        "renewed_by": None,
         "exchanges_last_hour": last_hour,
         "exchanges_last_day": last_day,
         "breaker": breaker,
@@ -168,27 +208,27 @@ def status_of(
         "counters": reading.counters,
         "histograms": reading.histograms,
         "exchange_rate": rate,
+        "refused_paths": {},
     }
     if token is None:
-        return AccountStatus(state=AccountState.MISSING, **common)
+        return fields
     state = token.state(now, settings.renew_before, settings.renew_mandatory)
-    refused = {
+    fields["refused_paths"] = {
         f"{API_PREFIX}{route}": round(max(0.0, until - now), 3) if until else 0.0
         for route, until in token.routes
         if not until or until > now
     }
-    return AccountStatus(
-        refused_paths=refused,
-        state=_SHOWN[state],
-        generation=token.generation,
-        fingerprint=token.fingerprint,
-        issued_at=token.issued_at,
-        age=round(now - token.issued_at, 3),
-        time_left=round(max(0.0, token.time_left(now)), 3) if state != TokenState.EXPIRED else 0.0,
-        last_renewal_reason=token.reason,
-        renewed_by=token.renewed_by,
-        **common,
+    fields["state"] = _SHOWN[state]
+    fields["generation"] = token.generation
+    fields["fingerprint"] = token.fingerprint
+    fields["issued_at"] = token.issued_at
+    fields["age"] = round(now - token.issued_at, 3)
+    fields["time_left"] = (
+        round(max(0.0, token.time_left(now)), 3) if state != TokenState.EXPIRED else 0.0
     )
+    fields["last_renewal_reason"] = token.reason
+    fields["renewed_by"] = token.renewed_by
+    return fields
 
 
 def format_status(status: AccountStatus) -> str:

@@ -23,7 +23,13 @@ from merchant_tasks import accounts as accounts_module
 from merchant_tasks.accounts import AccountClients, exchange_rate_for, store_for
 from merchant_tasks.aio import AsyncAccountClients
 from merchant_tasks.ops.cli import main
-from merchant_tasks.ops.status import AccountState, AccountStatus, account_status
+from merchant_tasks.ops.status import (
+    AccountState,
+    AccountStatus,
+    account_status,
+    healthy,
+    status_documents,
+)
 from merchant_tasks.sandbox.processes import RedisServer
 from merchant_tasks.settings import FleetSettings, Settings
 from merchant_tasks.store.keys import AccountKeys
@@ -52,9 +58,10 @@ def _accounts(
     }
 
 
-def _lasting(status: AccountStatus) -> dict[str, Any]:
-    """A status without what moves between two reads (the time, and what follows from it)."""
-    shown = status.as_dict()
+def _lasting(status: AccountStatus | dict[str, Any]) -> dict[str, Any]:
+    """A status (or its fields) without what moves between two reads (the time, and what
+    follows from it)."""
+    shown = status.as_dict() if isinstance(status, AccountStatus) else status
     lasting = {key: value for key, value in shown.items() if key not in ("now", "age", "time_left")}
     if lasting["breaker"] is not None:
         lasting["breaker"] = {k: v for k, v in lasting["breaker"].items() if k != "closes_in"}
@@ -112,7 +119,8 @@ def test_every_field_of_every_account_is_what_its_own_store_reads(
     merchant_settings: Settings,
 ) -> None:
     """Every field a status has, set on some account: the fleet's reading gives each account
-    the status ``account_status`` reads through its store alone."""
+    the status ``account_status`` reads through its store alone, and `status --json`'s
+    documents (``status_documents``) are those statuses' fields, healthy as they are."""
     accounts = _accounts(merchant_settings, 5)
     fleet = AccountClients(accounts)
     client = fleet.redis_for(merchant_settings.fleet.redis_url)
@@ -148,6 +156,13 @@ def test_every_field_of_every_account_is_what_its_own_store_reads(
     assert shop2.breaker["detail"] == "check the secret"
     assert statuses["shop-3"].state == AccountState.ADVISORY
     assert statuses["shop-4"].state == AccountState.MISSING
+    documents = status_documents(fleet)  # what `status --json` prints
+    assert [document["account"] for document in documents] == list(statuses)
+    for document in documents:
+        status = statuses[document["account"]]
+        assert _lasting(document) == _lasting(status), document["account"]
+        assert healthy(document) == status.healthy
+    assert [healthy(document) for document in documents] == [True, False, False, True, False]
 
 
 def _corrupt(client: StoreClient, keys: AccountKeys, case: str) -> str:

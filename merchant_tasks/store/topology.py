@@ -21,7 +21,9 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsp
 import redis
 import redis.asyncio
 import redis.asyncio.cluster
+import redis.asyncio.retry
 import redis.asyncio.sentinel
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
@@ -219,10 +221,23 @@ def _client_from_url(
             max_connections=ASYNC_POOL_SIZE,
             timeout=SOCKET_TIMEOUT,
             health_check_interval=HEALTH_CHECK_INTERVAL,
+            **STALE_CONNECTION_RETRY,
             **timeouts,
         )
         return module.Redis.from_pool(pool)
     return module.Redis.from_url(url, health_check_interval=HEALTH_CHECK_INTERVAL, **timeouts)
+
+
+# redis-py's pool checks each pooled connection it hands out and reconnects one Redis has
+# closed (a restart, a failover, a client timeout); redis.asyncio's hands it out unchecked
+# (its check does not wait for the close to be read), and the command sent on it failed:
+# after a restart, one call per pooled connection failed with StoreUnavailable. One retry,
+# at once, on a new connection; a refused connect is refused again at once, and a Redis
+# that does not answer (TimeoutError) is not waited for twice.
+STALE_CONNECTION_RETRY: dict[str, Any] = {
+    "retry": redis.asyncio.retry.Retry(NoBackoff(), 1),
+    "retry_on_error": [redis.ConnectionError],
+}
 
 
 def probe_redis(url: str, *, connect_timeout: float) -> bool:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +23,10 @@ import requests
 from merchant_tasks.accounts import client_for, close_client
 from merchant_tasks.aio import AsyncAccountClients, async_client_from_env
 from merchant_tasks.exceptions import ApiError, CredentialsRejected, PathForbidden
+from merchant_tasks.renewal import life
 from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxConfig
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
+from merchant_tasks.sandbox.processes import RedisServer
 from merchant_tasks.settings import Settings
 from merchant_tasks.store.wakeup import LISTEN_TICK
 from support.routes import PAYMENTS, PING, REPORTS, exchanges
@@ -346,3 +349,31 @@ def test_a_request_cancelled_while_it_leads_a_renewal_leaves_no_one_waiting_on_i
     # the cancelled exchange (abandoned mid-way) and the waiter's own, at once
     assert merchant_sandbox.app.arrived(TOKEN_PATH) == 2
     assert merchant_sandbox.exchanges()["ok"] == 1
+
+
+def test_the_asyncio_calls_after_a_redis_restart_all_succeed(
+    merchant_env: dict[str, str],
+    merchant_sandbox: MerchantSandbox,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """redis.asyncio hands out a pooled connection the restarted Redis has closed without
+    noticing, and the command sent on it failed: the first calls after a restart got
+    StoreUnavailable, one per pooled connection. Each such command is sent once more on a
+    new connection now (``store.topology.STALE_CONNECTION_RETRY``)."""
+    with RedisServer(tmp_path / "redis") as server:
+        monkeypatch.setenv("MERCHANT_REDIS_URL", server.url)
+
+        async def scenario() -> list[Any]:
+            async with async_client_from_env() as client:
+                calls = [client.request("GET", PING) for _ in range(8)]
+                assert await asyncio.gather(*calls) == [{"ok": True}] * 8
+                server.kill()
+                server.start()  # empty: the token is exchanged again
+                await asyncio.sleep(life.LOCAL_COPY_TTL)  # the process's copy is read again
+                calls = [client.request("GET", PING) for _ in range(8)]
+                return await asyncio.gather(*calls, return_exceptions=True)
+
+        outcomes = asyncio.run(scenario())
+    assert outcomes == [{"ok": True}] * 8
+    assert exchanges(merchant_sandbox) == 2

@@ -617,6 +617,11 @@ def test_callers_waiting_on_a_holder_killed_mid_exchange_resume_within_its_lease
         return holder is not None and f":{victim}:" in holder
 
     wait_until(held_by_victim, "the caller process holding the renewal lock", START_TIMEOUT)
+    wait_until(  # the lock is taken a moment before the exchange is sent
+        lambda: merchant_sandbox.app.arrived(TOKEN_PATH) == 1,
+        "the holder's exchange at the token endpoint",
+        START_TIMEOUT,
+    )
     results: list[str] = []
     resumed: list[float] = []
 

@@ -9,6 +9,7 @@ token store, the broker and the result backend.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import secrets
@@ -24,7 +25,9 @@ import pytest
 import redis
 
 from merchant_tasks.accounts import client_for, close_client
+from merchant_tasks.aio import async_client_from_env
 from merchant_tasks.exceptions import StoreUnavailable
+from merchant_tasks.renewal import life
 from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxApp, SandboxConfig
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import RedisServer, redis_answers, wait_until
@@ -35,6 +38,7 @@ from support.celery_fleet import (
     Fleet,
 )
 from support.fault_harness import CallLoop, Evidence
+from support.routes import PING
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -457,3 +461,34 @@ def test_a_call_whose_retry_falls_in_the_failover_is_retried_not_dropped(
     log = fleet.logs()["worker-w.log"]
     assert answer == {"echo": {"order": "retried"}}
     assert "StoreUnavailable" in log  # the case under test did happen: the task retried
+
+
+def test_asyncio_calls_after_a_sentinel_failover_all_succeed(
+    merchant_env: dict[str, str],
+    merchant_sandbox: MerchantSandbox,
+    sentinel_group: SentinelGroup,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An asyncio client on the group (redis.asyncio's Sentinel) makes calls; the master
+    dies; once every sentinel names the replica, 8 concurrent calls each succeed: the
+    client's pool asks the sentinels for the master and drops its connections to the dead
+    one when the answer changes (the stale connections a plain Redis's restart leaves are
+    test_async_client.py's)."""
+    monkeypatch.setenv("MERCHANT_REDIS_URL", sentinel_group.url)
+    monkeypatch.setenv("MERCHANT_REDIS_SENTINEL_PASSWORD", SENTINEL_PASSWORD)
+    new_master = sentinel_group.replica.port
+
+    def promoted() -> bool:
+        return sentinel_group.master_ports() == [new_master] * 3
+
+    async def scenario() -> list[Any]:
+        async with async_client_from_env() as client:
+            calls = [client.request("GET", PING) for _ in range(8)]
+            assert await asyncio.gather(*calls) == [{"ok": True}] * 8
+            sentinel_group.master.kill()
+            await asyncio.to_thread(wait_until, promoted, "the replica promoted", FAILOVER_DEADLINE)
+            await asyncio.sleep(life.LOCAL_COPY_TTL)  # the process's copy is read again
+            calls = [client.request("GET", PING) for _ in range(8)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    assert asyncio.run(scenario()) == [{"ok": True}] * 8

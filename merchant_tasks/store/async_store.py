@@ -60,6 +60,7 @@ class AsyncAccountRedis(ClientReplies[AsyncStoreClient]):
         shared = self._gets.get(key)
         if shared is None or shared.get_loop() is not asyncio.get_running_loop():
             shared = self._gets[key] = asyncio.ensure_future(self._get(key))
+            shared.add_done_callback(_seen)  # its askers may all have been cancelled
         return shared
 
     async def _get(self, key: Any) -> Any:
@@ -67,6 +68,13 @@ class AsyncAccountRedis(ClientReplies[AsyncStoreClient]):
         if self._gets.get(key) is asyncio.current_task():
             del self._gets[key]
         return await self.client.execute_command("GET", key)
+
+
+def _seen(task: asyncio.Task[Any]) -> None:
+    """Take a shared command's outcome, so that one nobody awaited any more is not
+    logged as an exception never retrieved (its askers' errors reach them whole)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class AsyncTokenStore(AccountStore[AsyncStoreClient, AsyncAccountRedis]):

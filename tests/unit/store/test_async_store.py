@@ -135,3 +135,32 @@ def test_a_refused_shared_get_is_each_callers_typed_error() -> None:
     assert all(isinstance(outcome, StoreUnavailable) for outcome in outcomes), outcomes
     with pytest.raises(StoreUnavailable):
         raise outcomes[0]
+
+
+def test_a_shared_get_whose_askers_were_all_cancelled_logs_nothing_when_it_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import gc
+
+    import redis
+
+    async def scenario() -> None:
+        client = CountingRedis()
+        client.hold = asyncio.Event()
+        sender = AsyncAccountRedis(client, KEYS)
+        callers = [asyncio.ensure_future(sender.send(get(KEYS.token))) for _ in range(2)]
+        async with asyncio.timeout(10):
+            while client.sent["GET"] == 0:
+                await asyncio.sleep(0)
+            for caller in callers:
+                caller.cancel()
+            await asyncio.gather(*callers, return_exceptions=True)
+            client.fail_with = redis.ConnectionError("Connection refused")
+            client.hold.set()
+            for _ in range(5):  # the shared GET ends, failing, with nobody awaiting it
+                await asyncio.sleep(0)
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(scenario())
+        gc.collect()
+    assert "never retrieved" not in caplog.text

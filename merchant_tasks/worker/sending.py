@@ -10,9 +10,10 @@ and changes nothing of the app's configuration (workers, ``Task.retry`` and beat
 as before):
 
 - the message goes through a producer of a pool of the app's broker connections of its
-  own, whose sockets give up after a share of the bound (``ATTEMPTS_PER_BOUND``): a broker
-  host that takes no connection or never answers costs one attempt, not the system's two
-  minutes of TCP retries;
+  own, whose connects give up after a share of the bound (``ATTEMPTS_PER_BOUND``), its
+  commands after the whole bound: a broker host that takes no connection costs one
+  attempt, not the system's two minutes of TCP retries, and a command that may have been
+  taken is never sent again;
 - kombu's publish reconnects at once, then every ``RETRY_PAUSE`` seconds, while another
   attempt can end before the deadline (the retry policy's ``errback`` stops it);
 - the result is not subscribed to at send time (``_subscribe_on_get``): Celery's Redis
@@ -38,8 +39,8 @@ from kombu.exceptions import LimitExceeded, OperationalError
 from merchant_tasks.exceptions import BrokerUnavailable
 from merchant_tasks.store.topology import is_kombu_redis_url
 
-ATTEMPTS_PER_BOUND = 3  # a connect or a command may take a third of the bound: a broker host
-# that hangs leaves time to try again, on a new connection
+ATTEMPTS_PER_BOUND = 3  # a connect may take a third of the bound: a broker host that takes
+# no connection leaves time to try again
 RETRY_PAUSE = 0.25  # seconds between reconnections: a restarted Redis is found at once
 
 _bounded: ContextVar[bool] = ContextVar("merchant_tasks_bounded_send", default=False)
@@ -73,8 +74,9 @@ def send(
     except (OperationalError, LimitExceeded) as exc:
         raise BrokerUnavailable(
             f"the broker at {app.connection_for_write().host} did not take {task.name} "
-            f"within {timeout:g} s ({type(exc.__cause__ or exc).__name__}): send the call "
-            "again later, with the same idempotency key (check broker_url, "
+            f"within {timeout:g} s ({type(exc.__cause__ or exc).__name__}; it may have been "
+            "taken if the broker stalled): send the call again later, with the same "
+            "idempotency key (check broker_url, "
             "MERCHANT_REDIS_URL by default; MERCHANT_ENQUEUE_TIMEOUT sets the wait)"
         ) from exc
     finally:
@@ -102,12 +104,16 @@ def retry_policy(
 
 
 def _producer_pool(app: Any, timeout: float, attempt: float) -> Any:
-    """A kombu producer pool of ``app``'s broker whose sockets time out after ``attempt``
-    seconds and whose reconnections end after ``timeout`` (kombu's ``connect_timeout``);
-    kombu keeps one per broker and options (``kombu.pools``, as Celery keeps its own)."""
+    """A kombu producer pool of ``app``'s broker whose connects time out after ``attempt``
+    seconds, its commands after the whole ``timeout``, and whose reconnections end after
+    ``timeout`` (kombu's ``connect_timeout``); kombu keeps one per broker and options
+    (``kombu.pools``, as Celery keeps its own). A connect that timed out sent nothing and
+    is tried again; a command that timed out may have been taken (a Redis stalled by a
+    fork or an fsync runs it when it wakes), and kombu would publish it again: one send
+    queued the call twice, and two workers ran it at once."""
     options: dict[str, Any] = {}
     if is_kombu_redis_url(app.conf.broker_write_url or app.conf.broker_url or ""):
-        options = {"socket_connect_timeout": attempt, "socket_timeout": attempt}
+        options = {"socket_connect_timeout": attempt, "socket_timeout": timeout}
     connection = app.connection_for_write(connect_timeout=timeout, transport_options=options)
     return pools.producers[connection]
 

@@ -232,12 +232,14 @@ def _client_from_url(
 # closed (a restart, a failover, a client timeout); redis.asyncio's hands it out unchecked
 # (its check does not wait for the close to be read), and the command sent on it failed:
 # after a restart, one call per pooled connection failed with StoreUnavailable. One retry,
-# at once, on a new connection; a refused connect is refused again at once, and a Redis
-# that does not answer (TimeoutError) is not waited for twice. A command whose connection
-# broke after Redis ran it runs twice: the store's commands allow it (a read; a lock taken
-# again by its holder; a token stored by generation, compared first; a counter off by one).
+# at once, on a new connection, after a ConnectionError only (redis-py's Retry takes
+# timeouts too by default): a refused connect is refused again at once, and a Redis that
+# does not answer (TimeoutError) is neither waited for twice nor sent again what it may
+# have run. A command whose connection broke after Redis ran it runs twice: the store's
+# commands allow it (a read; a lock taken again by its holder; a token stored by
+# generation, compared first; a counter off by one).
 STALE_CONNECTION_RETRY: dict[str, Any] = {
-    "retry": redis.asyncio.retry.Retry(NoBackoff(), 1),
+    "retry": redis.asyncio.retry.Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
     "retry_on_error": [redis.ConnectionError],
 }
 

@@ -91,6 +91,9 @@ class MerchantAuth(httpx.Auth):
         request.headers["Authorization"] = f"Bearer {step.token.value}"
 
         def answered(response: requests.Response, **options: Any) -> requests.Response:
+            if response.is_redirect:  # requests copies this request to follow it: unsigned,
+                # the token goes to no other page (requests keeps it for the same host)
+                response.request.headers.pop("Authorization", None)
             step = run_until(flow, response, None, manager.perform, Send)
             if isinstance(step, Done):
                 return response

@@ -377,11 +377,20 @@ def check_headers(headers: Mapping[str, str] | None) -> None:
 
 def signed_with(answer: Any, token: Token) -> bool:
     """Whether the request that got ``answer`` carried ``token`` and no other credentials
-    (a session's own auth or hooks could replace them): only then is a 401 the token's."""
+    (a session's own auth or hooks could replace them), to the path it was signed for (a
+    user's client that follows redirects answers with the last page's: a login page's 401
+    says nothing of the token): only then is a 401 the token's."""
+    if any(300 <= getattr(earlier, "status_code", 0) < 400 for earlier in answer_history(answer)):
+        return False
     request = getattr(answer, "request", None)
     if request is None:  # a transport that keeps no request: as it was given
         return True
     return bool(request.headers.get("Authorization") == f"Bearer {token.value}")
+
+
+def answer_history(answer: Any) -> list[Any]:
+    """The answers before ``answer`` (redirects, a resent 401) its client kept, if any."""
+    return list(getattr(answer, "history", None) or ())
 
 
 def host_of(url: str) -> str:

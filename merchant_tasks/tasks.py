@@ -27,6 +27,7 @@ from celery import current_app
 from celery.local import Proxy
 from celery.result import AsyncResult
 
+from merchant_tasks.api.calls import check_headers, check_path
 from merchant_tasks.exceptions import BrokerUnavailable
 from merchant_tasks.settings import FleetSettings
 from merchant_tasks.worker.install import sending_app
@@ -79,9 +80,10 @@ def _in_a_thread(blocking: Callable[P, R]) -> Callable[P, Coroutine[Any, Any, R]
     @functools.wraps(blocking)
     async def in_a_thread(*args: P.args, **kwargs: P.kwargs) -> R:
         called = time.monotonic()
-        timeout = FleetSettings.from_env().enqueue_timeout
 
         def send_what_is_left() -> R:
+            # read here, on the thread: the variables may name files (MERCHANT_*_FILE)
+            timeout = FleetSettings.from_env().enqueue_timeout
             left = called + timeout - time.monotonic()
             if left <= 0:
                 raise BrokerUnavailable(
@@ -146,7 +148,12 @@ class CallApi:
         **options: Any,
     ) -> AsyncResult:
         """Celery's ``apply_async`` of the task (``countdown``, ``task_id``, ...), bounded
-        as ``delay``."""
+        as ``delay``; a path off the API or a credential header raises ValueError here, as
+        the worker would, before anything reaches the broker."""
+        given = {**dict(zip(("method", "path"), args or (), strict=False)), **(kwargs or {})}
+        if "path" in given:  # the worker's own checks, before the broker, Flower and the
+            check_path(given["path"])  # results hold a path off the API or a credential
+        check_headers(given.get("headers"))
         timeout = _left.get() or FleetSettings.from_env().enqueue_timeout
         return send(installed_task(CALL_API), args or (), kwargs or {}, options, timeout)
 

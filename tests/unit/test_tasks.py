@@ -60,8 +60,9 @@ def test_call_api_is_still_the_registered_celery_task_for_everything_else(
     assert (signature.task, signature.kwargs) == (CALL_API, {"idempotency_key": "o-1"})
     monkeypatch.setattr(task, "run", lambda *args, **kwargs: [args, kwargs])
     monkeypatch.setattr(shop_app.conf, "task_always_eager", True)
-    sent = call_api.delay("POST", "/p", json={"amount": 7}, account="eu-shop").get()
-    assert sent == [("POST", "/p"), {"json": {"amount": 7}, "account": "eu-shop"}]  # no Nones
+    paid = "/open-api/v1/payments"
+    sent = call_api.delay("POST", paid, json={"amount": 7}, account="eu-shop").get()
+    assert sent == [("POST", paid), {"json": {"amount": 7}, "account": "eu-shop"}]  # no Nones
     assert call_api("GET", "/p") == [("GET", "/p"), {}]  # the body, in this process
 
 
@@ -174,3 +175,55 @@ def test_an_async_send_that_waited_for_a_thread_is_given_what_is_left_of_its_bou
     assert asyncio.run(queued_behind_it()) == "sent"
     assert len(given) == 1, given
     assert 0 < given[0] <= bound - busy, given
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        (("POST", "/open-api/v1/../../admin"), {}),
+        (("GET", "/open-api/v1/ping"), {"headers": {"Authorization": "Bearer sk-live-77ab"}}),
+        ((), {"method": "GET", "path": "/admin", "headers": None}),
+    ],
+)
+def test_a_call_the_worker_would_refuse_is_refused_before_it_reaches_the_broker(
+    shop_app: Celery, monkeypatch: pytest.MonkeyPatch, args: Any, kwargs: Any
+) -> None:
+    """A path off the API or a credential header would sit in the broker, Flower and the
+    results (a caller's credential among them) and fail only in the worker."""
+    from merchant_tasks import tasks
+
+    sent: list[Any] = []
+    monkeypatch.setattr(tasks, "send", lambda *given: sent.append(given))
+    with pytest.raises(ValueError, match=r"path must be under|credentials") as refused:
+        call_api.apply_async(args, kwargs)
+    assert "sk-live-77ab" not in str(refused.value)
+    assert not sent
+
+
+def test_delay_async_reads_the_fleets_variables_off_the_event_loop(
+    shop_app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its bound is read from MERCHANT_ENQUEUE_TIMEOUT or the file that names it: on the
+    send's thread, never on the loop's."""
+    import threading
+
+    from merchant_tasks import tasks
+    from merchant_tasks.settings import FleetSettings
+
+    read_on: list[int] = []
+    from_env = FleetSettings.from_env
+
+    def recorded() -> FleetSettings:
+        read_on.append(threading.get_ident())
+        return from_env()
+
+    monkeypatch.setattr(FleetSettings, "from_env", staticmethod(recorded))
+    monkeypatch.setattr(tasks, "send", lambda *given: "sent")
+
+    async def send() -> tuple[Any, int]:
+        return await call_api.delay_async("GET", "/open-api/v1/ping"), threading.get_ident()
+
+    outcome, loop_thread = asyncio.run(send())
+    assert outcome == "sent"
+    assert read_on
+    assert loop_thread not in read_on

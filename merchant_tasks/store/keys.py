@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
 import redis
@@ -103,7 +103,7 @@ class Command(Generic[T]):
     yield these and a driver sends them, blocking (``AccountRedis.send``) or asyncio
     (``store.async_store``): one command, written once, for both."""
 
-    args: tuple[Any, ...]
+    args: tuple[Any, ...] = field(repr=False)  # a token being saved, in clear without a key
     parse: Callable[[Any], T]
     key: str
     absent: T
@@ -206,29 +206,6 @@ class AccountRedis(ClientReplies[StoreClient]):
         except REDIS_ERRORS as exc:
             raw = self.refused(exc)
         return self.reply(command.key, raw, command.parse, command.absent)
-
-    def command(self, command: Callable[[], T]) -> T:
-        with unavailable_as_error(self.address):
-            return command()
-
-    def read(self, key: str, command: Callable[[], Any], parse: Callable[[Any], T], absent: T) -> T:
-        """``parse`` of what ``command`` read from ``key``; ``absent`` when nothing is
-        there or what is there is corrupt or of the wrong type (logged once)."""
-        try:
-            raw = self.command(command)
-        except StoreUnavailable as exc:
-            if not wrong_type(exc.__cause__):
-                raise
-            raw = exc.__cause__
-        return self.reply(key, raw, parse, absent)
-
-    def get(self, key: str, parse: Callable[[bytes], T], absent: T) -> T:
-        """GET ``key``, parsed; see ``read``."""
-        return self.read(key, lambda: self.client.get(key), parse, absent)
-
-    def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        """Run one of ``store.scripts`` (see ``Command.script``)."""
-        return self.send(Command.script(script, keys, args))
 
 
 def milliseconds(seconds: float) -> int:

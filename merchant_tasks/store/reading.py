@@ -28,6 +28,7 @@ import redis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
+from merchant_tasks.exceptions import TokenUnreadable
 from merchant_tasks.flows import drive, drive_async
 from merchant_tasks.store import scripts
 from merchant_tasks.store.exchange_rate import ExchangeRate, RateState
@@ -207,6 +208,17 @@ def _read(replies: Replies, key: str, item: Any, parse: Callable[[Any], T], abse
     return replies.reply(key, raw, parse, absent)
 
 
+def _token(raw: bytes, account: StoredAccount[Any], replies: Replies) -> Token | None:
+    """The stored token; one sealed with a key this process lacks as its record says it
+    (its times and generation are in clear, its fingerprint is then the sealed value's):
+    `status` needs no key (store.sealing), and one account mid key rotation failed the
+    reading of every account."""
+    try:
+        return stored_token(raw, account.codec, replies)
+    except TokenUnreadable:
+        return Token.from_json(raw)
+
+
 def _reading(account: StoredAccount[Any], now: float, row: list[Any]) -> AccountReading:
     token, breaker, lock, counters, histograms, *exchanges = row
     replies = account.replies
@@ -214,7 +226,7 @@ def _reading(account: StoredAccount[Any], now: float, row: list[Any]) -> Account
     raw_token = _read(replies, keys.token, token, bytes, None)
     return AccountReading(
         now=now,
-        token=None if raw_token is None else stored_token(raw_token, account.codec, replies),
+        token=None if raw_token is None else _token(raw_token, account, replies),
         breaker=_read(replies, keys.breaker, breaker, BreakerRecord.from_json, None),
         exchanges=tuple(_read(replies, keys.exchange_log, n, int, 0) for n in exchanges),
         lock_holder=_read(replies, keys.lock, lock, bytes.decode, None),

@@ -196,3 +196,26 @@ def test_a_sealed_fleet_renews_once_and_calls_with_the_opened_token(
     assert second.request("GET", PING) == {"ok": True}
     assert merchant_sandbox.exchanges()["ok"] == 2
     assert merchant_sandbox.calls()["unauthorized"] == 0
+
+
+def test_status_without_the_key_shows_a_sealed_token_by_its_record(
+    merchant_settings: Settings,
+    merchant_sandbox: MerchantSandbox,
+    redis_client: redis.Redis,
+    key_file: Path,
+) -> None:
+    """`status` and the exporter need no key: a token sealed with one they lack (an
+    account mid key rotation) shows its generation and state, and the other accounts are
+    read as ever (it failed the reading of every account: TokenUnreadable)."""
+    from merchant_tasks.accounts import AccountClients
+    from merchant_tasks.ops.status import account_statuses
+
+    sealed = replace(
+        merchant_settings, fleet=replace(merchant_settings.fleet, token_key_file=str(key_file))
+    )
+    assert client_for(sealed, redis_client=redis_client).request("GET", PING) == {"ok": True}
+    other = replace(merchant_settings, api_key=merchant_settings.api_key + "-other")
+    statuses = account_statuses(AccountClients({"sealed": merchant_settings, "other": other}))
+    assert statuses["sealed"].generation == 1
+    assert statuses["sealed"].state == "fresh"
+    assert statuses["other"].state == "missing"

@@ -32,3 +32,16 @@ def test_a_sentinel_store_is_named_by_its_master_and_sentinels_never_its_passwor
         client.close()
     assert where == "master shop via sentinels 127.0.0.1:26379,127.0.0.1:26380"
     assert "pw" not in where
+
+
+def test_a_command_saving_a_token_never_shows_it_in_its_repr(store: TokenStore) -> None:
+    """A token without a key is saved in clear: the command (and the flow's step that
+    carries it) is printed by error trackers and debuggers, its arguments never."""
+    from merchant_tasks.flows import Redis
+    from support.tokens import make_token
+
+    token = make_token(value="bearer-3f9a1c-secret")
+    command = store.ask.save(token)
+    assert "bearer-3f9a1c-secret" in str(command.args)  # what it sends: the token is there
+    assert "bearer-3f9a1c-secret" not in repr(command)
+    assert "bearer-3f9a1c-secret" not in repr(Redis(command))

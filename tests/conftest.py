@@ -161,13 +161,18 @@ def fleet(
         yield f
 
 
-# -- the fault suites' caller processes (test_faults.py searches its evidence for leaks) ----
+# -- the fault suites' caller processes, what they saw searched for the secret -------------
 
 
 @pytest.fixture
-def evidence() -> Evidence:
-    """What the test saw; this one is not searched for leaks."""
-    return Evidence()
+def evidence() -> Iterator[Evidence]:
+    """What the test saw (its caller processes' reports, whatever a test adds), searched for
+    the test secret once every fixture that adds to it has been torn down: the test fails
+    if the secret shows (faults/test_faults.py adds needles and texts of its own)."""
+    record = Evidence()
+    record.needle("the test secret", TEST_SECRET)
+    yield record
+    record.assert_no_leak()
 
 
 @pytest.fixture

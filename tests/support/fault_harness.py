@@ -41,9 +41,9 @@ CALL_PAUSE = 0.05
 class Evidence:
     """Everything a fault test saw, and what must never appear in it.
 
-    Each test has its own (the ``evidence`` fixture of faults/test_faults.py), searched by
-    ``assert_no_leak`` when the test ends, so the search holds for a test run alone
-    (``-k``) or on any xdist worker.
+    Each test has its own (the ``evidence`` fixture, conftest's, with more needles in
+    faults/test_faults.py), searched by ``assert_no_leak`` when the test ends, so the
+    search holds for a test run alone (``-k``) or on any xdist worker.
     """
 
     texts: dict[str, bytes] = field(default_factory=dict)

@@ -13,6 +13,7 @@ from celery import Celery
 from merchant_tasks.exceptions import BrokerUnavailable
 from merchant_tasks.sandbox.processes import free_port
 from merchant_tasks.worker.sending import RETRY_PAUSE, retry_policy, send
+from support.clock import ManualClock
 
 PASSWORD = "hunter2-broker"  # searched for in the error
 BOUND = 1.0  # seconds: short, the promise is the same for any bound
@@ -21,14 +22,6 @@ SLACK = 1.0  # seconds over the bound for a busy machine
 
 def probe() -> None:
     """A task of the shop's."""
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

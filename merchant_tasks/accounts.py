@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     import requests
 
     from merchant_tasks.api.client import MerchantClient
+    from merchant_tasks.api.exchange import ExchangeRequest
     from merchant_tasks.renewal.manager import TokenManager
 
     FleetClient = MerchantClient[TokenManager]  # the client whose token source is the fleet's
@@ -241,7 +242,7 @@ def client_for(
         store,
         exchange,
         lambda: credentials_fingerprint(settings, settings.secret.reveal()),
-        **renewal_terms(settings, store.commands, exchange.endpoint),
+        **renewal_terms(settings, store.commands, exchange),
         owns_redis=redis_client is None and given_store is None,
     )
     return MerchantClient(
@@ -304,16 +305,16 @@ class RenewalTerms(TypedDict):
     endpoint: str
 
 
-def renewal_terms(settings: Settings, commands: Replies, endpoint: str) -> RenewalTerms:
+def renewal_terms(settings: Settings, commands: Replies, exchange: ExchangeRequest) -> RenewalTerms:
     """The renewal terms of the account: its windows, the exchange's deadline, the
     fleet-wide exchange rate of its token endpoint (asked through ``commands``, its
-    store's) and that endpoint's fingerprint (``endpoint``, the exchange's)."""
+    store's) and that endpoint's fingerprint (both from ``exchange``)."""
     return RenewalTerms(
         renew_before=settings.renew_before,
         renew_mandatory=settings.renew_mandatory,
-        exchange_timeout=settings.connect_timeout + settings.read_timeout,
+        exchange_timeout=exchange.deadline,
         rate=exchange_rate_for(settings, commands),
-        endpoint=endpoint,
+        endpoint=exchange.endpoint,
     )
 
 

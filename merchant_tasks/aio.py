@@ -52,7 +52,7 @@ def async_client_for(
     async def credentials() -> str:
         return credentials_fingerprint(settings, await exchange.credentials())
 
-    terms = renewal_terms(settings, store.commands, exchange.endpoint)
+    terms = renewal_terms(settings, store.commands, exchange)
     manager = AsyncTokenManager(store, exchange, credentials, **terms)
     return AsyncMerchantClient(
         settings.base_url,

@@ -4,7 +4,7 @@ is renewed (``RenewalPolicy``), and the words the fleet counts with.
 
 Times are seconds on the token store's clock (Redis TIME), the one clock every host shares.
 Pure decisions on values, no I/O: docs/design.md, "Windows" and "An answer no better than
-the stored token". What a 401 means is ``renewal.refusals``'.
+the stored token". What a 401 means is ``renewal.life``'s (``judge``).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ class CounterName(enum.StrEnum):
 
 
 class BreakerKind(enum.StrEnum):
-    """Why exchanges are paused (``renewal.refusals.Breaker``)."""
+    """Why exchanges are paused (``renewal.life.pause_for``)."""
 
     REJECTED = "rejected"  # the credentials were refused
     RATE_LIMITED = "rate_limited"  # 429

@@ -46,7 +46,7 @@ import random
 import re
 from copy import copy as shallow_copy
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from tenacity import (
     RetryCallState,
@@ -102,7 +102,6 @@ from merchant_tasks.token import (
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 # -- policy numbers, each a bound, not a guess --------------------------------------------
 
@@ -698,9 +697,7 @@ class TokenLife:
             outcome = yield Await(flight, max(0.0, deadline - moment.mono))
             moment = yield CLOCK
             if isinstance(outcome, MerchantError):
-                if isinstance(outcome, _HELD_BACK):
-                    raise _again(outcome, outcome.retry_after or 0.0)
-                raise shallow_copy(outcome)
+                raise shallow_copy(outcome)  # threads may raise it at once
             if isinstance(outcome, Token) and outcome.replaces(stale, moment.now):
                 return outcome
             if outcome is TIMED_OUT or moment.mono >= deadline:

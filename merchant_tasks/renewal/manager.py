@@ -113,7 +113,6 @@ class TokenManager:
             rng=rng,
             copy_ttl=local_copy_ttl,
         )
-        self.policy = self.life.policy
         self._heartbeats: dict[str, threading.Event] = {}
         self._remake_locks()
         _MANAGERS.add(self)  # its locks are remade in a forked child

@@ -1,4 +1,5 @@
-"""The token store's Lua scripts (``token_store.TokenStore`` runs them; nothing else does).
+"""The token store's Lua scripts, sent as ``keys.Command`` values by the store, the exchange
+rate and the reading of many accounts (``token_store``, ``exchange_rate``, ``reading``).
 
 Each script reads a corrupt or wrong-typed value as absent and writes over it: a key
 holding garbage (a hash where a string belongs, JSON that is not a token, a counter that
@@ -467,7 +468,7 @@ return values
 """
 
 # KEYS: per account, in this order, its token, breaker, lock, counters, histograms and
-# exchange log (``store.reading.ACCOUNT_KEYS``: up to READ_BATCH accounts a script);
+# exchange log (``store.reading``: up to READ_BATCH accounts a script);
 # ARGV: the starts of the windows whose exchanges are counted. One JSON array, an array per
 # account: the three strings (false: absent), the two hashes as flat arrays of fields and
 # values (``{}`` when empty: cjson's empty table), then each window's count; a command's

@@ -19,7 +19,7 @@ need), all named by ``store.keys.AccountKeys``:
 - ``generation`` a counter that only grows; a write names the generation it replaces and
                  is refused if another write came first, so an older token never
                  overwrites a newer one
-- ``lock``       the renewal lock; its value names the holding process (``renewal.lock``)
+- ``lock``       the renewal lock; its value names the holding process (``renewal.life``)
 - ``breaker``    why exchanges are paused and until when (kept a while past the pause,
                  to count failures in a row)
 - ``counters``   fleet-wide counters (``CounterName`` and the fields ``renewal_counter``,
@@ -584,9 +584,6 @@ class AccountRecords:
     def histograms(self) -> dict[str, int]:
         return self.commands.send(self.ask.histograms())
 
-    def numbers(self, key: str, raw: Mapping[bytes, bytes]) -> dict[str, int]:
-        return self.ask.numbers(key, raw)
-
     def observe(self, name: str, seconds: float) -> None:
         """Add one duration to the fleet-wide histogram ``name``. Best effort: a failure
         is logged, never raised, so it cannot fail what it measures."""
@@ -683,7 +680,8 @@ class TokenStore(AccountStore[StoreClient, AccountRedis]):
     """One account's token, generation, acceptance and renewal lock; ``records`` holds its
     breaker, counters and completion records. Each method sends the command of the same
     name of ``ask`` (``TokenCommands``, what the renewal's flows yield) and returns its
-    reply. Beat's check, completions, wake-ups, status and metrics reach Redis through it."""
+    reply. Beat's check, completions and wake-ups reach Redis through it (status and metrics
+    read many accounts at once: ``store.reading``)."""
 
     namespace_for = staticmethod(AccountKeys.namespace_for)
 

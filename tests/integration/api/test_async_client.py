@@ -28,6 +28,7 @@ from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxConfig
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import RedisServer
 from merchant_tasks.settings import Settings
+from merchant_tasks.store import scripts
 from merchant_tasks.store.wakeup import LISTEN_TICK
 from support.routes import PAYMENTS, PING, REPORTS, exchanges
 
@@ -327,9 +328,22 @@ def test_a_request_cancelled_while_it_leads_a_renewal_leaves_no_one_waiting_on_i
     process's renewal, mid-exchange: the tasks awaiting that renewal go on with a renewal of
     their own at once, and the lock is free (no waiting out a lease or ``Limits.wait``)."""
     merchant_sandbox.app.configure({"token_latency": 1.0})
+    taken: list[str] = []  # the holdings of the lock taken, and released, in order
+    released: list[str] = []
 
     async def scenario() -> tuple[Any, bool]:
         async with async_client_from_env() as client:
+            store = client.manager.store
+            send = store.send
+
+            async def recorded(command: Any) -> Any:
+                if command.args[:2] == ("EVAL", scripts.TAKE_LOCK):
+                    taken.append(command.args[4])
+                if command.args[:2] == ("EVAL", scripts.RELEASE_LOCK):
+                    released.append(command.args[4])
+                return await send(command)
+
+            store.send = recorded
             leader = asyncio.create_task(client.request("GET", PING))
             while merchant_sandbox.app.arrived(TOKEN_PATH) < 1:  # exchanging
                 await asyncio.sleep(0.01)
@@ -346,6 +360,9 @@ def test_a_request_cancelled_while_it_leads_a_renewal_leaves_no_one_waiting_on_i
     answer, lock_free = asyncio.run(scenario())
     assert answer == {"ok": True}
     assert lock_free
+    assert taken
+    assert taken[0] in released  # the cancelled leader let go of its own holding (a waiter
+    # of its process may take the lock over, but another process would wait out the lease)
     # the cancelled exchange (abandoned mid-way) and the waiter's own, at once
     assert merchant_sandbox.app.arrived(TOKEN_PATH) == 2
     assert merchant_sandbox.exchanges()["ok"] == 1

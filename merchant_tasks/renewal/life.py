@@ -606,9 +606,7 @@ class TokenLife:
         if hold:
             moment = yield CLOCK
             if moment.now < hold:
-                if token.accepted:
-                    raise PathForbidden.on(route_of(path))
-                raise _held(route_of(path), hold - moment.now)
+                raise _hold_error(token, route_of(path), hold - moment.now)
         return token
 
     def accepted(self, token: Token, path: str = "") -> Flow[None]:
@@ -741,7 +739,7 @@ class TokenLife:
         if hold == 0:
             raise PathForbidden.on(route, accepted_elsewhere=stale.accepted)
         if hold is not None and now < hold:
-            raise _held(route, hold - now)
+            raise _hold_error(stale, route, hold - now)
 
     def _look_command(
         self, stale: Token, holding: str, route: str, count: bool, mark: bool
@@ -786,9 +784,9 @@ class TokenLife:
             moment = yield CLOCK
         locked = outcome == 1
         handed = False
-        if locked:
-            yield Hold(holding)
         try:
+            if locked:
+                yield Hold(holding)
             if current is not None and current.replaces(stale, moment.now):
                 return self.keep(current, moment.mono)  # renewed elsewhere: compare-and-swap
             if current is not None and current.generation == stale.generation:
@@ -920,9 +918,11 @@ class TokenLife:
     def _fleet_renewal(
         self, purpose: Purpose, holding: str | None, heard: int | None, noted: bool
     ) -> Flow[tuple[Token, bool]]:
-        """``_renewal``'s token, and whether this process exchanged for it."""
-        started = yield CLOCK
-        deadline = started.mono + self.limits.wait
+        """``_renewal``'s token, and whether this process exchanged for it. Nothing is
+        yielded before a ``holding`` passed in is under the ``finally`` that releases it: a
+        cancellation at such a step left the lock to its lease, renewing nobody's token."""
+        started: float | None = None  # when this process began to wait for another's renewal
+        taken = False  # the lock taken here (a holding passed in is held already)
         probing = [False]
         attempt = 0
         looked = heard is not None  # the caller's own look stands for the first attempt
@@ -938,10 +938,12 @@ class TokenLife:
                 value = self._holding()
                 if (yield Redis(self.ask.take_lock(value, self.lock_prefix, self.limits.lease))):
                     holding = value
-                    yield Hold(holding)
+                    taken = True
             looked = False
             if holding is not None:
                 try:
+                    if taken:
+                        yield Hold(holding)
                     # look again: the holder we waited for may have stored a token, or
                     # failed and paused exchanges (pauses only open under the lock)
                     found = yield from self._look(purpose, probing)
@@ -956,10 +958,12 @@ class TokenLife:
                 return fallback, False
             if not noted:
                 noted = yield Redis(self.ask.note_wait(stale_generation, self.limits.wait))
-            if moment.mono >= deadline or attempt >= self.limits.looks:
+            if started is None:
+                started = moment.mono
+            if moment.mono >= started + self.limits.wait or attempt >= self.limits.looks:
                 holder = yield Redis(self.ask.lock_holder())
                 raise RenewalTimeout(
-                    f"waited {moment.mono - started.mono:.1f} s for the token renewal held "
+                    f"waited {moment.mono - started:.1f} s for the token renewal held "
                     f"by {holder or 'nobody (it expired)'}"
                 )
             assert heard is not None
@@ -1310,6 +1314,17 @@ class RouteVerdict:
     """A 401 judged the route's, not the token's: the call's error (the token stays)."""
 
     error: MerchantError
+
+
+def _hold_error(token: Token, route: str, left: float) -> PathForbidden:
+    """The error of a call to ``route``, which ``token``'s record holds back for ``left``
+    seconds more, before it is sent or after a 401: the route's (a permission) once the
+    token works elsewhere, else the key's or the route's."""
+    if token.accepted:
+        error = PathForbidden.on(route)
+        error.retry_after = max(0.0, left)
+        return error
+    return _held(route, left)
 
 
 def _held(route: str, left: float) -> PathForbidden:

@@ -37,6 +37,7 @@ from merchant_tasks.store.sealing import TokenCodec
 from merchant_tasks.store.token_store import (
     BreakerRecord,
     TokenStore,
+    redis_seconds,
     stored_numbers,
     stored_token,
 )
@@ -150,7 +151,7 @@ def _reading_flow(
     PIPELINE_ACCOUNTS a round trip; on a Redis Cluster one account a script (a script's keys
     must share a slot, and an account's do)."""
     hosts = list({id(account.rate): account.rate for account in accounts}.values())
-    first: Trip = [Command.plain("TIME", parse=_seconds)]
+    first: Trip = [Command.plain("TIME", parse=redis_seconds)]
     for rate in hosts:
         first += [rate.peek(), rate.counts()]
     replies = yield first
@@ -237,11 +238,6 @@ def _reading(account: StoredAccount[Any], now: float, row: list[Any]) -> Account
             keys.histograms, _read(replies, keys.histograms, histograms, dict, {}), replies
         ),
     )
-
-
-def _seconds(reply: tuple[int, int]) -> float:
-    seconds, micros = reply
-    return int(seconds) + int(micros) / 1e6
 
 
 def _send(client: StoreClient, trip: Trip) -> list[Any]:

@@ -189,7 +189,8 @@ HISTOGRAMS = {
 }
 
 
-def _seconds(reply: tuple[int, int]) -> float:
+def redis_seconds(reply: tuple[int, int]) -> float:
+    """Redis's TIME reply (seconds, microseconds) as seconds."""
     seconds, micros = reply
     return float(int(seconds) + int(micros) / 1e6)
 
@@ -220,7 +221,7 @@ class TokenCommands:
 
     def time(self) -> Command[float]:
         """Redis's clock, in seconds."""
-        return Command.plain("TIME", parse=_seconds)
+        return Command.plain("TIME", parse=redis_seconds)
 
     def load(self) -> Command[Token | None]:
         """The stored token, or None (see ``parse_token``)."""

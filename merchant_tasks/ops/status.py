@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import TYPE_CHECKING, Any
 
 from merchant_tasks.settings import Settings
@@ -98,6 +99,13 @@ class AccountStatus:
                 "counts": dict(self.exchange_rate["counts"]),
             }
         return made
+
+
+# AccountStatus's fields, in order, with their defaults (None where it has none): the dicts
+# of `status --json` start from these, so a field added to the status shows there too
+_DEFAULTS: dict[str, Any] = {
+    f.name: None if f.default is MISSING else f.default for f in dataclass_fields(AccountStatus)
+}
 
 
 def account_status(
@@ -189,18 +197,12 @@ def _status_fields(
         }
     last_hour, last_day = reading.exchanges
     fields: dict[str, Any] = {
+        **_DEFAULTS,  # every field, in the status's order; a token's below
         "account": name,
         "environment": settings.environment,
         "api_key": settings.api_key,
         "now": now,
         "state": AccountState.MISSING,
-        "generation": None,
-        "fingerprint": None,
-        "issued_at": None,
-        "age": None,
-        "time_left": None,
-        "last_renewal_reason": None,
-        "renewed_by": None,
         "exchanges_last_hour": last_hour,
         "exchanges_last_day": last_day,
         "breaker": breaker,

@@ -19,13 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from merchant_tasks.api.calls import (
-    IDEMPOTENCY_HEADER,
     Call,
     Reveal,
     Send,
     TokenFlows,
     TransportFailure,
     call,
+    with_idempotency_key,
 )
 from merchant_tasks.api.exchange import (
     ERROR_BODY_LIMIT,
@@ -176,8 +176,7 @@ class AsyncMerchantClient:
         """Call ``method path`` and return the decoded JSON body (None when empty); raises
         as ``MerchantClient.request`` does. ``idempotency_key`` is sent as
         ``Idempotency-Key`` (a call carrying one may be sent again, whatever its method)."""
-        if idempotency_key is not None:
-            headers = {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
+        headers = with_idempotency_key(headers, idempotency_key)
         with Call(method, path, json, params, headers).recorded(self.account) as the_call:
             return await self.run(call(self._flows, the_call, self.secret), the_call)
 

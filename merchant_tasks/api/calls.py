@@ -54,6 +54,17 @@ log = logging.getLogger(__name__)
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})  # RFC 9110 9.2.2
 IDEMPOTENCY_HEADER = "Idempotency-Key"  # the header most payment APIs read (IETF draft name):
 # a request carrying one may be sent again whatever its method, the server answers it once
+
+
+def with_idempotency_key(
+    headers: Mapping[str, str] | None, idempotency_key: str | None
+) -> Mapping[str, str] | None:
+    """``headers``, with ``idempotency_key`` as IDEMPOTENCY_HEADER when one is given."""
+    if idempotency_key is None:
+        return headers
+    return {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
+
+
 SAFE_TO_RESEND_STATUSES = frozenset({429, 503})  # the server refused before processing
 TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 CALL_ATTEMPTS = 4  # one call plus three retries, then the caller (or Celery) decides

@@ -32,6 +32,7 @@ from merchant_tasks.api.calls import (
     TokenSource,
     TransportFailure,
     call,
+    with_idempotency_key,
 )
 from merchant_tasks.flows import Clock, Flow, Moment, Sleep, drive
 from merchant_tasks.settings import DEFAULT_TIMEOUTS, Secret
@@ -109,8 +110,11 @@ class MerchantClient(Generic[SourceT]):
         json: Any = None,
         params: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
     ) -> Any:
         """Call ``method path`` and return the decoded JSON body (None when empty).
+        ``idempotency_key`` is sent as ``Idempotency-Key`` (a call carrying one may be sent
+        again, whatever its method).
 
         Raises:
             ValueError: the path is outside ``/open-api/v1``, or a header would carry
@@ -122,6 +126,7 @@ class MerchantClient(Generic[SourceT]):
             ApiError: any other error status.
             TokenExchangeError, StoreUnavailable: no token could be had.
         """
+        headers = with_idempotency_key(headers, idempotency_key)
         with Call(method, path, json, params, headers).recorded(self.account) as the_call:
             return self.run(call(self._flows, the_call, self.secret), the_call)
 

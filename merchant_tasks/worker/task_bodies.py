@@ -225,11 +225,9 @@ def _call_once(
         earlier = records.earlier_run(task_id) if task_id else None
         if earlier is not None:
             return earlier.result
-        if idempotency_key is not None:
-            from merchant_tasks.api.calls import IDEMPOTENCY_HEADER
-
-            headers = {**(headers or {}), IDEMPOTENCY_HEADER: idempotency_key}
-        result = api.request(method, path, json=json, params=params, headers=headers)
+        result = api.request(
+            method, path, json=json, params=params, headers=headers, idempotency_key=idempotency_key
+        )
     except PathForbidden:
         raise  # the merchant lacks a permission for the path: trying again cannot help
     except (CredentialsRejected, TokenRejected) as exc:

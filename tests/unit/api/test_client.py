@@ -506,6 +506,14 @@ def test_a_post_with_an_idempotency_key_is_retried_like_get(
     assert len(transport.sent) == 4
 
 
+def test_an_idempotency_key_argument_is_sent_as_its_header_and_retried_like_get(
+    client: FleetClient, transport: FakeTransport
+) -> None:
+    transport.reply(response(502), response(201, [1]))
+    assert client.request("POST", ORDERS, json={"amount": 1}, idempotency_key="order-43") == [1]
+    assert [request.headers["Idempotency-Key"] for request in transport.sent] == ["order-43"] * 2
+
+
 def test_a_connection_dropped_after_sending_is_not_retried_for_post(
     client: FleetClient, transport: FakeTransport
 ) -> None:

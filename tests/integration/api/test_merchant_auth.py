@@ -1,11 +1,15 @@
 """``MerchantAuth`` on the user's own HTTP clients (httpx.Client, httpx.AsyncClient, a
 requests Session) against the emulator: the fleet's token, one replacement on a 401 and one
-resend, the guards before anything is sent, and no secret or token in its repr."""
+resend, the guards before anything is sent, no secret or token in its repr, and a client that
+follows redirects (requests does not carry the token there; with httpx, which keeps it for
+the same host, the page's 401 is not judged as the token's)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -14,11 +18,14 @@ import requests
 from merchant_tasks.accounts import FleetClient, client_for, close_client
 from merchant_tasks.aio import async_client_for
 from merchant_tasks.api.auth import MerchantAuth
-from merchant_tasks.sandbox.emulator import SandboxConfig
+from merchant_tasks.sandbox.emulator import SandboxApp, SandboxConfig
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.settings import Settings
 from merchant_tasks.store.topology import async_redis_from_url
 from support.routes import PING, REPORTS, exchanges
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
 pytestmark = pytest.mark.integration
 
@@ -29,6 +36,37 @@ SECRET = "merchant-auth-secret-91be"
 @pytest.fixture
 def merchant_sandbox_config() -> SandboxConfig:
     return SandboxConfig(api_key="auth-key", secret=SECRET, forbidden_paths=[REPORTS])
+
+
+MOVED = "/open-api/v1/moved"
+LOGIN = "/login"
+
+
+class RedirectingSandbox(SandboxApp):
+    """The emulator, but ``MOVED`` redirects to ``LOGIN``, which answers 401 and notes the
+    Authorization header it was sent."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        super().__init__(config)
+        self.login_headers: list[str | None] = []
+        self._seen = threading.Lock()
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == MOVED:
+            start_response("302 Found", [("Location", LOGIN), ("Content-Length", "0")])
+            return [b""]
+        if path == LOGIN:
+            with self._seen:
+                self.login_headers.append(environ.get("HTTP_AUTHORIZATION"))
+            start_response("401 Unauthorized", [("Content-Length", "0")])
+            return [b""]
+        return super().__call__(environ, start_response)
+
+
+@pytest.fixture
+def merchant_sandbox_app(merchant_sandbox_config: SandboxConfig) -> RedirectingSandbox:
+    return RedirectingSandbox(merchant_sandbox_config)
 
 
 @pytest.fixture
@@ -151,3 +189,38 @@ def test_the_auth_shows_no_secret_or_token(
     for text in (repr(auth), str(auth), repr(blocking)):
         assert SECRET not in text
         assert token not in text
+
+
+# -- a client that follows redirects: an API path redirected to a page answering 401 -------
+
+
+def login_headers(sandbox: MerchantSandbox) -> list[Any]:
+    app: Any = sandbox.app
+    return list(app.login_headers)
+
+
+def test_requests_follows_a_redirect_without_the_token_and_renews_nothing(
+    blocking: FleetClient, merchant_sandbox: MerchantSandbox
+) -> None:
+    with requests.Session() as session:
+        session.auth = MerchantAuth(blocking)
+        assert session.get(merchant_sandbox.url + PING, timeout=10).json() == {"ok": True}
+        answer = session.get(merchant_sandbox.url + MOVED, timeout=10)
+    assert answer.status_code == 401
+    assert [r.status_code for r in answer.history] == [302]
+    assert login_headers(merchant_sandbox) == [None]  # the token stayed with the API
+    assert exchanges(merchant_sandbox) == 1  # the page's 401 renewed nothing
+
+
+def test_httpx_following_a_redirect_gets_the_pages_401_and_renews_nothing(
+    blocking: FleetClient, merchant_sandbox: MerchantSandbox
+) -> None:
+    auth = MerchantAuth(blocking)
+    with httpx.Client(base_url=merchant_sandbox.url, auth=auth, follow_redirects=True) as http:
+        assert http.get(PING).json() == {"ok": True}
+        answer = http.get(MOVED)
+    assert answer.status_code == 401
+    assert [r.status_code for r in answer.history] == [302]
+    assert len(login_headers(merchant_sandbox)) == 1  # httpx keeps it for the same host
+    assert exchanges(merchant_sandbox) == 1  # the page's 401 renewed nothing
+    assert merchant_sandbox.app.counters()["calls"].get("unauthorized", 0) == 0

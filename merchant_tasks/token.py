@@ -66,6 +66,8 @@ class Token:
     # command as the fact they record, docs/design.md "Refusals"); older records lack them
     accepted: bool = False  # the API accepted it at least once
     refused_at: float = 0.0  # when the API first refused it (Redis time); 0: never
+    refused_route: str = ""  # the route of that 401 ("" : a look with none), which the
+    # token replacing it carries as its ``retry_route``, whichever process exchanges it
     first_use_refusals: int = 0  # tokens before it refused on their first use, in a row,
     # with no acceptance between (what the back-off after a refusal counts)
     retry_route: str = ""  # the route whose 401 made this token's exchange, until a call on
@@ -184,7 +186,8 @@ class Token:
                 "first_use_refusals": self.first_use_refusals,
                 "accepted": self.accepted,
                 "refused_at": self.refused_at,
-                # the scripts rewrite these two in place too (``store.scripts.set_text``)
+                # the scripts rewrite these in place too (``store.scripts.set_text``)
+                "refused_route": self.refused_route,
                 "retry_route": self.retry_route,
                 "routes": " ".join(f"{name}={until!r}" for name, until in self.routes),
                 "accepted_routes": " ".join(self.accepted_routes),
@@ -212,6 +215,7 @@ class Token:
                 traceparent=str(data.get("traceparent", ""))[:TRACEPARENT_MAX],
                 accepted=data.get("accepted", False) is True,
                 refused_at=float(data.get("refused_at", 0.0)),
+                refused_route=str(data.get("refused_route", "")),
                 first_use_refusals=int(data.get("first_use_refusals", 0)),
                 retry_route=str(data.get("retry_route", "")),
                 routes=_routes(str(data.get("routes", ""))),

@@ -742,7 +742,7 @@ class TokenLife:
             raise _hold_error(stale, route, hold - now)
 
     def _look_command(
-        self, stale: Token, holding: str, route: str, count: bool, mark: bool
+        self, stale: Token, holding: str, route: str, count: bool, mark: bool, judged: bool
     ) -> Redis[tuple[Token | None, int]]:
         """The round trip of ``_look_after_401``, holding the lock as ``holding``."""
         return Redis(
@@ -755,6 +755,7 @@ class TokenLife:
                 route=route,
                 count=count,
                 mark=mark,
+                judged=judged,
             )
         )
 
@@ -767,7 +768,9 @@ class TokenLife:
         heard = yield HEARD
         holding = self._holding()
         try:
-            current, outcome = yield self._look_command(stale, holding, route, new_401, new_401)
+            current, outcome = yield self._look_command(
+                stale, holding, route, new_401, new_401, judged=False
+            )
         except StoreUnavailable:
             if new_401:  # the refusal is not recorded: this process holds it meanwhile
                 older = {g for g in self._unrecorded if g < stale.generation}
@@ -780,7 +783,9 @@ class TokenLife:
             if verdict in ROUTE_VERDICTS and not current.refused:
                 return (yield from self._route_judged(current, route, verdict, moment))
             # the token's fault after all: mark it refused, try the lock (counted already)
-            current, outcome = yield self._look_command(stale, holding, "", count=False, mark=True)
+            current, outcome = yield self._look_command(
+                stale, holding, route, count=False, mark=True, judged=True
+            )
             moment = yield CLOCK
         locked = outcome == 1
         handed = False
@@ -1063,6 +1068,10 @@ class TokenLife:
         issued_at = (yield CLOCK).now  # before the exchange: the token is at least this old
         kept_routes = current.forbidden_routes if current is not None else ()
         worked_on = current.accepted_routes if current is not None else ()
+        # the route of the 401 that made this exchange: this call's, or the one the record
+        # of the refused token names (a process without one replaces it: issue 36's flake,
+        # where the next 401 there read as the credentials' for want of it)
+        route = purpose.route or (current.refused_route if current and current.refused else "")
         if current is not None and not current.valid_at(issued_at):
             current = None
         try:
@@ -1089,8 +1098,8 @@ class TokenLife:
             lag=max(0.0, (yield CLOCK).now - issued_at),
             traceparent=telemetry.renewal_traceparent(),
             first_use_refusals=in_a_row,
-            retry_route=purpose.route if forced else "",
-            route_worked=forced and bool(purpose.route) and purpose.route in worked_on,
+            retry_route=route if forced else "",
+            route_worked=forced and bool(route) and route in worked_on,
             routes=kept_routes,
         )
         return (yield from self._store_new(token, expected, issued.expires_in))

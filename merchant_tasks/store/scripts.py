@@ -243,13 +243,14 @@ return raw or false
 # KEYS: token, lock, counters, waits. ARGV: refused generation, the lock value to take it
 # with ('' : do not take it, a thread of this process holds it), the process's owner
 # prefix, lease (ms), the 401 counter ('' : no new 401, do not count), the lock-wait
-# counter, the wait's limit (ms), the route of the 401 ('' : none, or judged already),
-# '1' to mark the record refused. Counts the 401 and reads the token. When the stored
-# token is the refused one and its record names the route (its retry route, or one of its
-# routes), nothing else is done: what that 401 means is judged from the record first
-# (``renewal.life``). Otherwise the 401 marks its record refused (Redis time, the first
-# refusal kept): from then on no process sends it; and when it is the refused one (or none
-# is stored), tries the renewal lock, and notes the wait if another holds it.
+# counter, the wait's limit (ms), the route of the 401 ('' : none), '1' to mark the record
+# refused, '1' if the route was judged already. Counts the 401 and reads the token. When
+# the stored token is the refused one and its record names the route (its retry route, or
+# one of its routes) not judged yet, nothing else is done: what that 401 means is judged
+# from the record first (``renewal.life``). Otherwise the 401 marks its record refused
+# (Redis time and the route, the first refusal kept): from then on no process sends it,
+# and whichever process replaces it knows the route; and when it is the refused one (or
+# none is stored), tries the renewal lock, and notes the wait if another holds it.
 # Returns {token JSON or nil, 1: lock taken, 0: not tried, -1: held by another (noted),
 # 2: the record names the route}.
 LOOK_AFTER_401 = (
@@ -259,10 +260,11 @@ if ARGV[5] ~= '' then incr(KEYS[3], ARGV[5], 1) end
 local raw = read_string(KEYS[1])
 local generation = token_generation(raw)
 if generation and generation ~= tonumber(ARGV[1]) then return {raw or false, 0} end
-if generation and names_route(raw, ARGV[8]) then return {raw, 2} end
+if generation and ARGV[10] ~= '1' and names_route(raw, ARGV[8]) then return {raw, 2} end
 if generation and ARGV[9] == '1' and (tonumber(field_of(raw, 'refused_at')) or 0) == 0 then
   local now = redis.call('TIME')
   raw = set_field(raw, 'refused_at', now[1] .. '.' .. string.format('%06d', tonumber(now[2])))
+  if ARGV[8] ~= '' then raw = set_text(raw, 'refused_route', ARGV[8]) end
   rewrite_token(KEYS[1], raw)
 end
 if take_lock(KEYS[2], ARGV[2], ARGV[3], ARGV[4]) then return {raw or false, 1} end

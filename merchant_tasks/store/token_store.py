@@ -270,13 +270,15 @@ class TokenCommands:
         route: str = "",
         count: bool = True,
         mark: bool | None = None,
+        judged: bool = False,
     ) -> Command[tuple[Token | None, int]]:
         """After a 401 on ``route``, in one round trip: count it (unless ``count`` is False:
         no new 401 came, the call follows an earlier one), load the token; if it is still
-        the refused generation and its record names ``route``, nothing more (what the 401
-        means is judged from the record first); else mark its record refused (``mark``, as
-        ``count`` unless given) and, if it is still the refused generation (or none is
-        stored), try the renewal lock with ``lock_value`` (None: do not take it).
+        the refused generation and its record names ``route`` (not ``judged`` already),
+        nothing more (what the 401 means is judged from the record first); else mark its
+        record refused on ``route`` (``mark``, as ``count`` unless given) and, if it is still
+        the refused generation (or none is stored), try the renewal lock with ``lock_value``
+        (None: do not take it).
 
         Returns the stored token and 1 (lock taken), 0 (not tried), -1 (another holds it:
         the wait was noted, see ``note_wait``) or 2 (the record names the route).
@@ -294,6 +296,7 @@ class TokenCommands:
                 milliseconds(wait_limit),
                 route,
                 "1" if (count if mark is None else mark) else "",
+                "1" if judged else "",
             ],
             lambda reply: (self.parse_token(reply[0] or None), int(reply[1])),
         )

@@ -14,6 +14,7 @@ import redis
 from merchant_tasks.exceptions import (
     CredentialsRejected,
     ExchangeRateLimited,
+    PathForbidden,
     StoreUnavailable,
     TokenEndpointUnavailable,
     TokenExchangeError,
@@ -44,6 +45,7 @@ from support.renewal import (
     make_manager,
     when_sent,
 )
+from support.routes import PING
 from support.tokens import OTHER_HOLDER, stored
 
 # -- renew(stale_token=...): after a 401 -------------------------------------------------
@@ -557,6 +559,35 @@ def _refused_elsewhere(store: TokenStore, token: Token) -> None:
     looked = store.load()
     assert looked is not None
     assert looked.refused
+
+
+def test_a_token_another_process_met_a_401_with_is_replaced_bearing_that_route(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """Another process's 401 on /ping marked a token refused on its first use, then that
+    process died before its exchange. A call here finds it refused and replaces it: the
+    replacement's record names /ping (from the refused record), so that its own 401 there
+    holds that route back, with no pause over the credentials. Before, it named no route,
+    and that 401 read as two tokens refused on two routes: a fleet-wide pause for what one
+    route's permission explains (the flaky fault row, issue 36)."""
+    first = stored(store, clock, left=7190.0, age=10.0)  # never accepted: its first use
+    look = store.ask.look_after_401(
+        first.generation, f"{OTHER_HOLDER}:1", f"{OTHER_HOLDER}:", 60.0, 30.0, route="ping"
+    )
+    assert store.send(look)[1] == 1  # marked refused on ping, the lock taken
+    refused = store.load()
+    assert refused is not None
+    assert refused.refused
+    assert refused.refused_route == "ping"
+    store.redis.delete(store.keys.lock)  # its holder died: the lease ends
+
+    second = manager.token(PING)  # replaced by this process, which met no 401 itself
+    assert second.replaces(first, clock.now)
+    assert (second.retry_route, second.first_use_refusals) == ("ping", 1)
+    with pytest.raises(PathForbidden, match="in a row"):
+        manager.refused(second, PING)
+    assert store.records.load_breaker() is None  # the route's, not the credentials'
+    assert len(exchange.calls) == 1
 
 
 def test_a_refused_token_in_the_mandatory_window_is_not_handed_out_while_another_replaces_it(

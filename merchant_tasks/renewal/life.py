@@ -796,7 +796,7 @@ class TokenLife:
                 return self.keep(current, moment.mono)  # renewed elsewhere: compare-and-swap
             if current is not None and current.generation == stale.generation:
                 self.keep(current, moment.mono)  # its record, refusal included
-                yield from self._token_verdict(current, moment.now)
+                yield from self._token_verdict(current, route, moment.now)
             log.info("token %s was refused: replacing it", stale.fingerprint)
             purpose = Purpose(RenewalReason.FORCED, stale=stale, route=route)
             handed = True
@@ -832,12 +832,14 @@ class TokenLife:
             self.keep(record, moment.mono)
         if verdict == Verdict.FORBIDDEN:
             return RouteVerdict(PathForbidden.on(route, accepted_elsewhere=current.accepted))
-        return RouteVerdict(_held(route, until - moment.now))
+        return RouteVerdict(_held(current, route, until - moment.now))
 
-    def _token_verdict(self, refused: Token, now: float) -> Flow[None]:
-        """Returns if ``refused`` (its record) is replaced now; raises TokenRejected while a
-        back-off over the credentials lasts."""
-        if judge(refused, "", now) != Verdict.CREDENTIALS:
+    def _token_verdict(self, refused: Token, route: str, now: float) -> Flow[None]:
+        """Returns if ``refused`` (its record), met by a 401 on ``route``, is replaced now;
+        raises TokenRejected while a back-off over the credentials lasts. Judged on that
+        route: a route whose hold is over replaces its token (``judge``), where the same
+        record judged on no route read as the credentials' (a fleet-wide pause)."""
+        if judge(refused, route, now) != Verdict.CREDENTIALS:
             return
         in_a_row = refused.first_use_refusals
         record = yield Redis(self.ask.load_breaker())
@@ -1333,15 +1335,17 @@ def _hold_error(token: Token, route: str, left: float) -> PathForbidden:
         error = PathForbidden.on(route)
         error.retry_after = max(0.0, left)
         return error
-    return _held(route, left)
+    return _held(token, route, left)
 
 
-def _held(route: str, left: float) -> PathForbidden:
-    """The error of a call to a route held back for ``left`` seconds more."""
+def _held(token: Token, route: str, left: float) -> PathForbidden:
+    """The error of a call to a route held back for ``left`` seconds more by ``token``'s
+    record: it and the tokens before it refused on their first use, in a row."""
     left = max(0.0, left)
+    in_a_row = token.first_use_refusals + 1
     return PathForbidden(
-        f"the API refused 2 tokens in a row on {API_PREFIX}{route} (HTTP 401), and no call "
-        "of the account has succeeded with them yet: the merchant may lack a permission for "
+        f"the API refused {in_a_row} tokens in a row on {API_PREFIX}{route} (HTTP 401), and no "
+        "call of the account has succeeded with them yet: the merchant may lack a permission for "
         f"this path, or the key is wrong. Calls to it fail for {left:.0f} s, then a new token "
         "is tried; calls to other paths go on. " + LIKELY_CAUSES,
         status=401,

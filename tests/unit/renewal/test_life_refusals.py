@@ -590,6 +590,26 @@ def test_a_token_another_process_met_a_401_with_is_replaced_bearing_that_route(
     assert len(exchange.calls) == 1
 
 
+def test_a_route_held_back_again_says_how_many_tokens_it_refused_in_a_row(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """/ping refuses every token on its first use: the second is held back for the first
+    back-off, the third (tried after it) for the next; each error counts them."""
+    first = stored(store, clock, left=7190.0, age=10.0)
+    second = manager.refused(first, PING)  # the first in a row: replaced at once
+    with pytest.raises(PathForbidden, match="refused 2 tokens in a row on /open-api/v1/ping"):
+        manager.refused(second, PING)
+    clock.now += REFUSED_BACKOFF
+    assert manager.token(PING).generation == second.generation  # its hold is over: tried again
+    third = manager.refused(second, PING)
+    assert third.first_use_refusals == 2
+    with pytest.raises(PathForbidden, match="refused 3 tokens in a row") as caught:
+        manager.refused(third, PING)
+    assert caught.value.retry_after is not None
+    assert caught.value.retry_after > REFUSED_BACKOFF  # the next back-off is longer
+    assert len(exchange.calls) == 2
+
+
 def test_a_refused_token_in_the_mandatory_window_is_not_handed_out_while_another_replaces_it(
     manager: TokenManager, store: TokenStore, clock: ManualClock, sleep: Sleeper
 ) -> None:

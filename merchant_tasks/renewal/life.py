@@ -796,7 +796,9 @@ class TokenLife:
                 return self.keep(current, moment.mono)  # renewed elsewhere: compare-and-swap
             if current is not None and current.generation == stale.generation:
                 self.keep(current, moment.mono)  # its record, refusal included
-                yield from self._token_verdict(current, route, moment.now)
+                # judged on the route of its 401: this call's, or, for a call that met none
+                # (it found the token refused), the one its record names
+                yield from self._token_verdict(current, route or current.refused_route, moment.now)
             log.info("token %s was refused: replacing it", stale.fingerprint)
             purpose = Purpose(RenewalReason.FORCED, stale=stale, route=route)
             handed = True

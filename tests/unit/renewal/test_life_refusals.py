@@ -610,6 +610,37 @@ def test_a_route_held_back_again_says_how_many_tokens_it_refused_in_a_row(
     assert len(exchange.calls) == 2
 
 
+def test_a_token_refused_after_its_routes_hold_is_replaced_by_a_process_that_met_no_401(
+    manager: TokenManager, store: TokenStore, clock: ManualClock, exchange: FakeExchange
+) -> None:
+    """/ping's hold is over; another process's 401 there marks the token refused (its
+    replacement is due, not a pause) and that process dies. A call here finds it refused and
+    replaces it, judging it on the route its record names: not as two tokens refused with no
+    route named, which is the credentials' fleet-wide pause."""
+    first = stored(store, clock, left=7190.0, age=10.0)
+    second = manager.refused(first, PING)
+    with pytest.raises(PathForbidden, match="2 tokens in a row"):
+        manager.refused(second, PING)
+    clock.now += REFUSED_BACKOFF
+    look = store.ask.look_after_401(
+        second.generation,
+        f"{OTHER_HOLDER}:1",
+        f"{OTHER_HOLDER}:",
+        60.0,
+        30.0,
+        route="ping",
+        judged=True,  # its hold is over: the token's fault
+    )
+    assert store.send(look)[1] == 1
+    store.redis.delete(store.keys.lock)  # its holder died
+
+    third = manager.token(PING)
+    assert third.replaces(second, clock.now)
+    assert (third.retry_route, third.first_use_refusals) == ("ping", 2)
+    assert store.records.load_breaker() is None
+    assert len(exchange.calls) == 2
+
+
 def test_a_refused_token_in_the_mandatory_window_is_not_handed_out_while_another_replaces_it(
     manager: TokenManager, store: TokenStore, clock: ManualClock, sleep: Sleeper
 ) -> None:

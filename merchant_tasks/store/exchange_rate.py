@@ -13,15 +13,12 @@ for ``RATE_HOLD``, then it grows back step by step.
 from __future__ import annotations
 
 import enum
-import logging
 from dataclasses import dataclass
 from typing import Any
 
-from merchant_tasks.exceptions import ExchangesThrottled, StoreUnavailable
+from merchant_tasks.exceptions import ExchangesThrottled
 from merchant_tasks.store import scripts
 from merchant_tasks.store.keys import AccountRedis, Command, Replies, milliseconds
-
-log = logging.getLogger(__name__)
 
 BURST_SECONDS = 0.2  # the bucket holds this much of the rate (a small burst): no second
 # carries more than 1.2 times the rate, and a quiet host still answers a caller at once
@@ -104,15 +101,6 @@ class ExchangeRate:
     def jittered(wait: float, draw: float) -> float:
         """Beat's renewals ask again up to _JITTER later (``draw`` in [0, 1)), not in step."""
         return wait * (1 + _JITTER * draw)
-
-    def rate_limited(self) -> None:
-        """The host answered 429: halve its rate fleet-wide (best effort, blocking)."""
-        try:
-            rate = self._blocking().send(self.cut()).rate
-        except StoreUnavailable as exc:
-            log.warning("could not lower the exchange rate of %s: %s", self.host, exc)
-            return
-        log.warning("token endpoint %s rate limited an exchange: %g exchanges/s", self.host, rate)
 
     def state(self) -> RateState:
         """The rate now and the counts (for `status` and metrics)."""

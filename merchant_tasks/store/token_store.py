@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 import threading
 import time
@@ -83,7 +82,6 @@ from merchant_tasks.token import (
     Token,
 )
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 ClientT = TypeVar("ClientT")
 SenderT = TypeVar("SenderT", bound=Replies)
@@ -588,14 +586,6 @@ class AccountRecords:
     def histograms(self) -> dict[str, int]:
         return self.commands.send(self.ask.histograms())
 
-    def observe(self, name: str, seconds: float) -> None:
-        """Add one duration to the fleet-wide histogram ``name``. Best effort: a failure
-        is logged, never raised, so it cannot fail what it measures."""
-        try:
-            self.commands.send(self.ask.observe(name, seconds))
-        except StoreUnavailable as exc:
-            log.warning("could not record %s in Redis: %s", name, exc)
-
     def load_completion(self, task_id: str) -> dict[str, Any] | None:
         return self.commands.send(self.ask.load_completion(task_id))
 
@@ -727,16 +717,6 @@ class TokenStore(AccountStore[StoreClient, AccountRedis]):
     @property
     def seen_generation(self) -> int:
         return self.ask.seen_generation
-
-    def announce(self, generation: int) -> bool:
-        """Tell waiting processes that ``generation`` is stored. Best effort (they poll too):
-        False if it could not be published (Redis down, or an ACL without the channel)."""
-        try:
-            self.send(self.ask.announce(generation))
-        except StoreUnavailable as exc:
-            log.warning("could not announce a new token: %s", exc)
-            return False
-        return True
 
     def note_wait(self, stale_generation: int, wait_limit: float) -> bool:
         return self.send(self.ask.note_wait(stale_generation, wait_limit))

@@ -131,7 +131,7 @@ def test_every_field_of_every_account_is_what_its_own_store_reads(
     stores["shop-0"].records.record_attempt(RenewalReason.SCHEDULED, Outcome.OK, now - 50)
     stores["shop-0"].records.record_attempt(RenewalReason.SCHEDULED, Outcome.OK, now - 7200)
     stores["shop-0"].records.record_renewal(RenewalReason.SCHEDULED, Outcome.OK)
-    stores["shop-0"].records.observe("exchange_seconds", 0.2)
+    stores["shop-0"].send(stores["shop-0"].ask.observe("exchange_seconds", 0.2))
     stores["shop-1"].save(Token("tok-b", now - LIFETIME + 60, now + 60, 1))  # mandatory
     stores["shop-1"].take_lock("hôst:1:nonce:lock:1", "hôst:1:", 30.0)
     record = BreakerRecord(BreakerKind.REJECTED, until=now + 300, detail="check the secret")

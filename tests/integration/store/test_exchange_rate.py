@@ -97,6 +97,12 @@ def rate_on(
     return Permits(commands, AccountKeys.exchange_rate(prefix, "h:1"), cap, sleeps, monotonic)
 
 
+def halve(rate: ExchangeRate) -> None:
+    """What an exchange's 429 does to its host's rate (``renewal.life``): halve it."""
+    assert isinstance(rate.commands, AccountRedis)
+    rate.commands.send(rate.cut())
+
+
 def halved_ago(control: redis.Redis, key: str, seconds: float) -> None:
     """Move the host's last halving ``seconds`` into the past (Redis time)."""
     redis_now = control.time()
@@ -187,8 +193,8 @@ def test_a_429_halves_the_rate_once_then_it_grows_back_step_by_step(
     redis_client: redis.Redis, rate_at: RateAt
 ) -> None:
     rate = rate_at(10.0)
-    rate.rate_limited()
-    rate.rate_limited()  # an answer to an exchange sent before the halving
+    halve(rate)
+    halve(rate)  # an answer to an exchange sent before the halving
     assert rate.state().rate == 5.0
     assert rate.state().counts["cuts"] == 1
 
@@ -211,7 +217,7 @@ def test_halvings_stop_at_the_floor(redis_client: redis.Redis, rate_at: RateAt) 
     for _ in range(10):
         # as if each 429 came after the spacing, during the hold
         halved_ago(redis_client, rate.key, exchange_rate.HALVING_SPACING + 1)
-        rate.rate_limited()
+        halve(rate)
     assert rate.state().rate == exchange_rate.RATE_FLOOR
 
 
@@ -230,7 +236,6 @@ def test_without_redis_no_permit_is_given(merchant_key_prefix: str) -> None:
     rate = rate_on(dead_redis(), merchant_key_prefix, 10.0, [])
     with pytest.raises(StoreUnavailable):
         rate.take(Priority.CALLER)
-    rate.rate_limited()  # best effort: logged, not raised
 
 
 # -- with the emulator ----------------------------------------------------------------------

@@ -14,6 +14,7 @@ from merchant_tasks.accounts import AccountClients, client_for
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import wait_until
 from merchant_tasks.settings import FleetSettings, Secret, Settings
+from merchant_tasks.store.keys import AccountRedis
 from merchant_tasks.store.token_store import LOCK_WAIT_SECONDS
 from merchant_tasks.store.topology import redis_from_url
 from merchant_tasks.worker.completions import CompletionRecords
@@ -100,7 +101,8 @@ def test_the_documented_acl_user_is_enough_for_the_token_store(
     assert merchant_sandbox.exchanges()["ok"] == 3
     rate = client.manager.rate  # the host's exchange rate: every exchange took a permit
     assert rate is not None
-    rate.rate_limited()
+    assert isinstance(rate.commands, AccountRedis)
+    rate.commands.send(rate.cut())  # a 429's halving
     assert rate.state().counts == {**rate.state().counts, "granted_caller": 3, "cuts": 1}
     assert f"{LOCK_WAIT_SECONDS}:sum_us" in store.records.histograms()
     wait_until(lambda: signal.heard >= heard + 2, "both renewals announced", 10.0)

@@ -28,7 +28,7 @@ def listening(signal: RenewalSignal) -> RenewalSignal:
 def test_an_announcement_wakes_a_waiting_thread_at_once(redis_store: TokenStore) -> None:
     signal = listening(RenewalSignal(redis_store))
     heard = signal.heard
-    timer = threading.Timer(0.05, redis_store.announce, args=(7,))
+    timer = threading.Timer(0.05, redis_store.send, args=(redis_store.ask.announce(7),))
     timer.start()
     assert signal.wait(heard, timeout=30.0)
     timer.join()
@@ -44,7 +44,7 @@ def test_an_announcement_heard_before_the_wait_is_not_missed(redis_store: TokenS
     between that look and its wait ends the wait at once."""
     signal = listening(RenewalSignal(redis_store))
     heard = signal.heard
-    assert redis_store.announce(1)
+    redis_store.send(redis_store.ask.announce(1))
     wait_until(lambda: signal.heard > heard, "the announcement", 10.0)
     assert signal.wait(heard, timeout=0.0)
 
@@ -77,7 +77,7 @@ def test_accounts_of_one_process_share_one_subscriber_and_hear_only_their_own_re
     assert len(threads) == 1
     assert None not in threads
     before = [signal.heard for signal in signals]
-    assert stores[7].announce(2)
+    stores[7].send(stores[7].ask.announce(2))
     wait_until(lambda: signals[7].heard > before[7], "the announcement", 10.0)
     assert [signal.heard - seen for signal, seen in zip(signals, before, strict=True)] == [
         1 if n == 7 else 0 for n in range(20)

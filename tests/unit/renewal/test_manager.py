@@ -9,6 +9,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -22,11 +24,12 @@ from merchant_tasks.exceptions import (
 )
 from merchant_tasks.renewal.life import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, Fly
 from merchant_tasks.renewal.manager import TokenManager
+from merchant_tasks.store import scripts
 from merchant_tasks.store.token_store import BreakerRecord, TokenStore
 from merchant_tasks.token import BreakerKind, IssuedToken, RenewalReason, Token, fingerprint
 from support.clock import ManualClock, Sleeper
 from support.redis_conditions import dead_redis
-from support.renewal import FakeExchange, Renewal
+from support.renewal import FakeExchange, Renewal, when_sent
 from support.tokens import LIFETIME, stored
 
 RENEW_BEFORE = 480.0
@@ -402,3 +405,26 @@ def test_a_forked_child_renews_although_a_parent_thread_held_the_locks_at_the_fo
         os.waitpid(pid, 0)
         pytest.fail("the child hung on a lock held by a parent's thread at the fork")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_what_a_renewal_records_beside_the_token_is_best_effort(
+    manager: TokenManager,
+    store: TokenStore,
+    exchange: FakeExchange,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Announcing the new token (waiters poll too) and timing its exchange (a histogram)
+    fail without failing the renewal when Redis refuses them: the token is stored and
+    returned, each failure logged."""
+
+    def refused(send: Callable[[], Any]) -> Any:
+        raise StoreUnavailable("token store: Redis refused it (test)")
+
+    when_sent(store, store.ask.announce(1), refused)
+    when_sent(store, scripts.OBSERVE, refused)
+    token = manager.renew(force=True)
+    assert store.load() == token
+    assert len(exchange.calls) == 1
+    logged = caplog.text
+    assert "could not announce a new token in Redis" in logged
+    assert "could not time it in Redis" in logged

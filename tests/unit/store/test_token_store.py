@@ -229,7 +229,7 @@ def test_a_duration_goes_into_the_first_bucket_that_holds_it_from_either_writer(
     store: TokenStore, fake_redis: redis.Redis
 ) -> None:
     for seconds in (0.05, 0.3, 31.0, -1.0):  # a bound holds itself; below 0 counts as 0
-        store.records.observe("exchange_seconds", seconds)
+        store.send(store.ask.observe("exchange_seconds", seconds))
     fields = store.records.histograms()
     assert fields == {
         "exchange_seconds:le:0.05": 2,

@@ -33,10 +33,14 @@ from merchant_tasks.flows import Clock, Flow, Moment, Redis, Sleep, drive
 from merchant_tasks.renewal import life
 from merchant_tasks.store.exchange_rate import ExchangeRate
 from merchant_tasks.store.token_store import RedisClock, TokenStore
+from merchant_tasks.store.topology import SOCKET_CONNECT_TIMEOUT, SOCKET_TIMEOUT
 from merchant_tasks.store.wakeup import RenewalSignal
 from merchant_tasks.token import IssuedToken, RenewalPolicy, RenewalReason, Token
 
 log = logging.getLogger(__name__)
+
+# seconds close() waits for a heartbeat to end: one command's connect and reply at most
+HEARTBEAT_STOP = SOCKET_CONNECT_TIMEOUT + SOCKET_TIMEOUT
 
 T = TypeVar("T")
 Clock_ = Callable[[], float]
@@ -113,7 +117,7 @@ class TokenManager:
             rng=rng,
             copy_ttl=local_copy_ttl,
         )
-        self._heartbeats: dict[str, threading.Event] = {}
+        self._heartbeats: dict[str, tuple[threading.Event, threading.Thread]] = {}
         self._remake_locks()
         _MANAGERS.add(self)  # its locks are remade in a forked child
 
@@ -126,11 +130,20 @@ class TokenManager:
 
     def close(self) -> None:
         """Stop what this manager runs beside its callers (it hears no more announcements,
-        its heartbeats end) and close its store's Redis client if it is its own."""
+        its heartbeats end) and close its store's Redis client if it is its own.
+
+        A heartbeat in the middle of a command is waited for (at most HEARTBEAT_STOP): the
+        caller closes the Redis pool next, and a pool closed under a command raised from
+        redis-py's socket reader in the heartbeat's thread (a traceback, not a
+        StoreUnavailable)."""
         if self.signal is not None:
             self.signal.stop()
-        for stop in list(self._heartbeats.values()):
+        beats = list(self._heartbeats.values())
+        for stop, _ in beats:
             stop.set()
+        for _, thread in beats:
+            if thread.ident is not None:  # started (one not yet ends at its first rest)
+                thread.join(HEARTBEAT_STOP)
         if self.owns_redis:
             self.store.redis.close()
 
@@ -210,9 +223,9 @@ class TokenManager:
         if isinstance(step, life.Hold):
             return self._hold(step.value)
         if isinstance(step, life.Unhold):
-            stop = self._heartbeats.pop(step.value, None)
-            if stop is not None:
-                stop.set()
+            beat = self._heartbeats.pop(step.value, None)
+            if beat is not None:
+                beat[0].set()
             return None
         raise TypeError(f"not a step: {step!r}")
 
@@ -241,7 +254,7 @@ class TokenManager:
     def _hold(self, holding: str) -> None:
         """Keep ``holding`` alive beside the renewal: a thread runs the heartbeat flow until
         ``life.Unhold``."""
-        stop = self._heartbeats[holding] = threading.Event()
+        stop = threading.Event()
 
         def rest(seconds: float) -> None:
             if stop.wait(seconds):
@@ -251,7 +264,9 @@ class TokenManager:
             with contextlib.suppress(_Stopped):
                 self.run(self.life.heartbeat(holding), sleep=rest)
 
-        threading.Thread(target=beat, name="renewal-lock-lease", daemon=True).start()
+        thread = threading.Thread(target=beat, name="renewal-lock-lease", daemon=True)
+        self._heartbeats[holding] = (stop, thread)
+        thread.start()
 
 
 # A fork copies the locks as they are: one held by a parent's thread would stay held in the

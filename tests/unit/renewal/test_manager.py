@@ -29,7 +29,7 @@ from merchant_tasks.store.token_store import BreakerRecord, TokenStore
 from merchant_tasks.token import BreakerKind, IssuedToken, RenewalReason, Token, fingerprint
 from support.clock import ManualClock, Sleeper
 from support.redis_conditions import dead_redis
-from support.renewal import FakeExchange, Renewal, when_sent
+from support.renewal import FakeExchange, LockHolder, Renewal, when_sent
 from support.tokens import LIFETIME, stored
 
 RENEW_BEFORE = 480.0
@@ -428,3 +428,25 @@ def test_what_a_renewal_records_beside_the_token_is_best_effort(
     logged = caplog.text
     assert "could not announce a new token in Redis" in logged
     assert "could not time it in Redis" in logged
+
+
+def test_close_waits_for_a_heartbeat_in_the_middle_of_a_command(store: TokenStore) -> None:
+    """The application closes its client while a renewal holds the lock, a heartbeat in the
+    middle of extending the lease: ``close()`` returns once that thread has ended, so that
+    closing the Redis pool next pulls no connection from under it (seen in a full run: a
+    traceback from redis-py's socket reader in the heartbeat's thread)."""
+    holder = LockHolder(store, lease=0.4, longest=60.0)  # a heartbeat every 0.1 s
+    sending, release = threading.Event(), threading.Event()
+
+    def slow(send: Callable[[], Any]) -> Any:
+        sending.set()
+        release.wait(5.0)
+        return send()
+
+    when_sent(store, scripts.EXTEND_LOCK, slow)
+    assert holder.acquire()
+    assert sending.wait(5.0)  # the heartbeat is in the middle of a command
+    [(_, beat)] = holder.manager._heartbeats.values()
+    threading.Timer(0.2, release.set).start()
+    holder.manager.close()
+    assert not beat.is_alive()

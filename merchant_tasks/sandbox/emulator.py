@@ -632,7 +632,9 @@ class _Payments:
 class _RequestHandler(WSGIRequestHandler):
     """Quiet unless asked; werkzeug's request lines carry no bodies either way."""
 
-    protocol_version = "HTTP/1.1"  # keep-alive, as clients of a real API expect
+    # HTTP/1.1 answers, as a real API's; werkzeug's server still closes every connection
+    # after its answer (Connection: close), so each request of a client opens a new one
+    protocol_version = "HTTP/1.1"
     log_requests = False
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:

@@ -1073,8 +1073,8 @@ class TokenLife:
         kept_routes = current.forbidden_routes if current is not None else ()
         worked_on = current.accepted_routes if current is not None else ()
         # the route of the 401 that made this exchange: this call's, or the one the record
-        # of the refused token names (a process without one replaces it: issue 36's flake,
-        # where the next 401 there read as the credentials' for want of it)
+        # of the refused token names when a process that met no 401 replaces it (without
+        # it, the next 401 on that route would read as the credentials')
         route = purpose.route or (current.refused_route if current and current.refused else "")
         if current is not None and not current.valid_at(issued_at):
             current = None

@@ -117,7 +117,10 @@ class TokenManager:
             rng=rng,
             copy_ttl=local_copy_ttl,
         )
-        self._heartbeats: dict[str, tuple[threading.Event, threading.Thread]] = {}
+        self._heartbeats: dict[str, threading.Event] = {}  # the holdings kept alive
+        # their threads, until they end: a holding let go (``Unhold``) only tells its
+        # heartbeat to stop, and it may be in the middle of a command
+        self._beating: list[threading.Thread] = []
         self._remake_locks()
         _MANAGERS.add(self)  # its locks are remade in a forked child
 
@@ -138,10 +141,9 @@ class TokenManager:
         StoreUnavailable)."""
         if self.signal is not None:
             self.signal.stop()
-        beats = list(self._heartbeats.values())
-        for stop, _ in beats:
+        for stop in list(self._heartbeats.values()):
             stop.set()
-        for _, thread in beats:
+        for thread in list(self._beating):
             if thread.ident is not None:  # started (one not yet ends at its first rest)
                 thread.join(HEARTBEAT_STOP)
         if self.owns_redis:
@@ -223,9 +225,9 @@ class TokenManager:
         if isinstance(step, life.Hold):
             return self._hold(step.value)
         if isinstance(step, life.Unhold):
-            beat = self._heartbeats.pop(step.value, None)
-            if beat is not None:
-                beat[0].set()
+            stop = self._heartbeats.pop(step.value, None)
+            if stop is not None:
+                stop.set()
             return None
         raise TypeError(f"not a step: {step!r}")
 
@@ -265,7 +267,8 @@ class TokenManager:
                 self.run(self.life.heartbeat(holding), sleep=rest)
 
         thread = threading.Thread(target=beat, name="renewal-lock-lease", daemon=True)
-        self._heartbeats[holding] = (stop, thread)
+        self._heartbeats[holding] = stop
+        self._beating = [*(t for t in self._beating if t.is_alive()), thread]
         thread.start()
 
 

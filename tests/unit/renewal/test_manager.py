@@ -22,7 +22,7 @@ from merchant_tasks.exceptions import (
     TokenExchangeError,
     TokenRejected,
 )
-from merchant_tasks.renewal.life import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, Fly
+from merchant_tasks.renewal.life import EXCHANGE_ATTEMPTS, EXCHANGE_RETRY_WAIT_MAX, Fly, Unhold
 from merchant_tasks.renewal.manager import TokenManager
 from merchant_tasks.store import scripts
 from merchant_tasks.store.token_store import BreakerRecord, TokenStore
@@ -430,11 +430,15 @@ def test_what_a_renewal_records_beside_the_token_is_best_effort(
     assert "could not time it in Redis" in logged
 
 
-def test_close_waits_for_a_heartbeat_in_the_middle_of_a_command(store: TokenStore) -> None:
-    """The application closes its client while a renewal holds the lock, a heartbeat in the
-    middle of extending the lease: ``close()`` returns once that thread has ended, so that
-    closing the Redis pool next pulls no connection from under it (seen in a full run: a
-    traceback from redis-py's socket reader in the heartbeat's thread)."""
+@pytest.mark.parametrize("let_go", [False, True], ids=["held", "let-go"])
+def test_close_waits_for_a_heartbeat_in_the_middle_of_a_command(
+    store: TokenStore, let_go: bool
+) -> None:
+    """The application closes its client while a heartbeat is in the middle of extending
+    the lease, the renewal holding the lock or just done with it (its heartbeat told to stop,
+    not yet stopped): ``close()`` returns once that thread has ended, so that closing the
+    Redis pool next pulls no connection from under it (seen in full runs: a traceback from
+    redis-py's socket reader in the heartbeat's thread)."""
     holder = LockHolder(store, lease=0.4, longest=60.0)  # a heartbeat every 0.1 s
     sending, release = threading.Event(), threading.Event()
 
@@ -446,7 +450,10 @@ def test_close_waits_for_a_heartbeat_in_the_middle_of_a_command(store: TokenStor
     when_sent(store, scripts.EXTEND_LOCK, slow)
     assert holder.acquire()
     assert sending.wait(5.0)  # the heartbeat is in the middle of a command
-    [(_, beat)] = holder.manager._heartbeats.values()
+    [beat] = [t for t in threading.enumerate() if t in holder.manager._beating]
+    if let_go:
+        assert holder.value is not None
+        holder.manager.perform(Unhold(holder.value))
     threading.Timer(0.2, release.set).start()
     holder.manager.close()
     assert not beat.is_alive()

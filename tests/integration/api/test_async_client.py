@@ -12,7 +12,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from merchant_tasks.sandbox.processes import RedisServer
 from merchant_tasks.settings import Settings
 from merchant_tasks.store import scripts
 from merchant_tasks.store.wakeup import LISTEN_TICK
+from support.emulator_process import EmulatorProcess, emulator_process
 from support.routes import PAYMENTS, PING, REPORTS, exchanges
 
 pytestmark = pytest.mark.integration
@@ -158,13 +159,29 @@ def slow_tokens(merchant_sandbox: MerchantSandbox) -> MerchantSandbox:
     return merchant_sandbox
 
 
+@pytest.fixture
+def slow_tokens_process(
+    merchant_env: dict[str, str],
+    merchant_sandbox: MerchantSandbox,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> Iterator[EmulatorProcess]:
+    """The test's account served by the emulator in a process of its own, with a 0.5 s token
+    endpoint; MERCHANT_BASE_URL names it."""
+    with emulator_process(merchant_sandbox, tmp_path, "--token-latency", "0.5") as api:
+        monkeypatch.setenv("MERCHANT_BASE_URL", api.url)
+        yield api
+
+
 def test_two_hundred_concurrent_awaits_ride_a_revoke_all_on_one_exchange(
-    merchant_env: dict[str, str], slow_tokens: MerchantSandbox, monkeypatch: pytest.MonkeyPatch
+    slow_tokens_process: EmulatorProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 35's scenario: 200 callers, a 0.5 s token endpoint, a revoke-all once each has
     made a call, and calls on until each has made 3 after it: none fails, 2 exchanges (the
     first token and its replacement), no blocking call on the loop's thread, at most 12
-    threads in the process."""
+    threads in the process. The emulator serves from a process of its own, as an API does
+    (support/emulator_process.py says why)."""
+    api = slow_tokens_process
     guard = LoopGuard(monkeypatch)
     outcomes: Counter[str] = Counter()
     revoked = asyncio.Event()
@@ -194,7 +211,7 @@ def test_two_hundred_concurrent_awaits_ride_a_revoke_all_on_one_exchange(
             while not all(done[0] for _, done in tasks):  # each has had its answer
                 guard.count_threads()
                 await asyncio.sleep(0.05)
-            slow_tokens.app.revoke_all()
+            await asyncio.to_thread(api.revoke_all)  # (a blocking request: not on the loop)
             revoked.set()
             while not all(task.done() for task, _ in tasks):
                 guard.count_threads()
@@ -202,13 +219,13 @@ def test_two_hundred_concurrent_awaits_ride_a_revoke_all_on_one_exchange(
             await asyncio.gather(*(task for task, _ in tasks))
 
     asyncio.run(scenario())
-    refused = slow_tokens.app.counters()["calls"]["unauthorized"]
+    refused = api.counters()["calls"]["unauthorized"]
     print(
-        f"outcomes {dict(outcomes)}, exchanges {exchanges(slow_tokens)}, {refused} refused, "
+        f"outcomes {dict(outcomes)}, exchanges {api.exchanges()}, {refused} refused, "
         f"threads at most {guard.most_threads}"
     )
     assert set(outcomes) == {"ok"}
-    assert exchanges(slow_tokens) == 2  # the first token and its replacement: no more
+    assert api.exchanges() == 2  # the first token and its replacement: no more
     assert refused >= 1  # the revocation did hit calls in flight or the next ones
     assert not guard.blocked, f"blocking calls on the event loop: {dict(guard.blocked)}"
     assert guard.most_threads <= 12

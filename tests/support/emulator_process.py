@@ -1,0 +1,82 @@
+"""The emulator in a process of its own (``merchant-tasks sandbox``), driven over its control
+endpoints, for the tests that send hundreds of concurrent requests: served from the test's
+own process, the API's side would share the test's interpreter lock with the callers under
+test, and on a loaded two-core machine the callers' event loop then waits seconds for its
+turn (connections and answers time out that a real API, another machine, would have served).
+
+It serves the test's account: ``merchant_sandbox``'s API key and secret file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from merchant_tasks.sandbox.fixtures import MerchantSandbox
+from merchant_tasks.sandbox.processes import Child, free_port, running
+from merchant_tasks.settings import PREFIX
+
+CONTROL_TIMEOUT = 30.0  # seconds for a control request on a busy machine
+
+
+@dataclass
+class EmulatorProcess:
+    """A running ``merchant-tasks sandbox`` and its control endpoints."""
+
+    child: Child
+    url: str
+
+    def revoke_all(self) -> None:
+        self._control("post", "revoke-all")
+
+    def configure(self, **fields: Any) -> None:
+        self._control("post", "config", json=fields)
+
+    def counters(self) -> dict[str, Any]:
+        counters: dict[str, Any] = self._control("get", "counters")
+        return counters
+
+    def exchanges(self) -> int:
+        """Token exchanges that issued a token."""
+        return int(self.counters()["exchanges"].get("ok", 0))
+
+    def _control(self, method: str, name: str, json: Any = None) -> Any:
+        answer = requests.request(
+            method, f"{self.url}/_sandbox/{name}", json=json, timeout=CONTROL_TIMEOUT
+        )
+        answer.raise_for_status()
+        return answer.json()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/_sandbox/counters", timeout=1.0).ok
+    except requests.RequestException:
+        return False
+
+
+@contextlib.contextmanager
+def emulator_process(
+    sandbox: MerchantSandbox, workdir: Path, *options: str
+) -> Iterator[EmulatorProcess]:
+    """``merchant-tasks sandbox`` on a free loopback port for the ``with`` block, serving
+    ``sandbox``'s account, with the command's ``options`` (``--token-latency``, ...)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    argv = [
+        sys.executable, "-m", "merchant_tasks.ops.cli", "sandbox",
+        "--port", url.rsplit(":", 1)[1],
+        "--api-key", sandbox.api_key,
+        "--secret-file", str(sandbox.secret_file),
+        *options,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
+    log = workdir / "emulator-process.log"
+    with running("the emulator's process", argv, log, lambda: _answers(url), env=env) as child:
+        yield EmulatorProcess(child, url)

@@ -219,6 +219,7 @@ def test_two_hundred_concurrent_awaits_ride_a_revoke_all_on_one_exchange(
             await asyncio.gather(*(task for task, _ in tasks))
 
     asyncio.run(scenario())
+    guard.loop_thread = None  # the loop has ended: the emulator's control requests are the test's
     refused = api.counters()["calls"]["unauthorized"]
     print(
         f"outcomes {dict(outcomes)}, exchanges {api.exchanges()}, {refused} refused, "

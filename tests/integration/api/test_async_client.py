@@ -167,9 +167,14 @@ def slow_tokens_process(
     tmp_path: Path,
 ) -> Iterator[EmulatorProcess]:
     """The test's account served by the emulator in a process of its own, with a 0.5 s token
-    endpoint; MERCHANT_BASE_URL names it."""
+    endpoint; MERCHANT_BASE_URL names it. Timeouts are long: on a loaded machine the event
+    loop of 200 callers gets its turn seconds late, and its 3.05 s connect timeout then
+    expires on connections the API had accepted at once (ApiUnavailable after
+    ConnectTimeout, seen in full runs here); the scenario is about sharing, not timeouts."""
     with emulator_process(merchant_sandbox, tmp_path, "--token-latency", "0.5") as api:
         monkeypatch.setenv("MERCHANT_BASE_URL", api.url)
+        monkeypatch.setenv("MERCHANT_CONNECT_TIMEOUT", "30")
+        monkeypatch.setenv("MERCHANT_READ_TIMEOUT", "60")
         yield api
 
 

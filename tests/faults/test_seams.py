@@ -431,7 +431,7 @@ def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_ti
             time.sleep(max(0.0, began + at - time.monotonic()))
             if len(issued()) > issued_before:  # a replacement: revoked once it served a call
                 wait_until(
-                    lambda since=last: calling.successes_after(since) > 0,
+                    served_since(calling, last),
                     "a call served by the replacement of the last revoked token",
                     timeout=60.0,
                 )
@@ -451,6 +451,11 @@ def test_revocations_over_and_over_send_the_refused_token_a_bounded_number_of_ti
     assert calling.successes_after(last) > 0  # the last revocation's replacement served
     assert 0 < refused <= 80  # the revocations were met, each by few requests
     assert exchanges <= 1 + life.FORCED_BURST + revoking / life.FORCED_INTERVAL + 1
+
+
+def served_since(calling: Calling, moment: float) -> Callable[[], bool]:
+    """Whether a call of ``calling`` succeeded after ``moment`` (monotonic)."""
+    return lambda: calling.successes_after(moment) > 0
 
 
 def test_status_reports_an_account_whose_tokens_are_refused_as_failing(

@@ -143,10 +143,18 @@ def test_a_real_allkeys_lru_eviction_of_all_but_the_token_then_a_revoke_all_fail
                 accounts = before - {token_key}
                 others = {f"another-application:{n}".encode() for n in range(OTHER_KEYS)}
 
-                def idle(key: bytes) -> int:  # seconds, by Redis's LRU clock; OBJECT reads none
-                    return int(raw.object("idletime", key) or 0)
+                def idle(keys: set[bytes]) -> dict[bytes, int]:
+                    """Seconds since each key's last use by Redis's LRU clock (OBJECT reads
+                    none), all read in one MULTI, which no tick of the clock can split: two
+                    reads a tick apart would make an older key look no older."""
+                    ordered = list(keys)
+                    with raw.pipeline(transaction=True) as pipe:
+                        for key in ordered:
+                            pipe.object("idletime", key)
+                        replies = pipe.execute()
+                    return {k: int(n or 0) for k, n in zip(ordered, replies, strict=True)}
 
-                wait_until(lambda: min(map(idle, before)) >= 1, "the LRU clock ticking", 30.0)
+                wait_until(lambda: min(idle(before).values()) >= 1, "the LRU clock ticking", 30.0)
                 # through a connection of its own, closed at once: the query buffer it leaves
                 # would count against maxmemory
                 with redis.Redis.from_url(server.url) as writer:
@@ -157,15 +165,16 @@ def test_a_real_allkeys_lru_eviction_of_all_but_the_token_then_a_revoke_all_fail
                     "the writer's connection closed by Redis",
                     30.0,
                 )
-                wait_until(lambda: min(map(idle, others)) >= 1, "the LRU clock again", 30.0)
+                wait_until(lambda: min(idle(others).values()) >= 1, "the LRU clock again", 30.0)
                 assert raw.get(token_key) is not None  # the callers' read: the newest
                 # the order Redis evicts in, as its LRU clock says (a loaded machine may not
                 # tick it every second): the account's keys, the other values, the token.
                 # Redis samples keys (an approximated LRU): with the other application's
                 # many keys, every sample holds one older than the token (with one large
                 # value instead, a sample without it made the token the oldest, and it went)
-                assert min(map(idle, accounts)) > max(map(idle, others))
-                assert min(map(idle, others)) > idle(token_key)
+                seen = idle(before | others)
+                assert min(seen[k] for k in accounts) > max(seen[k] for k in others)
+                assert min(seen[k] for k in others) > seen[token_key]
                 # the account's keys are not enough; half the other application's values are
                 used = int(raw.info("memory")["used_memory"])
                 raw.config_set("maxmemory", used - OTHER_VALUE // 2)

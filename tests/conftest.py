@@ -114,6 +114,8 @@ def _seed_pycache(prefix: Path) -> None:
     packages = {Path(sysconfig.get_path(name)) for name in ("purelib", "platlib")}
     skipped = {"site-packages", "test", "idlelib", "tkinter", "lib2to3"}  # not imported here
     for root in {Path(sysconfig.get_path("stdlib")), *packages}:
+        if not root.is_dir():
+            continue
         stamp = prefix / f"seeded-{hashlib.sha256(str(root).encode()).hexdigest()[:16]}"
         installed = str(root.stat().st_mtime_ns)  # changes as packages come and go
         if stamp.is_file() and stamp.read_text() == installed:

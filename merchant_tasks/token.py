@@ -101,6 +101,12 @@ class Token:
         """Refused before the API ever accepted it."""
         return self.refused and not self.accepted
 
+    def refusal_route(self, route: str) -> str:
+        """The route a 401 on this token is judged and replaced on: ``route``, the caller's
+        own 401's, else the one its record names (for a process that found it refused
+        without meeting a 401 itself: its calls go elsewhere, or the one that met it died)."""
+        return route or (self.refused_route if self.refused else "")
+
     def route_hold(self, route: str) -> float | None:
         """What this token's record says of ``route``: 0.0 if the route lacks a permission,
         the time until which its calls are held back, or None."""

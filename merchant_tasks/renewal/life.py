@@ -796,9 +796,7 @@ class TokenLife:
                 return self.keep(current, moment.mono)  # renewed elsewhere: compare-and-swap
             if current is not None and current.generation == stale.generation:
                 self.keep(current, moment.mono)  # its record, refusal included
-                # judged on the route of its 401: this call's, or, for a call that met none
-                # (it found the token refused), the one its record names
-                yield from self._token_verdict(current, route or current.refused_route, moment.now)
+                yield from self._token_verdict(current, current.refusal_route(route), moment.now)
             log.info("token %s was refused: replacing it", stale.fingerprint)
             purpose = Purpose(RenewalReason.FORCED, stale=stale, route=route)
             handed = True
@@ -1072,10 +1070,9 @@ class TokenLife:
         issued_at = (yield CLOCK).now  # before the exchange: the token is at least this old
         kept_routes = current.forbidden_routes if current is not None else ()
         worked_on = current.accepted_routes if current is not None else ()
-        # the route of the 401 that made this exchange: this call's, or the one the record
-        # of the refused token names when a process that met no 401 replaces it (without
-        # it, the next 401 on that route would read as the credentials')
-        route = purpose.route or (current.refused_route if current and current.refused else "")
+        # the route of the 401 that made this exchange (without it, the replacement's own
+        # 401 on that route would read as the credentials')
+        route = current.refusal_route(purpose.route) if current is not None else purpose.route
         if current is not None and not current.valid_at(issued_at):
             current = None
         try:

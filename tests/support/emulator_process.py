@@ -68,10 +68,11 @@ def emulator_process(
 ) -> Iterator[EmulatorProcess]:
     """``merchant-tasks sandbox`` on a free loopback port for the ``with`` block, serving
     ``sandbox``'s account, with the command's ``options`` (``--token-latency``, ...)."""
-    url = f"http://127.0.0.1:{free_port()}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
     argv = [
         sys.executable, "-m", "merchant_tasks.ops.cli", "sandbox",
-        "--port", url.rsplit(":", 1)[1],
+        "--port", str(port),
         "--api-key", sandbox.api_key,
         "--secret-file", str(sandbox.secret_file),
         *options,

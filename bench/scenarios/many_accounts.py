@@ -61,6 +61,15 @@ CALL_WAIT_GOAL = 10.0  # seconds a call for an account not yet served may wait m
 STATUS_GOAL_SECONDS = 0.5  # `status --json` of 10,000 accounts, start-up to the last byte
 STATUS_GOAL_ROUND_TRIPS = 10  # of its reading
 WORKER_RSS_GOAL_MB = 80.0  # the largest process of a worker configured with 10,000 accounts
+STATUS_RUNS = 3  # `status` and its floor, alternated: the medians are reported
+FLOOR_PROGRAM = """\
+import json, sys
+import redis
+names = open(sys.argv[2]).read().split()
+tokens = [json.loads(raw) for raw in redis.Redis.from_url(sys.argv[1]).mget(names) if raw]
+sys.stdout.write(json.dumps({"accounts": tokens}, sort_keys=True))
+"""  # the floor of `status`: start Python, import redis-py, read every stored token in one
+# round trip, parse each, write them as JSON; the machine's own figure to judge status by
 
 
 # -- 5. beat's check ------------------------------------------------------------------------
@@ -426,8 +435,8 @@ class TenThousandAccounts(Scenario):
         trips = max(trips for _, trips in samples)
         return Result(
             title=f"8. Ten thousand accounts: beat's check (median of {CHECK_REPEATS}), "
-            "`status` (once), and a worker (prefork, 2 children) configured with them serving "
-            "one call",
+            f"`status` (median of {STATUS_RUNS}, beside its floor), and a worker (prefork, 2 "
+            "children) configured with them serving one call",
             table=Table(
                 ["", "value"],
                 [
@@ -435,6 +444,11 @@ class TenThousandAccounts(Scenario):
                     ["its Redis round trips", str(trips)],
                     ["`status --json` of 10,000 accounts (s)", f"{status.seconds:.2f}"],
                     ["its CPU time, user and system (s)", f"{status.cpu_seconds:.2f}"],
+                    [
+                        "its floor: a bare redis-py program reading the tokens (s)",
+                        f"{status.floor_seconds:.2f}",
+                    ],
+                    ["`status` / its floor", f"{status.seconds / status.floor_seconds:.2f}"],
                     ["its Redis round trips (reading the accounts)", str(status.round_trips)],
                     ["worker: largest process RSS after one call (MB)", f"{rss_mb:.1f}"],
                     ["the call (first token of its account, s)", f"{call_s:.2f}"],
@@ -449,6 +463,7 @@ class TenThousandAccounts(Scenario):
                 "accounts_10k_call_s": round(call_s, 2),
                 "accounts_10k_call_ok": answer == {"ok": True},
                 "accounts_10k_status_cpu_s": round(status.cpu_seconds, 2),
+                "accounts_10k_status_floor_s": round(status.floor_seconds, 2),
             },
             goals=[
                 Goal(
@@ -488,6 +503,7 @@ class StatusRun:
     cpu_seconds: float  # its CPU time (user and system): on a loaded machine, the wall time
     # is mostly waiting for a core
     round_trips: int  # of its reading (``AccountClients.statuses``)
+    floor_seconds: float  # FLOOR_PROGRAM's wall time over the same tokens
 
 
 def _status(
@@ -497,27 +513,51 @@ def _status(
     counting: redis.Redis,
     redis_url: str,
 ) -> StatusRun:
-    """`merchant-tasks status --json` over the accounts, as an operator runs it, then the
-    same reading in this process on the counting connection (its packets: round trips)."""
-    cpu_before = _children_cpu()
-    t0 = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "merchant_tasks.ops.cli", "status", "--json"],
-        env=env,
-        cwd=workdir,
-        capture_output=True,
-        timeout=STATUS_TIMEOUT,
-        check=False,
-    )
-    seconds = time.perf_counter() - t0
-    cpu_seconds = _children_cpu() - cpu_before
-    shown = json.loads(done.stdout).get("accounts", []) if done.stdout else []
-    if len(shown) != len(accounts):
-        raise ScenarioError(f"status showed {len(shown)} accounts: {done.stderr[-300:]!r}")
+    """`merchant-tasks status --json` over the accounts, as an operator runs it, alternated
+    with its floor (FLOOR_PROGRAM over the same tokens, same interpreter and packages),
+    STATUS_RUNS times each; then the same reading in this process on the counting
+    connection (its packets: round trips)."""
+    names = workdir / "token-keys.txt"
+    names.write_text("\n".join(AccountKeys.of(namespace_of(s)).token for s in accounts.values()))
+    status = [sys.executable, "-m", "merchant_tasks.ops.cli", "status", "--json"]
+    floor = [sys.executable, "-c", FLOOR_PROGRAM, redis_url, str(names)]
+    runs: list[tuple[float, float]] = []
+    floors: list[float] = []
+    for _ in range(STATUS_RUNS):
+        seconds, cpu_seconds, shown = _timed_child(status, env, workdir)
+        if len(shown) != len(accounts):
+            raise ScenarioError(f"status showed {len(shown)} accounts")
+        runs.append((seconds, cpu_seconds))
+        seconds, _, read = _timed_child(floor, env, workdir)
+        if len(read) != len(accounts) - 1:  # the account left without a token
+            raise ScenarioError(f"the floor read {len(read)} tokens")
+        floors.append(seconds)
     fleet = AccountClients(accounts)
     fleet._redis_by_url[redis_url] = counting  # its reading on the counting connection
     _, round_trips = timed_round_trips(lambda: account_statuses(fleet))
-    return StatusRun(seconds, cpu_seconds, round_trips)
+    return StatusRun(
+        seconds=median([seconds for seconds, _ in runs]),
+        cpu_seconds=median([cpu for _, cpu in runs]),
+        round_trips=round_trips,
+        floor_seconds=median(floors),
+    )
+
+
+def _timed_child(
+    argv: list[str], env: dict[str, str], workdir: Path
+) -> tuple[float, float, list[object]]:
+    """Run ``argv`` to its end: its wall and CPU seconds, and the "accounts" of the JSON it
+    printed (`status` exits 1 here: one account has no token yet)."""
+    cpu_before = _children_cpu()
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        argv, env=env, cwd=workdir, capture_output=True, timeout=STATUS_TIMEOUT, check=False
+    )
+    seconds = time.perf_counter() - t0
+    if not done.stdout:
+        raise ScenarioError(f"{argv[1:3]} exited {done.returncode}: {done.stderr[-300:]!r}")
+    shown: list[object] = json.loads(done.stdout).get("accounts", [])
+    return seconds, _children_cpu() - cpu_before, shown
 
 
 def _children_cpu() -> float:

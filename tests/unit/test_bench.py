@@ -20,8 +20,8 @@ import run  # noqa: E402
 from scenarios.scenario import JSON_KEYS, Result, Table  # noqa: E402
 
 # The keys of the JSON line (bench/json_keys.json), as the quick run at c1ad687 had them
-# and with the ones added since (the asyncio scenario's: issue 35;
-# accounts_10k_status_cpu_s and accounts_10k_status_floor_s: issue 36): scripts outside the project read them, so the
+# and with the ones added since (the asyncio scenario's: issue 35; accounts_10k_status_cpu_s
+# and accounts_10k_status_floor_s: issue 36): scripts outside the project read them, so the
 # record changes only on purpose. The scenarios take their keys from it (``keys``, and
 # ``optional_keys``: emitted only when something went wrong), and the bench reports a
 # scenario whose JSON differs; these tests hold the record and the plans to each other.

@@ -203,6 +203,9 @@ class AsyncTokenManager:
         self._beating[step.value] = asyncio.get_running_loop().create_task(heartbeat)
 
     async def _unhold(self, step: life.Unhold) -> None:
+        """End the holding's heartbeat: cancelled, and awaited until it has ended (in the
+        middle of a command it would still be running when ``aclose`` closes the pool)."""
         task = self._beating.pop(step.value, None)
         if task is not None:
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

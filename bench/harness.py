@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any, ClassVar, ParamSpec, TypeVar, cast
 
 import redis
-import requests
 
 from merchant_tasks.accounts import FleetClient, client_for
 from merchant_tasks.sandbox import processes as local
+from merchant_tasks.sandbox.emulator import SandboxControl as SandboxControl  # the scenarios'
 from merchant_tasks.sandbox.processes import Child as Child  # the scenarios' child processes
 from merchant_tasks.sandbox.processes import free_port, redis_answers, redis_server_command
 from merchant_tasks.sandbox.processes import spawn as spawn
@@ -203,33 +203,6 @@ def sandbox_process(
         child.stop()
         if child.process.stdout is not None:
             child.process.stdout.close()
-
-
-class SandboxControl:
-    """The emulator's /_sandbox control endpoints (no auth; loopback only)."""
-
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-        self.session = requests.Session()
-
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
-        response = self.session.request(
-            method, f"{self.base_url}/_sandbox/{path}", json=body, timeout=10
-        )
-        response.raise_for_status()
-        return response.json()
-
-    def counters(self) -> dict[str, Any]:
-        return cast(dict[str, Any], self._call("GET", "counters"))
-
-    def configure(self, **changes: Any) -> dict[str, Any]:
-        return cast(dict[str, Any], self._call("POST", "config", changes))
-
-    def revoke_all(self) -> None:
-        self._call("POST", "revoke-all")
-
-    def close(self) -> None:
-        self.session.close()
 
 
 def last_json_line(text: str) -> dict[str, Any]:

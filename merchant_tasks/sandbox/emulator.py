@@ -79,6 +79,8 @@ from dataclasses import dataclass, field
 from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 
+import requests
+
 from merchant_tasks.extras import require
 from merchant_tasks.settings import SANDBOX_DEFAULT_PORT, TOKEN_LIFETIME
 
@@ -516,6 +518,42 @@ def _answer(app: SandboxApp, endpoint: str, args: dict[str, str], request: Reque
     if endpoint == "reports":
         return _json(200, {"reports": []})
     return app._payments.get(args["id"])  # get_payment
+
+
+class SandboxControl:
+    """The control endpoints (CONTROL_ROOT) of an emulator in another process, over HTTP:
+    `merchant-tasks sandbox`, or the bench's. In the same process, call its ``SandboxApp``."""
+
+    def __init__(self, base_url: str, timeout: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout  # seconds a control request may take
+        self.session = requests.Session()
+
+    def __repr__(self) -> str:
+        return f"SandboxControl(base_url={self.base_url!r})"
+
+    def counters(self) -> dict[str, Any]:
+        """``SandboxApp.counters``."""
+        counters: dict[str, Any] = self._call("GET", "counters")
+        return counters
+
+    def configure(self, **changes: Any) -> dict[str, Any]:
+        """``SandboxApp.configure``; the settable fields as they are now."""
+        fields: dict[str, Any] = self._call("POST", "config", changes)
+        return fields
+
+    def revoke_all(self) -> None:
+        """``SandboxApp.revoke_all``."""
+        self._call("POST", "revoke-all")
+
+    def close(self) -> None:
+        self.session.close()
+
+    def _call(self, method: str, name: str, body: Any = None) -> Any:
+        url = f"{self.base_url}{CONTROL_ROOT}/{name}"
+        answer = self.session.request(method, url, json=body, timeout=self.timeout)
+        answer.raise_for_status()
+        return answer.json()
 
 
 def _control(app: SandboxApp, request: Request) -> Response:

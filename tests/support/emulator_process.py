@@ -15,10 +15,10 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import requests
 
+from merchant_tasks.sandbox.emulator import CONTROL_ROOT, SandboxControl
 from merchant_tasks.sandbox.fixtures import MerchantSandbox
 from merchant_tasks.sandbox.processes import Child, free_port, running
 from merchant_tasks.settings import PREFIX
@@ -32,32 +32,16 @@ class EmulatorProcess:
 
     child: Child
     url: str
-
-    def revoke_all(self) -> None:
-        self._control("post", "revoke-all")
-
-    def configure(self, **fields: Any) -> None:
-        self._control("post", "config", json=fields)
-
-    def counters(self) -> dict[str, Any]:
-        counters: dict[str, Any] = self._control("get", "counters")
-        return counters
+    control: SandboxControl
 
     def exchanges(self) -> int:
         """Token exchanges that issued a token."""
-        return int(self.counters()["exchanges"].get("ok", 0))
-
-    def _control(self, method: str, name: str, json: Any = None) -> Any:
-        answer = requests.request(
-            method, f"{self.url}/_sandbox/{name}", json=json, timeout=CONTROL_TIMEOUT
-        )
-        answer.raise_for_status()
-        return answer.json()
+        return int(self.control.counters()["exchanges"].get("ok", 0))
 
 
 def _answers(url: str) -> bool:
     try:
-        return requests.get(f"{url}/_sandbox/counters", timeout=1.0).ok
+        return requests.get(f"{url}{CONTROL_ROOT}/counters", timeout=1.0).ok
     except requests.RequestException:
         return False
 
@@ -80,4 +64,8 @@ def emulator_process(
     env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
     log = workdir / "emulator-process.log"
     with running("the emulator's process", argv, log, lambda: _answers(url), env=env) as child:
-        yield EmulatorProcess(child, url)
+        control = SandboxControl(url, timeout=CONTROL_TIMEOUT)
+        try:
+            yield EmulatorProcess(child, url, control)
+        finally:
+            control.close()

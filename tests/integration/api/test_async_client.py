@@ -216,7 +216,7 @@ def test_two_hundred_concurrent_awaits_ride_a_revoke_all_on_one_exchange(
             while not all(done[0] for _, done in tasks):  # each has had its answer
                 guard.count_threads()
                 await asyncio.sleep(0.05)
-            await asyncio.to_thread(api.revoke_all)  # (a blocking request: not on the loop)
+            await asyncio.to_thread(api.control.revoke_all)  # (a blocking request: not on the loop)
             revoked.set()
             while not all(task.done() for task, _ in tasks):
                 guard.count_threads()
@@ -225,7 +225,7 @@ def test_two_hundred_concurrent_awaits_ride_a_revoke_all_on_one_exchange(
 
     asyncio.run(scenario())
     guard.loop_thread = None  # the loop has ended: the emulator's control requests are the test's
-    refused = api.counters()["calls"]["unauthorized"]
+    refused = api.control.counters()["calls"]["unauthorized"]
     print(
         f"outcomes {dict(outcomes)}, exchanges {api.exchanges()}, {refused} refused, "
         f"threads at most {guard.most_threads}"

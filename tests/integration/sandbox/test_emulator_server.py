@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxServer
+from merchant_tasks.sandbox.emulator import TOKEN_PATH, SandboxControl, SandboxServer
 from merchant_tasks.sandbox.processes import spawn
 from support.emulator_app import GOOD_BODY, SECRET, make_app
 from support.paths import ROOT
@@ -116,3 +116,26 @@ def test_foreground_server_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         assert child.process.returncode == 0
     finally:
         child.stop()
+
+
+def test_the_control_client_drives_an_emulator_over_http() -> None:
+    """``SandboxControl``, as the bench and the tests drive an emulator in another process:
+    configure, counters and revoke-all reach the app; an unknown field is refused as the
+    endpoint refuses it; its repr names the URL only."""
+    app = make_app()
+    with SandboxServer(app) as server, requests.Session() as session:
+        control = SandboxControl(server.url + "/")
+        try:
+            assert control.configure(token_latency=0.0)["token_latency"] == 0.0
+            token = session.post(server.url + TOKEN_PATH, json=GOOD_BODY, timeout=5).json()
+            bearer = {"Authorization": f"Bearer {token['access_token']}"}
+            assert session.get(server.url + PING, headers=bearer, timeout=5).status_code == 200
+            assert control.counters() == app.counters()
+            assert control.counters()["exchanges"]["ok"] == 1
+            control.revoke_all()
+            assert session.get(server.url + PING, headers=bearer, timeout=5).status_code == 401
+            with pytest.raises(requests.HTTPError):
+                control.configure(no_such_field=1)
+            assert repr(control) == f"SandboxControl(base_url={server.url!r})"
+        finally:
+            control.close()
